@@ -1,0 +1,106 @@
+"""``parallelize``: the lifecycle, one function per stage.
+
+resolve source -> check splits -> capture (meta) -> solve -> rewrite -> plan -> load weights.
+Timings of each stage are kept on the returned module (``model.timings``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .capture import build_meta_model, capture
+from .capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
+from .group import TPGroup, resolve_tp_group
+from .load import (default_dtype, initialize, load_from_files, load_from_state_dict, resolve_checkpoint,
+                   resolve_source)
+from .module import LocalGraph, ParallelCausalLM
+from .plan.build import build_plan
+from .plan.solver import check_layer_symmetry, solve
+from .plan.validate import check_divisible
+from .rewrite import localize, output_placements
+from .rewrite.local_graph import generate_forward
+
+log = logging.getLogger("fxparallel")
+
+TRAINING_ARGUMENTS = ("input_ids", "labels")
+
+
+def _default_device(group: TPGroup) -> torch.device:
+    pg = group.process_group
+    if pg is not None and torch.cuda.is_available() and dist.get_backend(pg) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None):
+    """Capture, solve and rewrite one graph. Returns (LocalGraph, GraphPlan, reduced values, captured)."""
+    captured = capture(meta_model, arguments, shape=shape)
+    gplan = solve(captured, group.size, fixed=fixed)
+    placements = output_placements(captured, gplan)
+    reduced = localize(captured, gplan, group, device)
+    forward, code = generate_forward(captured.gm.graph)
+    local = LocalGraph(arguments=arguments, forward=forward, outputs=captured.outputs,
+                       output_placements=placements, captured=captured, code=code)
+    return local, gplan, reduced, captured
+
+
+def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=None, revision=None,
+                cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
+                seed: int = 0) -> ParallelCausalLM:
+    """Make a Hugging Face causal LM tensor-parallel over ``tp_group``.
+
+    ``model``: hub id, local directory, PretrainedConfig or PreTrainedModel.
+    ``tp_group``: ProcessGroup or 1-D DeviceMesh.
+    Returns an nn.Module holding this rank's shards under the Hugging Face names,
+    whose forward matches the single-device model; ``.plan`` is the ShardingPlan.
+    """
+    timings = {}
+    t0 = time.perf_counter()
+    group = resolve_tp_group(tp_group)
+    source = resolve_source(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
+                            token=token, trust_remote_code=trust_remote_code)
+    dtype = dtype or default_dtype(source.config)
+    device = torch.device(device) if device is not None else _default_device(group)
+    meta = build_meta_model(source.config, dtype=dtype, trust_remote_code=trust_remote_code,
+                            model_class=source.model_class)
+    check_divisible(source.config, group.size, meta)
+    timings["setup"] = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    local, gplan, reduced, captured = plan_graph(meta, TRAINING_ARGUMENTS, group, device)
+    timings["capture+plan+rewrite"] = time.perf_counter() - t
+    asymmetric = check_layer_symmetry(gplan.params)
+    if asymmetric:
+        log.warning("layers with the same structure got different placements: %s", ", ".join(asymmetric))
+    from .capture.dynamo import EXAMPLE_BATCH as B, EXAMPLE_SEQ as S_
+
+    plan = build_plan(meta, captured, gplan, captured.gm.graph, reduced, group.size, dtype, tokens=B * S_)
+    fixed = dict(gplan.params)
+
+    def graph_factory(module, arguments, input_shape):
+        shape = tuple(int(s) for s in input_shape)
+        g, _, _, _ = plan_graph(meta, arguments, group, module.device_, shape=shape, fixed=fixed)
+        return g
+
+    # weights: everything that can fail on input runs before any shard is written
+    files = None
+    if source.checkpoint is not None:
+        files = resolve_checkpoint(source.checkpoint, source.hub_kwargs)
+    module = ParallelCausalLM(source.config, plan, group, device, dtype, graph_factory)
+    module.set_buffers({name: b for name, b in meta.named_buffers()})
+    module.add_graph(local)
+    t = time.perf_counter()
+    if files is not None:
+        module.bytes_read = load_from_files(module, plan, files, group.rank, group.size)
+    elif source.state_dict is not None:
+        load_from_state_dict(module, plan, source.state_dict, group.rank, group.size)
+    else:
+        initialize(module, plan, source.config, group.rank, group.size, seed, dtype, source.model_class)
+    timings["load"] = time.perf_counter() - t
+    timings["total"] = time.perf_counter() - t0
+    module.timings = timings
+    return module

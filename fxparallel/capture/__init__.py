@@ -1,0 +1,6 @@
+"""Stage 1: build the model on the meta device and capture its forward as one FX graph."""
+from .dynamo import capture
+from .graph import CapturedGraph
+from .meta_model import build_meta_model
+
+__all__ = ["capture", "CapturedGraph", "build_meta_model"]

@@ -1,0 +1,158 @@
+"""Capture the whole forward (and loss) as one FX graph with torch.compile(fullgraph=True).
+
+The model is on the meta device, so nothing is computed: our backend only keeps
+the graph Dynamo hands it. Batch and sequence dimensions are marked dynamic, so
+one graph serves every shape that satisfies the recorded shape guards.
+"""
+from __future__ import annotations
+
+import re
+import types
+
+import sympy
+import torch
+import torch._dynamo
+
+from ..errors import CaptureError
+from .graph import CapturedGraph
+
+# Example sizes at capture: small primes that no model dimension is likely to equal,
+# so that Dynamo never confuses the batch or sequence with a weight dimension.
+EXAMPLE_BATCH = 3
+EXAMPLE_SEQ = 13
+
+
+def _forward_fn(model, input_names, output_names):
+    def run(**kwargs):
+        out = model(**kwargs, use_cache=False, return_dict=True)
+        return tuple(getattr(out, name) for name in output_names)
+
+    # A fresh code object per capture: Dynamo caches by code object, so this capture
+    # neither reuses nor evicts anything else (no torch._dynamo.reset() needed).
+    return types.FunctionType(run.__code__.replace(), run.__globals__, "fxparallel_capture", None, run.__closure__)
+
+
+def _dynamo_message(err: Exception) -> str:
+    text = str(err)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    keep = []
+    for ln in lines:
+        if ln.startswith("  File ") or "Explanation" in ln or "Hint" in ln or not keep:
+            keep.append(ln.strip())
+        if len(keep) >= 8:
+            break
+    # the innermost user frame names the source line that broke the graph
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', text)
+    where = f" (at {frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]})" if frames else ""
+    return " | ".join(keep) + where
+
+
+def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ),
+            device: str = "meta") -> CapturedGraph:
+    """Capture ``model(**inputs)`` for the given argument names; returns the graph and its bindings.
+
+    Dimensions of ``shape`` larger than 1 are dynamic; a size of 1 is captured as such
+    (Dynamo specializes sizes 0 and 1), so decoding with one token gets its own graph.
+    """
+    output_names = ("loss", "logits") if "labels" in input_names else ("logits",)
+    example = {}
+    for name in input_names:
+        if name == "attention_mask":
+            t = torch.ones(*shape, dtype=torch.long, device=device)
+        elif name == "position_ids":
+            t = torch.arange(shape[1], device=device).expand(*shape).contiguous()
+        else:
+            t = torch.zeros(*shape, dtype=torch.long, device=device)
+        for dim, size in enumerate(shape):
+            if size > 1:
+                torch._dynamo.mark_dynamic(t, dim)
+        example[name] = t
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+
+    fn = _forward_fn(model, input_names, output_names)
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    try:
+        compiled(**example)
+    except Exception as err:  # Dynamo raises many exception types; all mean "not capturable whole"
+        kind = type(model).__name__
+        raise CaptureError(f"{kind} could not be captured as one graph: {_dynamo_message(err)}") from err
+    if len(seen) != 1:
+        raise CaptureError(f"expected one captured graph, Dynamo produced {len(seen)}")
+    gm, example_inputs = seen[0]
+    return _bind(gm, example_inputs, model, example, output_names)
+
+
+def _finite(bound) -> bool:
+    return bound is not None and isinstance(bound, sympy.Integer)
+
+
+def _bind(gm, example_inputs, model, example, output_names) -> CapturedGraph:
+    param_names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        param_names.setdefault(id(p), name)
+    buffer_names = {id(b): name for name, b in model.named_buffers(remove_duplicate=False)}
+    input_ids = {id(t): name for name, t in example.items()}
+
+    params, buffers, inputs, sym_placeholders = {}, {}, {}, {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        if isinstance(value, torch.Tensor) and id(value) in param_names:
+            params[node.name] = param_names[id(value)]
+        elif isinstance(value, torch.Tensor) and id(value) in buffer_names:
+            buffers[node.name] = buffer_names[id(value)]
+        elif isinstance(value, torch.Tensor) and id(value) in input_ids:
+            inputs[node.name] = input_ids[id(value)]
+        elif isinstance(value, (int, torch.SymInt)):
+            sym_placeholders[node.name] = node
+        else:
+            raise CaptureError(
+                f"graph input {node.name} ({type(value).__name__}) is neither a parameter, a buffer nor an "
+                "argument; fxparallel cannot bind it"
+            )
+
+    # Which argument dimension each size symbol comes from.
+    symbol_sources = {}
+    for node in placeholders:
+        if node.name in inputs:
+            fake = node.meta["example_value"]
+            for dim, size in enumerate(fake.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    symbol_sources.setdefault(size.node.expr, (inputs[node.name], dim))
+    symbols = {}
+    for name, node in sym_placeholders.items():
+        expr = node.meta["example_value"].node.expr
+        if expr not in symbol_sources:
+            raise CaptureError(f"size {expr} of the graph is not a dimension of any argument")
+        symbols[name] = symbol_sources[expr]
+
+    fake_mode = torch._guards.detect_fake_mode(
+        [n.meta["example_value"] for n in placeholders if "example_value" in n.meta]
+    )
+    guards, example_sizes = [], {}
+    if fake_mode is not None and fake_mode.shape_env is not None:
+        env = fake_mode.shape_env
+        guards = [g.expr for g in env.guards]
+        for sym in symbol_sources:
+            vr = env.var_to_range.get(sym)
+            if vr is not None:
+                if _finite(vr.lower):
+                    guards.append(sympy.Ge(sym, int(vr.lower)))
+                if _finite(vr.upper):
+                    guards.append(sympy.Le(sym, int(vr.upper)))
+            example_sizes[sym] = getattr(env, "backed_var_to_val", env.var_to_val).get(sym)
+    return CapturedGraph(
+        gm=gm,
+        params=params,
+        buffers=buffers,
+        inputs=inputs,
+        symbols=symbols,
+        outputs=output_names,
+        guards=guards,
+        symbol_sources=symbol_sources,
+        example_sizes=example_sizes,
+    )

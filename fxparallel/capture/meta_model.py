@@ -1,0 +1,48 @@
+"""Build a Hugging Face causal LM whose parameters live on the meta device.
+
+Parameters cost nothing there; buffers (rotary frequencies and the like) are
+computed for real by the model's own ``__init__``, because checkpoints do not
+hold them and the rewritten graph needs their values.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Within this context every new nn.Parameter is created on the meta device."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def build_meta_model(config, *, dtype: torch.dtype, trust_remote_code: bool = False, model_class=None):
+    """Instantiate the causal LM of ``config`` with meta parameters and real (CPU) buffers."""
+    from transformers import AutoModelForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if dtype.is_floating_point else previous)
+    try:
+        with parameters_on_meta():
+            if model_class is not None:
+                model = model_class._from_config(config, dtype=dtype)
+            else:
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    finally:
+        torch.set_default_dtype(previous)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model.eval()

@@ -1,0 +1,75 @@
+"""Resolve what the user passed to ``parallelize`` into a config and a weight source.
+
+Accepted: a hub model id, a local checkpoint directory, a PretrainedConfig, or a
+PreTrainedModel (on the meta device or with real weights).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..errors import CheckpointError, FxParallelError
+
+
+@dataclass
+class ModelSource:
+    config: object
+    checkpoint: Optional[str] = None  # hub id or directory holding safetensors
+    state_dict: Optional[dict] = None  # weights of a given in-memory model
+    model_class: Optional[type] = None
+    hub_kwargs: dict = field(default_factory=dict)
+
+
+def _check_causal_lm(config, where: str, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) in mapping:
+        return
+    auto_map = getattr(config, "auto_map", None) or {}
+    if trust_remote_code and "AutoModelForCausalLM" in auto_map:
+        return
+    model_type = getattr(config, "model_type", type(config).__name__)
+    raise FxParallelError(
+        f"{where} is not a causal language model: model_type {model_type!r} ({type(config).__name__}) has no "
+        "AutoModelForCausalLM class in transformers"
+        + (" (it ships remote code: pass trust_remote_code=True to allow it)" if "AutoModelForCausalLM" in auto_map else "")
+    )
+
+
+def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=None, token=None,
+                   trust_remote_code=False) -> ModelSource:
+    from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+    hub_kwargs = {k: v for k, v in dict(revision=revision, cache_dir=cache_dir, token=token).items() if v is not None}
+    if local_files_only is not None:
+        hub_kwargs["local_files_only"] = local_files_only
+    if isinstance(model, PreTrainedModel):
+        _check_causal_lm(model.config, type(model).__name__, trust_remote_code)
+        has_weights = any(p.device.type != "meta" for p in model.parameters())
+        state = {k: v.detach() for k, v in model.state_dict().items()} if has_weights else None
+        return ModelSource(model.config, state_dict=state, model_class=type(model))
+    if isinstance(model, PretrainedConfig):
+        _check_causal_lm(model, type(model).__name__, trust_remote_code)
+        return ModelSource(model)
+    if isinstance(model, (str, os.PathLike)):
+        name = os.fspath(model)
+        try:
+            config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **hub_kwargs)
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"cannot load the config of {name!r}: {err}") from err
+        _check_causal_lm(config, repr(name), trust_remote_code)
+        return ModelSource(config, checkpoint=name, hub_kwargs=hub_kwargs)
+    raise FxParallelError(
+        f"model must be a hub id, a directory, a PretrainedConfig or a PreTrainedModel; got {type(model).__name__}"
+    )
+
+
+def default_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32

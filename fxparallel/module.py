@@ -1,0 +1,125 @@
+"""The module ``parallelize`` returns: this rank's parameter shards under their
+Hugging Face names, and the local graph(s) that run them.
+
+One graph is captured per set of arguments given (labels or not, attention mask
+or not, ...). A graph stays valid while the shape guards recorded at capture
+hold (e.g. batch and sequence >= 2); a call outside them captures a new graph for
+its shapes. Every graph reads the same parameter objects: nothing is
+re-materialized.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .rewrite import collectives
+
+ARGUMENTS = ("input_ids", "attention_mask", "position_ids", "labels")
+
+
+@dataclass
+class ParallelCausalLMOutput(CausalLMOutputWithPast):
+    """CausalLMOutputWithPast plus this rank's logits shard.
+
+    ``logits`` holds the complete logits when they were gathered (the default when
+    no labels are given, or with ``gather_logits=True``); otherwise it is None and
+    ``local_logits`` holds this rank's vocabulary slice ``vocab_range``.
+    """
+
+    local_logits: Optional[torch.FloatTensor] = None
+    vocab_range: Optional[tuple] = None
+
+
+@dataclass
+class LocalGraph:
+    arguments: tuple  # argument names the graph takes
+    forward: Callable  # generated code; called with the module as ``self``
+    outputs: tuple  # output names
+    output_placements: dict  # name -> Placement
+    captured: object  # CapturedGraph (guards)
+    code: str
+
+
+def _set_path(root: nn.Module, dotted: str, value, kind: str):
+    *path, leaf = dotted.split(".")
+    module = root
+    for part in path:
+        child = module._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    if kind == "param":
+        module.register_parameter(leaf, value)
+    else:
+        module.register_buffer(leaf, value, persistent=False)
+
+
+class ParallelCausalLM(nn.Module):
+    def __init__(self, config, plan, group, device, dtype, graph_factory):
+        super().__init__()
+        self.config = config
+        self.plan = plan
+        self.tp_group = group
+        self.device_ = torch.device(device)
+        self.dtype_ = dtype
+        object.__setattr__(self, "_graphs", [])  # not submodules: they share our parameters
+        object.__setattr__(self, "_graph_factory", graph_factory)
+        for p in plan.params:
+            local = torch.empty(p.local_shape(group.size), device=self.device_, dtype=dtype)
+            param = nn.Parameter(local)
+            param._fxparallel = p  # type: ignore[attr-defined]
+            for name in (p.name,) + tuple(p.aliases):
+                _set_path(self, name, param, "param")
+
+    # ---- graphs --------------------------------------------------------------
+    def add_graph(self, graph: LocalGraph) -> None:
+        self._graphs.append(graph)
+
+    def graphs(self) -> list:
+        return list(self._graphs)
+
+    def _graph_for(self, args: dict) -> LocalGraph:
+        names = tuple(sorted(args))
+        shapes = {k: tuple(v.shape) for k, v in args.items()}
+        for g in self._graphs:
+            if tuple(sorted(g.arguments)) == names and g.captured.holds_for(shapes):
+                return g
+        graph = self._graph_factory(self, tuple(n for n in ARGUMENTS if n in args), shapes["input_ids"])
+        self._graphs.append(graph)
+        return graph
+
+    def set_buffers(self, buffers: dict) -> None:
+        for name, value in buffers.items():
+            _set_path(self, name, value.to(self.device_), "buffer")
+
+    # ---- forward -------------------------------------------------------------
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, gather_logits=None,
+                **unsupported):
+        if unsupported:
+            raise TypeError(f"fxparallel models take {', '.join(ARGUMENTS)}; got unsupported {sorted(unsupported)}")
+        if input_ids is None:
+            raise TypeError("input_ids is required")
+        args = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                                  ("position_ids", position_ids), ("labels", labels)) if v is not None}
+        args = {k: v.to(self.device_) for k, v in args.items()}
+        graph = self._graph_for(args)
+        results = dict(zip(graph.outputs, graph.forward(self, **args)))
+        logits = results["logits"]
+        placement = graph.output_placements.get("logits")
+        gather = (labels is None) if gather_logits is None else gather_logits
+        local_logits, vocab_range = None, None
+        if placement is not None and placement.is_shard:
+            local = logits.shape[placement.dim]
+            vocab_range = (self.tp_group.rank * local, (self.tp_group.rank + 1) * local)
+            local_logits = logits
+            logits = collectives.all_gather(logits, placement.dim, self.tp_group.handle) if gather else None
+        return ParallelCausalLMOutput(loss=results.get("loss"), logits=logits, local_logits=local_logits,
+                                      vocab_range=vocab_range)
+
+    def extra_repr(self) -> str:
+        return f"tp={self.tp_group.size}, rank={self.tp_group.rank}, model_type={self.plan.model_type}"

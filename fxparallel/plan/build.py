@@ -1,0 +1,96 @@
+"""Turn the solver's answer and the rewritten graph into a ShardingPlan (data)."""
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+
+import torch
+
+from ..rewrite import collectives
+from ..rewrite.functional import vocab_parallel_cross_entropy
+from .plan import CollectivePlan, ParamPlan, ShardingPlan
+from .rules.base import bytes_per_token
+from .solver import GraphPlan, layer_pattern
+
+_ROOT = re.compile(r"^[A-Za-z_]+\[[^\]]*\]\.?")
+
+
+def module_path(node) -> str:
+    """The Hugging Face module a graph node came from, e.g. model.layers.0.self_attn.o_proj."""
+    stack = node.meta.get("nn_module_stack") if node is not None else None
+    if not stack:
+        return "<top>"
+    path = list(stack.values())[-1][0]
+    path = _ROOT.sub("", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
+    return path or "<top>"
+
+
+def _where(node) -> str:
+    """Name the module whose value a collective acts on, as a layer pattern: for a backward
+    all-reduce the modules that consume the value, otherwise the module that produced it."""
+    if node.target is collectives.copy_to_tp:
+        users = sorted({layer_pattern(module_path(u)) for u in node.users})
+        return "gradient of the input of " + ", ".join(users)
+    source = node.args[0] if node.args and hasattr(node.args[0], "meta") else node
+    while source is not None and source.op == "call_function" and source.target in (
+        collectives.all_reduce, collectives.copy_to_tp, collectives.all_gather, collectives.local_chunk
+    ):
+        source = source.args[0]
+    if source is not None and source.op in ("placeholder", "get_attr"):
+        return f"parameter {layer_pattern(str(source.target))}"
+    return layer_pattern(module_path(source))
+
+
+def collect_collectives(graph, tokens: int, tp: int) -> list:
+    counts: "OrderedDict[tuple, int]" = OrderedDict()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        fn = node.target
+        if fn is vocab_parallel_cross_entropy:
+            key = ("all_gather", "forward", "vocab-parallel cross-entropy statistics", 8.0 * tp)
+            counts[key] = counts.get(key, 0) + 1
+            continue
+        if fn not in collectives.COLLECTIVE_OPS:
+            continue
+        nbytes = bytes_per_token(node.args[0], tokens)
+        for direction, kind in (("forward", fn.FORWARD), ("backward", fn.BACKWARD)):
+            if kind:
+                key = (kind, direction, _where(node), nbytes)
+                counts[key] = counts.get(key, 0) + 1
+    return [CollectivePlan(kind=k[0], direction=k[1], where=k[2], bytes_per_token=k[3], count=n)
+            for k, n in counts.items()]
+
+
+def build_plan(model, captured, gplan: GraphPlan, graph, reduced_values, tp: int, dtype: torch.dtype,
+               tokens: int) -> ShardingPlan:
+    aliases = OrderedDict()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    node_of_param = {captured.params[n.name]: n for n in captured.placeholders() if n.name in captured.params}
+    reduced_names = {captured.params.get(v.name) for v in reduced_values if v.op == "placeholder"}
+    params = []
+    for names in aliases.values():
+        canonical = next((n for n in names if n in node_of_param), names[0])
+        others = tuple(n for n in names if n != canonical)
+        shape = tuple(dict(model.named_parameters(remove_duplicate=False))[canonical].shape)
+        if canonical not in gplan.params:
+            placement, reason = "R", "not used by the forward: replicated"
+        else:
+            placement = str(gplan.params[canonical])
+            reason = gplan.reasons.get(canonical, "replicated")
+            if placement == "R" and reason.startswith(("column", "row", "vocab", "hidden")):
+                reason = "replicated"
+            if canonical in reduced_names:
+                reason += "; gradient all-reduced (used on sharded activations)"
+        params.append(ParamPlan(canonical, shape, placement, reason, others))
+    fallbacks = [f"{op}: {why}" for op, why in gplan.fallbacks]
+    return ShardingPlan(
+        model_type=getattr(model.config, "model_type", type(model).__name__),
+        tp=tp,
+        params=params,
+        collectives=collect_collectives(graph, tokens, tp),
+        fallbacks=fallbacks,
+        dtype=str(dtype).replace("torch.", ""),
+    )

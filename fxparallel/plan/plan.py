@@ -1,0 +1,162 @@
+"""The sharding plan as data: what each parameter's placement is and why, and every
+collective the rewritten graph runs. It prints as a table, compares with ``==``,
+and saves to / loads from JSON. Applying it is someone else's job (rewrite, load)."""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from .placement import Placement
+from .solver import layer_pattern
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    name: str
+    shape: tuple
+    placement: str  # "R", "S(0)", ...
+    reason: str
+    aliases: tuple = ()  # other names of the same (tied) parameter
+
+    @property
+    def layout(self) -> Placement:
+        return Placement.parse(self.placement)
+
+    def local_shape(self, tp: int) -> tuple:
+        p = self.layout
+        if not p.is_shard:
+            return tuple(self.shape)
+        shape = list(self.shape)
+        shape[p.dim] //= tp
+        return tuple(shape)
+
+    def local_slices(self, rank: int, tp: int) -> tuple:
+        """Index of this rank's shard in the full tensor (one slice per dimension)."""
+        p = self.layout
+        slices = [slice(0, s) for s in self.shape]
+        if p.is_shard:
+            size = self.shape[p.dim] // tp
+            slices[p.dim] = slice(rank * size, (rank + 1) * size)
+        return tuple(slices)
+
+
+@dataclass(frozen=True)
+class CollectivePlan:
+    kind: str  # all_reduce, all_gather
+    direction: str  # forward or backward
+    where: str  # the module (layer pattern) whose output it acts on
+    bytes_per_token: float  # payload of one call, per token
+    count: int  # calls per step
+
+
+@dataclass
+class ShardingPlan:
+    model_type: str
+    tp: int
+    params: list = field(default_factory=list)  # [ParamPlan]
+    collectives: list = field(default_factory=list)  # [CollectivePlan]
+    fallbacks: list = field(default_factory=list)  # ["op (where): reason"]
+    dtype: str = "float32"
+
+    # ---- queries -------------------------------------------------------------
+    def param(self, name: str) -> ParamPlan:
+        for p in self.params:
+            if p.name == name or name in p.aliases:
+                return p
+        raise KeyError(name)
+
+    def count(self, kind: str, direction: str) -> int:
+        return sum(c.count for c in self.collectives if c.kind == kind and c.direction == direction)
+
+    def bytes_per_token(self, direction: Optional[str] = None) -> float:
+        return sum(c.bytes_per_token * c.count for c in self.collectives if direction in (None, c.direction))
+
+    def param_bytes_per_rank(self, itemsize: int = 4) -> int:
+        total = 0
+        for p in self.params:
+            n = 1
+            for s in p.local_shape(self.tp):
+                n *= s
+            total += n * itemsize
+        return total
+
+    # ---- persistence ---------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "model_type": self.model_type,
+            "tp": self.tp,
+            "dtype": self.dtype,
+            "params": [asdict(p) for p in self.params],
+            "collectives": [asdict(c) for c in self.collectives],
+            "fallbacks": list(self.fallbacks),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardingPlan":
+        return cls(
+            model_type=d["model_type"],
+            tp=d["tp"],
+            dtype=d.get("dtype", "float32"),
+            params=[ParamPlan(p["name"], tuple(p["shape"]), p["placement"], p["reason"], tuple(p.get("aliases", ())))
+                    for p in d["params"]],
+            collectives=[CollectivePlan(**c) for c in d["collectives"]],
+            fallbacks=list(d.get("fallbacks", [])),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardingPlan":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path) -> "ShardingPlan":
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    # ---- report --------------------------------------------------------------
+    def __str__(self) -> str:
+        groups: "OrderedDict[str, list]" = OrderedDict()
+        for p in self.params:
+            groups.setdefault(layer_pattern(p.name), []).append(p)
+        rows = []
+        for pattern, members in groups.items():
+            p = members[0]
+            name = pattern + (f" (= {', '.join(p.aliases)})" if p.aliases else "")
+            count = f"x{len(members)}" if len(members) > 1 else ""
+            rows.append((name, count, "x".join(map(str, p.shape)), p.placement, p.reason))
+        widths = [max(len(r[i]) for r in rows + [("parameter", "", "shape", "placement", "why")]) for i in range(5)]
+        out = [f"fxparallel plan: {self.model_type}, tp={self.tp}, {self.dtype}"]
+        header = ("parameter", "", "shape", "placement", "why")
+        out.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+        out.append("  ".join("-" * w for w in widths))
+        for r in rows:
+            out.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        out.append("")
+        out.append("collectives per step (bytes per token are the payload of one call):")
+        for direction in ("forward", "backward"):
+            calls = [c for c in self.collectives if c.direction == direction]
+            total = sum(c.count for c in calls)
+            out.append(f"  {direction}: {total} calls, {sum(c.count * c.bytes_per_token for c in calls):.0f} bytes/token")
+            for c in calls:
+                out.append(f"    {c.count:>4} x {c.kind:<10} {c.bytes_per_token:>10.1f} B/token  {c.where}")
+        mb = self.param_bytes_per_rank(_itemsize(self.dtype)) / 2**20
+        out.append(f"parameter memory per rank: {mb:.2f} MiB")
+        if self.fallbacks:
+            out.append("replicated by fallback (gathered):")
+            out.extend(f"  {f}" for f in self.fallbacks)
+        replicated = [p.name for p in self.params if p.placement == "R" and len(p.shape) >= 2]
+        if replicated:
+            out.append("matrices left replicated: " + ", ".join(sorted({layer_pattern(n) for n in replicated})))
+        return "\n".join(out)
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}.get(dtype, 4)

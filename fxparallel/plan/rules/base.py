@@ -1,0 +1,128 @@
+"""What an op rule is, and the registry that maps graph ops to rules.
+
+A rule looks at one FX node and the current placements of its tensor inputs and
+returns the ways the op can run locally (``Strategy``), cheapest-first by
+preference. The solver picks one; the rewriter applies it. An op without a rule
+runs on replicated inputs (the always-correct fallback).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from ..placement import Placement
+
+PlacementOut = Union[Placement, tuple]
+
+
+@dataclass
+class Strategy:
+    """One way to run a node on local shards.
+
+    inputs: required placement of each tensor input (``None``: any, the value is not
+    read as data, e.g. only its dtype). Parameter inputs that are still undecided take
+    their required placement as the decision.
+    """
+
+    inputs: dict  # fx.Node -> Placement | None
+    output: PlacementOut
+    note: str = ""
+    own_bytes: float = 0.0  # communication the op itself performs (bytes per token)
+    rewrite: Optional[Callable] = None  # (node, RewriteContext) -> None, makes the node local
+    name: str = ""
+
+
+@dataclass
+class RuleContext:
+    """What a rule may ask about the graph."""
+
+    tp: int
+    tokens: int = 1  # batch x sequence of the example used at capture
+
+    def fake(self, node) -> Optional[torch.Tensor]:
+        if isinstance(node, fx.Node):
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                return value
+        return None
+
+    def ndim(self, node) -> int:
+        return self.fake(node).dim()
+
+    def size(self, node, dim) -> Union[int, torch.SymInt]:
+        return self.fake(node).shape[dim]
+
+    def static_size(self, node, dim) -> Optional[int]:
+        s = self.size(node, dim)
+        return s if isinstance(s, int) else None
+
+    def bytes_per_token(self, node) -> float:
+        return bytes_per_token(node, self.tokens)
+
+    def divisible(self, node, dim) -> bool:
+        s = self.static_size(node, dim)
+        return s is not None and s % self.tp == 0
+
+
+Rule = Callable[[fx.Node, dict, RuleContext], list]
+
+_RULES: dict = {}
+
+
+def op_key(node: fx.Node):
+    if node.op == "call_method":
+        return ("method", node.target)
+    if node.op == "call_function":
+        return node.target
+    return None
+
+
+def register(*targets):
+    """Register a rule for call_function targets (callables) or call_method names (strings)."""
+
+    def wrap(fn: Rule) -> Rule:
+        for t in targets:
+            if t is None:
+                continue
+            _RULES[("method", t) if isinstance(t, str) else t] = fn
+        return fn
+
+    return wrap
+
+
+def rule_for(node: fx.Node) -> Optional[Rule]:
+    return _RULES.get(op_key(node))
+
+
+def tensor_inputs(node: fx.Node) -> list:
+    """The distinct FX nodes among a node's arguments whose value is a tensor."""
+    seen = []
+    for n in node.all_input_nodes:
+        if isinstance(n.meta.get("example_value"), torch.Tensor) and n not in seen:
+            seen.append(n)
+    return seen
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def arg(node: fx.Node, index: int, name: str, default=None):
+    """Positional-or-keyword argument of a call node."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def bytes_per_token(node, tokens: int) -> float:
+    """Bytes of a node's (full) value per token, at the example sizes used for capture."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        return 0.0
+    numel = 1
+    for s in value.shape:
+        numel *= int(s.node.hint) if isinstance(s, torch.SymInt) else int(s)
+    return numel * value.element_size() / tokens

@@ -1,0 +1,130 @@
+"""Matrix products: linear (nn.Linear), addmm (GPT-2's Conv1D) and matmul.
+
+For a weight-bearing product the rule offers the Megatron pair:
+column-parallel (weight split on output features; replicated input -> sharded
+output) and row-parallel (weight split on input features; sharded input ->
+partial output, reduced later). A row-parallel bias is added once, after the
+all-reduce. Replication is always available; the solver decides by cost.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..placement import P, R, S
+from .base import Strategy, arg, register, tensor_inputs
+
+
+def _bias_after_reduce(bias_index: int, dense_target=None):
+    """Rewrite ``op(..., bias)`` on partial sums into ``all_reduce(op(...)) + bias``."""
+
+    def apply(node: fx.Node, ctx):
+        args = list(node.args)
+        bias = args[bias_index] if len(args) > bias_index else node.kwargs.get("bias")
+        if len(args) > bias_index:
+            args[bias_index] = None
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
+        if dense_target is not None:  # addmm(bias, x, w) -> mm(x, w)
+            node.target = dense_target
+            args = [a for i, a in enumerate(args) if i != bias_index]
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("beta", "alpha")}
+        node.args, node.kwargs = tuple(args), kwargs
+        reduced = ctx.all_reduce_after(node)
+        with ctx.graph.inserting_after(reduced):
+            added = ctx.graph.call_function(operator.add, (reduced, bias))
+        reduced.replace_all_uses_with(added, delete_user_cb=lambda user: user is not added)
+
+    return apply
+
+
+def _linear(node, placements, ctx):
+    x = arg(node, 0, "input")
+    w = arg(node, 1, "weight")
+    b = arg(node, 2, "bias")
+    if not isinstance(w, fx.Node) or ctx.fake(w) is None or ctx.fake(w).dim() != 2:
+        return []
+    out = ctx.fake(node)
+    last = out.dim() - 1
+    px = placements[x]
+    out_features, in_features = ctx.fake(w).shape
+    bias = {b: None} if isinstance(b, fx.Node) else {}
+    strategies = []
+    nbytes = ctx.bytes_per_token(node)
+    if out_features % ctx.tp == 0:
+        strategies.append(Strategy({x: R, w: S(0), **{k: S(0) for k in bias}}, S(last),
+                                   note="column-parallel linear", name="column"))
+    if in_features % ctx.tp == 0:
+        if bias:
+            strategies.append(Strategy({x: S(ctx.ndim(x) - 1), w: S(1), **{k: R for k in bias}}, R,
+                                       note="row-parallel linear (bias added after the all-reduce)",
+                                       own_bytes=nbytes, rewrite=_bias_after_reduce(2), name="row"))
+        else:
+            strategies.append(Strategy({x: S(ctx.ndim(x) - 1), w: S(1)}, P, note="row-parallel linear",
+                                       own_bytes=nbytes, name="row"))
+    if px.is_shard and px.dim != ctx.ndim(x) - 1:
+        strategies.append(Strategy({x: px, w: R, **{k: R for k in bias}}, S(px.dim), note="replicated linear on a sharded batch", name="batch"))
+    strategies.append(Strategy({x: R, w: R, **{k: R for k in bias}}, R, note="replicated linear", name="replicate"))
+    return strategies
+
+
+register(torch._C._nn.linear, torch.nn.functional.linear)(_linear)
+
+
+def _addmm(node, placements, ctx):
+    b, x, w = node.args[0], node.args[1], node.args[2]
+    if not all(isinstance(n, fx.Node) for n in (b, x, w)) or ctx.fake(w).dim() != 2:
+        return []
+    in_features, out_features = ctx.fake(w).shape
+    nbytes = ctx.bytes_per_token(node)
+    strategies = []
+    if out_features % ctx.tp == 0:
+        strategies.append(Strategy({b: S(ctx.ndim(b) - 1), x: R, w: S(1)}, S(1), note="column-parallel (Conv1D)", name="column"))
+    if in_features % ctx.tp == 0:
+        strategies.append(Strategy({b: R, x: S(1), w: S(0)}, R, own_bytes=nbytes,
+                                   rewrite=_bias_after_reduce(0, torch.mm),
+                                   note="row-parallel (Conv1D, bias added after the all-reduce)", name="row"))
+    strategies.append(Strategy({b: R, x: R, w: R}, R, note="replicated (Conv1D)", name="replicate"))
+    return strategies
+
+
+register(torch.addmm)(_addmm)
+
+
+def _matmul(node, placements, ctx):
+    inputs = tensor_inputs(node)
+    if len(node.args) < 2 or not all(isinstance(a, fx.Node) for a in node.args[:2]):
+        return []
+    a, b = node.args[0], node.args[1]
+    fa, fb, out = ctx.fake(a), ctx.fake(b), ctx.fake(node)
+    if fa is None or fb is None or fa.dim() < 2 or fb.dim() < 2:
+        return [Strategy({i: R for i in inputs}, R)]
+    na, nb, no = fa.dim(), fb.dim(), out.dim()
+    strategies = []
+    # contraction dim sharded on both sides -> partial sum
+    if isinstance(fa.shape[-1], int) and fa.shape[-1] % ctx.tp == 0:
+        strategies.append(Strategy({a: S(na - 1), b: S(nb - 2)}, P, own_bytes=ctx.bytes_per_token(node), name="row"))
+    # rows of a
+    if isinstance(out.shape[-2], int) and out.shape[-2] % ctx.tp == 0 and placements[a].is_shard and placements[a].dim == na - 2:
+        strategies.append(Strategy({a: S(na - 2), b: R}, S(no - 2)))
+    # columns of b
+    if isinstance(out.shape[-1], int) and out.shape[-1] % ctx.tp == 0:
+        strategies.append(Strategy({a: R, b: S(nb - 1)}, S(no - 1), name="column"))
+    # batch dims (aligned from the right)
+    for x in (a, b):
+        p = placements[x]
+        nx = ctx.ndim(x)
+        if p.is_shard and p.dim < nx - 2:
+            d = p.dim + no - nx
+            if isinstance(out.shape[d], int) and out.shape[d] % ctx.tp == 0:
+                req = {}
+                for y in (a, b):
+                    yd = d - (no - ctx.ndim(y))
+                    req[y] = R if yd < 0 or ctx.size(y, yd) == 1 else S(yd)
+                strategies.append(Strategy(req, S(d)))
+    strategies.append(Strategy({a: R, b: R}, R))
+    return strategies
+
+
+register(operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm")(_matmul)

@@ -1,0 +1,47 @@
+"""Cross-entropy over vocab-sharded logits, without gathering them.
+
+Each rank computes its shard's log-sum-exp and target logit; one small all-gather
+of these two numbers per token gives the exact loss (Megatron's vocab-parallel
+cross-entropy). The backward needs no communication.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..placement import R, S
+from .base import Strategy, arg, register, tensor_inputs
+
+
+def _rewrite(node: fx.Node, ctx):
+    from ...rewrite.functional import vocab_parallel_cross_entropy
+
+    logits, target = node.args[0], arg(node, 1, "target")
+    vocab = ctx.full_size(logits, 1)
+    node.target = vocab_parallel_cross_entropy
+    node.args = (logits, target, ctx.shard_start(vocab), ctx.group_handle,
+                 arg(node, 4, "ignore_index", -100), arg(node, 6, "reduction", "mean"))
+    node.kwargs = {}
+
+
+def _cross_entropy(node, placements, ctx):
+    logits, target = node.args[0], arg(node, 1, "target")
+    inputs = tensor_inputs(node)
+    strategies = []
+    simple = (
+        ctx.ndim(logits) == 2
+        and arg(node, 2, "weight") is None
+        and arg(node, 7, "label_smoothing", 0.0) in (0, 0.0)
+        and arg(node, 6, "reduction", "mean") in ("mean", "sum", "none")
+        and isinstance(ctx.size(logits, 1), int)
+        and ctx.size(logits, 1) % ctx.tp == 0
+    )
+    if simple:
+        strategies.append(Strategy({logits: S(1), target: R}, R, note="vocab-parallel cross-entropy",
+                                   own_bytes=8.0 * ctx.tp, rewrite=_rewrite, name="vocab"))
+    strategies.append(Strategy({i: R for i in inputs}, R))
+    return strategies
+
+
+register(F.cross_entropy)(_cross_entropy)

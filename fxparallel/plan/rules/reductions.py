@@ -1,0 +1,52 @@
+"""Reductions and normalizations along given dimensions (mean, sum, softmax, ...).
+
+They stay sharded when the sharded dimension is not among the reduced ones.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..placement import R, S
+from .base import Strategy, arg, norm_dim, register, tensor_inputs
+
+_REDUCE = ["mean", "sum", "amax", "amin", "prod", "std", "var", "norm", "logsumexp", "any", "all", "argmax",
+           "argmin", "count_nonzero"]
+_SHAPE_KEEPING = ["softmax", "log_softmax", "cumsum", "cumprod"]
+
+
+def _dims(node, ndim):
+    dim = arg(node, 1, "dim", None)
+    if dim is None and node.op == "call_method" and node.target in ("norm",):
+        dim = node.kwargs.get("dim")
+    if dim is None:
+        return list(range(ndim))
+    if isinstance(dim, int):
+        return [norm_dim(dim, ndim)]
+    if isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim):
+        return [norm_dim(d, ndim) for d in dim]
+    return None
+
+
+def _reduce(node, placements, ctx):
+    inputs = tensor_inputs(node)
+    if len(inputs) != 1 or node.args[0] is not inputs[0]:
+        return []
+    x = inputs[0]
+    p = placements[x]
+    strategies = []
+    if p.is_shard:
+        ndim = ctx.ndim(x)
+        dims = _dims(node, ndim)
+        keepdim = bool(arg(node, 2, "keepdim", False))
+        shape_keeping = node.target in _SHAPE_KEEPING or node.target in (F.softmax, F.log_softmax, torch.softmax,
+                                                                          torch.log_softmax, torch.cumsum)
+        if dims is not None and p.dim not in dims:
+            out_dim = p.dim if (keepdim or shape_keeping) else p.dim - sum(1 for d in dims if d < p.dim)
+            strategies.append(Strategy({x: p}, S(out_dim)))
+    strategies.append(Strategy({x: R}, R))
+    return strategies
+
+
+register(*_REDUCE, *_SHAPE_KEEPING, torch.mean, torch.sum, torch.amax, torch.softmax, torch.log_softmax,
+         F.softmax, F.log_softmax, torch.cumsum, torch.logsumexp, torch.argmax)(_reduce)

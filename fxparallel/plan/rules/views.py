@@ -1,0 +1,307 @@
+"""View-like ops: reshape, transpose, expand, indexing, ...
+
+The rule follows the sharded dimension through the shape change. Reshapes are
+matched by groups of dimensions with equal products; a shard survives a reshape
+only if it is the outermost dimension of its group on both sides (so each rank's
+chunk stays contiguous). Literal sizes of the sharded dimension in the op's
+arguments (hard-coded head counts, hidden sizes) are rewritten to local sizes.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ...errors import ShardingError
+from ..placement import R, S
+from .base import Strategy, norm_dim, register, tensor_inputs
+
+
+def _expr(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+
+
+def _hint(size) -> int:
+    if isinstance(size, torch.SymInt):
+        return int(size.node.hint)
+    return int(size)
+
+
+def _same(a, b) -> bool:
+    return sympy.expand(_expr(a) - _expr(b)) == 0
+
+
+def dim_groups(in_shape, out_shape) -> Optional[list]:
+    """Pair dims of a reshape: a list of (input dims, output dims) with equal element counts."""
+    i = j = 0
+    groups = []
+    n_in, n_out = len(in_shape), len(out_shape)
+    try:
+        while i < n_in or j < n_out:
+            if i < n_in and j < n_out and _same(in_shape[i], out_shape[j]):
+                groups.append(([i], [j]))
+                i, j = i + 1, j + 1
+                continue
+            if i < n_in and _hint(in_shape[i]) == 1:
+                groups.append(([i], []))
+                i += 1
+                continue
+            if j < n_out and _hint(out_shape[j]) == 1:
+                groups.append(([], [j]))
+                j += 1
+                continue
+            gi, gj = [i], [j]
+            pi, pj = _expr(in_shape[i]), _expr(out_shape[j])
+            hi, hj = _hint(in_shape[i]), _hint(out_shape[j])
+            i, j = i + 1, j + 1
+            while sympy.expand(pi - pj) != 0:
+                if hi < hj:
+                    gi.append(i)
+                    pi, hi = pi * _expr(in_shape[i]), hi * _hint(in_shape[i])
+                    i += 1
+                else:
+                    gj.append(j)
+                    pj, hj = pj * _expr(out_shape[j]), hj * _hint(out_shape[j])
+                    j += 1
+            groups.append((gi, gj))
+    except IndexError:
+        return None
+    return groups
+
+
+def reshape_shard_dim(in_shape, out_shape, dim: int, tp: int) -> Optional[int]:
+    """Output dim that carries input shard ``dim`` through a reshape, or None if it cannot."""
+    groups = dim_groups(in_shape, out_shape)
+    if groups is None:
+        return None
+    for gi, gj in groups:
+        if dim in gi:
+            outer_in = [d for d in gi if _hint(in_shape[d]) != 1]
+            outer_out = [d for d in gj if _hint(out_shape[d]) != 1]
+            if not outer_in or outer_in[0] != dim or not outer_out:
+                return None
+            o = outer_out[0]
+            size = out_shape[o]
+            if not isinstance(size, int) or size % tp:
+                return None
+            return o
+    return None
+
+
+def _size_args(node: fx.Node):
+    """(list of sizes, rebuild function) for view/reshape/expand style size arguments."""
+    args = list(node.args)
+    start = 1 if node.op == "call_method" or node.target in (torch.reshape,) else 1
+    rest = args[start:]
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
+        sizes = list(rest[0])
+
+        def rebuild(new):
+            node.args = tuple(args[:start]) + (type(rest[0])(new),)
+
+    else:
+        sizes = rest
+
+        def rebuild(new):
+            node.args = tuple(args[:start]) + tuple(new)
+
+    if not rest and "size" in node.kwargs:
+        sizes = list(node.kwargs["size"])
+
+        def rebuild(new):
+            node.kwargs = {**node.kwargs, "size": tuple(new)}
+
+    return sizes, rebuild
+
+
+def rewrite_size(out_dim: int, full: int):
+    """A rewrite that replaces the literal size ``full`` at ``out_dim`` with its local size."""
+
+    def apply(node, ctx):
+        sizes, rebuild = _size_args(node)
+        if out_dim >= len(sizes):
+            return
+        value = sizes[out_dim]
+        if isinstance(value, int) and value != -1:
+            if value != full:
+                raise ShardingError(f"{node.format_node()}: size {value} at dim {out_dim} is not the expected {full}")
+            sizes[out_dim] = ctx.local_size(full)
+            rebuild(sizes)
+
+    return apply
+
+
+def _reshape(node, placements, ctx):
+    inputs = tensor_inputs(node)
+    if not inputs or node.args[0] is not inputs[0]:
+        return []
+    x = inputs[0]
+    p = placements[x]
+    out = ctx.fake(node)
+    strategies = []
+    if p.is_shard and out is not None:
+        o = reshape_shard_dim(ctx.fake(x).shape, out.shape, p.dim, ctx.tp)
+        if o is not None:
+            rw = rewrite_size(o, int(out.shape[o])) if node.target in ("view", "reshape", torch.reshape) else None
+            strategies.append(Strategy({x: p}, S(o), rewrite=rw))
+    strategies.append(Strategy({x: R}, R))
+    return strategies
+
+
+register("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", torch.reshape, torch.flatten,
+         torch.squeeze, torch.unsqueeze)(_reshape)
+
+
+def _expand(node, placements, ctx):
+    x = node.args[0]
+    p = placements[x]
+    out = ctx.fake(node)
+    strategies = []
+    if p.is_shard:
+        o = p.dim + out.dim() - ctx.ndim(x)
+        if isinstance(out.shape[o], int) and out.shape[o] % ctx.tp == 0:
+            strategies.append(Strategy({x: p}, S(o), rewrite=rewrite_size(o, int(out.shape[o]))))
+    strategies.append(Strategy({x: R}, R))
+    return strategies
+
+
+register("expand")(_expand)
+
+
+def _permutation(node, ndim):
+    if node.target in ("transpose", torch.transpose, "swapaxes", "swapdims"):
+        a = norm_dim(node.args[1], ndim)
+        b = norm_dim(node.args[2], ndim)
+        perm = list(range(ndim))
+        perm[a], perm[b] = perm[b], perm[a]
+        return perm
+    if node.target in ("permute", torch.permute):
+        dims = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
+        return [norm_dim(d, ndim) for d in dims]
+    if node.target in ("t",):
+        return list(reversed(range(ndim)))
+    return None
+
+
+def _permute(node, placements, ctx):
+    x = node.args[0]
+    p = placements[x]
+    strategies = []
+    if p.is_shard:
+        perm = _permutation(node, ctx.ndim(x))
+        if perm is not None:
+            strategies.append(Strategy({x: p}, S(perm.index(p.dim))))
+    strategies.append(Strategy({x: R}, R))
+    return strategies
+
+
+register("transpose", "permute", "swapaxes", "swapdims", "t", torch.transpose, torch.permute)(_permute)
+
+
+def index_shard_dim(index, ndim: int, dim: int) -> Optional[int]:
+    """Output dim of input dim ``dim`` after basic indexing ``x[index]``, or None."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    consumed = sum(1 for i in index if isinstance(i, (int, slice)))
+    out = 0
+    src = 0
+    for item in index:
+        if item is None:
+            out += 1
+        elif item is Ellipsis:
+            span = ndim - consumed
+            if src <= dim < src + span:
+                return out + (dim - src)
+            src += span
+            out += span
+        elif isinstance(item, int):
+            if src == dim:
+                return None
+            src += 1
+        elif isinstance(item, slice):
+            if src == dim:
+                return out if item == slice(None) else None
+            src += 1
+            out += 1
+        else:
+            return None  # tensor or symbolic index
+    if dim >= src:
+        return out + (dim - src)
+    return None
+
+
+def _getitem(node, placements, ctx):
+    x = node.args[0]
+    if ctx.fake(x) is None:
+        return []  # indexing a tuple: the solver handles it
+    p = placements[x]
+    index = node.args[1]
+    plain = all(
+        i is None or i is Ellipsis or isinstance(i, int) or isinstance(i, slice)
+        for i in (index if isinstance(index, tuple) else (index,))
+    ) and not any(
+        isinstance(getattr(i, a, None), fx.Node)
+        for i in (index if isinstance(index, tuple) else (index,)) if isinstance(i, slice)
+        for a in ("start", "stop", "step")
+    )
+    inputs = tensor_inputs(node)
+    strategies = []
+    if plain and inputs == [x]:
+        if p.is_shard:
+            o = index_shard_dim(index, ctx.ndim(x), p.dim)
+            if o is not None:
+                strategies.append(Strategy({x: p}, S(o)))
+    elif p.is_shard and inputs == [x]:
+        # slices with symbolic bounds on other dims are fine too
+        o = _symbolic_index_dim(index, ctx.ndim(x), p.dim)
+        if o is not None:
+            strategies.append(Strategy({x: p}, S(o)))
+    strategies.append(Strategy({i: R for i in inputs}, R))
+    return strategies
+
+
+def _symbolic_index_dim(index, ndim, dim):
+    items = index if isinstance(index, tuple) else (index,)
+    simplified = tuple(
+        slice(0, 1) if isinstance(i, slice) and any(isinstance(getattr(i, a), fx.Node) for a in ("start", "stop", "step"))
+        else i for i in items
+    )
+    if any(isinstance(i, fx.Node) for i in simplified):
+        return None
+    # a symbolic slice on the sharded dim is not allowed
+    src = 0
+    consumed = sum(1 for i in simplified if isinstance(i, (int, slice)))
+    for orig, item in zip(items, simplified):
+        if item is Ellipsis:
+            src += ndim - consumed
+        elif item is None:
+            continue
+        else:
+            if src == dim and orig is not item:
+                return None
+            src += 1
+    return index_shard_dim(simplified, ndim, dim)
+
+
+register(operator.getitem)(_getitem)
+
+
+def _cat(node, placements, ctx):
+    tensors = node.args[0]
+    if not isinstance(tensors, (tuple, list)) or not all(isinstance(t, fx.Node) for t in tensors):
+        return []
+    out = ctx.fake(node)
+    cat_dim = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), out.dim())
+    strategies = []
+    dims = {placements[t].dim for t in tensors if placements[t].is_shard}
+    for d in dims:
+        if d != cat_dim and isinstance(out.shape[d], int) and out.shape[d] % ctx.tp == 0:
+            strategies.append(Strategy({t: S(d) for t in tensors}, S(d)))
+    strategies.append(Strategy({t: R for t in tensors}, R))
+    return strategies
+
+
+register(torch.cat, torch.concat, torch.concatenate)(_cat)

@@ -1,0 +1,320 @@
+"""Choose a placement for every value and parameter of the captured graph.
+
+Problem. Each matrix parameter (linear or embedding weight) is split on one of
+its dimensions or replicated; every op then runs by one of the strategies its
+rule offers, and every mismatch between a value's placement and what its
+consumer needs costs a collective. Minimise, lexicographically:
+
+1. bytes of matrix parameters left replicated (tensor parallelism exists to
+   split the weights and their FLOPs; a matrix that cannot be split stays
+   replicated and the plan says why);
+2. bytes communicated per token, forward and backward: a partial sum is charged
+   its all-reduce when it is made, a shard its all-gather where a consumer
+   needs it whole, and a replicated value that requires grad and is used on
+   shards its backward all-reduce (once per value).
+
+Search. Parameters of the same layer pattern (``model.layers.*.mlp.up_proj``)
+are tied: one decision serves every layer, so the decision variables are the
+patterns (about ten for a decoder), not the parameters. The solver walks the
+graph in topological order; at the first use of an undecided pattern it
+branches over the placements the op's rule allows (depth-first, preferred
+first); everywhere else it takes the cheapest strategy given the placements
+upstream. A branch is cut as soon as its running cost reaches the best complete
+plan found (costs only grow along the walk). Identical layers therefore get
+identical decisions by construction, and each explored branch costs one pass
+over the remaining nodes: planning time is linear in depth.
+
+Ops without a rule, or whose rule has no strategy for their inputs' placements,
+run on replicated inputs: always correct, and recorded as a fallback.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from ..capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
+from ..capture.graph import CapturedGraph
+from .placement import R, Placement
+from .rules import RuleContext, Strategy, rule_for, tensor_inputs
+
+INFEASIBLE = float("inf")
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+MAX_BRANCHES = 4000  # complete plans evaluated at most; beyond it the best so far is kept
+
+
+def layer_pattern(name: str) -> str:
+    """model.layers.3.mlp.up_proj.weight -> model.layers.*.mlp.up_proj.weight"""
+    return _LAYER_INDEX.sub(".*.", name)
+
+
+def redistribute_bytes(src: Placement, dst: Placement, nbytes: float) -> float:
+    """Bytes a collective moves to turn ``src`` into ``dst`` (partial sums were charged when made)."""
+    if dst is None or src == dst:
+        return 0.0
+    if dst.is_partial:
+        return INFEASIBLE
+    if src.is_replicate:
+        return 0.0  # a local slice
+    if src.is_partial:
+        return 0.0  # its all-reduce was charged to the op that made it
+    return nbytes  # shard -> replicate or shard -> other shard: all-gather
+
+
+@dataclass
+class GraphPlan:
+    """The solver's answer for one graph: a placement per node and the strategy that makes it."""
+
+    placements: dict = field(default_factory=dict)  # fx.Node -> Placement | tuple | None
+    strategies: dict = field(default_factory=dict)  # fx.Node -> Strategy (absent: runs as is)
+    params: dict = field(default_factory=dict)  # parameter name -> Placement
+    reasons: dict = field(default_factory=dict)  # parameter name -> why
+    fallbacks: list = field(default_factory=list)  # (op, why) gathered to replicated
+    patterns: dict = field(default_factory=dict)  # layer pattern -> Placement (the decisions)
+    grad_reduced: set = field(default_factory=set)  # replicated values whose grad is all-reduced
+    replicated_bytes: float = 0.0
+    comm_bytes: float = 0.0
+    explored: int = 0  # complete plans evaluated
+
+    @property
+    def cost(self):
+        return (self.replicated_bytes, self.comm_bytes)
+
+    def copy(self) -> "GraphPlan":
+        return GraphPlan(dict(self.placements), dict(self.strategies), dict(self.params), dict(self.reasons),
+                         list(self.fallbacks), dict(self.patterns), set(self.grad_reduced), self.replicated_bytes,
+                         self.comm_bytes, self.explored)
+
+
+class Solver:
+    def __init__(self, captured: CapturedGraph, tp: int, fixed: Optional[dict] = None):
+        self.captured = captured
+        self.tp = tp
+        self.fixed = dict(fixed or {})
+        self.ctx = RuleContext(tp=tp, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
+        self.nodes = [n for n in captured.gm.graph.nodes if n.op != "output"]
+        self.param_nodes = {}
+        for n in self.nodes:
+            if n.op == "placeholder" and n.name in captured.params:
+                self.param_nodes[n] = captured.params[n.name]
+        self.best: Optional[GraphPlan] = None
+        self.explored = 0
+
+    # ---- search --------------------------------------------------------------
+    def solve(self) -> GraphPlan:
+        start = GraphPlan()
+        for name, placement in self.fixed.items():
+            start.params[name] = placement
+            start.patterns[layer_pattern(name)] = placement
+        self._walk(0, start)
+        plan = self.best
+        for node, name in self.param_nodes.items():
+            if name not in plan.params:
+                plan.params[name] = plan.patterns.get(layer_pattern(name), R)
+            plan.placements[node] = plan.params[name]
+        plan.explored = self.explored
+        return plan
+
+    def _walk(self, i: int, plan: GraphPlan) -> None:
+        while i < len(self.nodes):
+            node = self.nodes[i]
+            options = self._options(node, plan)
+            if options is None:  # handled in place (placeholders, replicated fast path)
+                i += 1
+                continue
+            branches = self._branches(options)
+            if len(branches) > 1 and self.explored < MAX_BRANCHES:
+                for key, strategy in branches:
+                    child = plan.copy()
+                    self._apply(node, strategy, key, child)
+                    if self.best is None or child.cost < self.best.cost:
+                        self._walk(i + 1, child)
+                return
+            key, strategy = options[0]
+            self._apply(node, strategy, key, plan)
+            if self.best is not None and plan.cost >= self.best.cost:
+                return
+            i += 1
+        self.explored += 1
+        if self.best is None or plan.cost < self.best.cost:
+            self.best = plan
+
+    def _branches(self, options):
+        """Best option per distinct decision on undecided matrix patterns."""
+        seen = {}
+        for key, strategy in options:
+            decision = key[3]
+            if decision and decision not in seen:
+                seen[decision] = (key, strategy)
+        return list(seen.values()) if len(seen) > 1 else []
+
+    # ---- one node ------------------------------------------------------------
+    def _options(self, node, plan: GraphPlan):
+        if node.op == "placeholder":
+            name = self.param_nodes.get(node)
+            if name is not None:
+                decided = plan.params.get(name) or plan.patterns.get(layer_pattern(name))
+                plan.placements[node] = decided or R
+            else:
+                plan.placements[node] = R if isinstance(node.meta.get("example_value"), torch.Tensor) else None
+            return None
+        value = node.meta.get("example_value")
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(
+            plan.placements.get(node.args[0]), tuple
+        ):
+            plan.placements[node] = plan.placements[node.args[0]][node.args[1]]
+            return None
+        ins = tensor_inputs(node)
+        undecided = [i for i in ins if i in self.param_nodes and not self._decided(i, plan)]
+        in_pl = {i: (self._placement_of_param(i, plan) or R) if i in self.param_nodes else plan.placements.get(i, R)
+                 for i in ins}
+        if not undecided and all(p is None or p.is_replicate for p in in_pl.values()):
+            plan.placements[node] = _replicated_like(value)
+            return None
+        if not isinstance(value, torch.Tensor):
+            return [((0.0, 0.0, 0, ()), self._non_tensor(node, plan, ins, in_pl))]
+        rule = rule_for(node)
+        strategies = rule(node, in_pl, self.ctx) if rule else []
+        options = []
+        for index, s in enumerate(strategies):
+            key = self._cost(s, plan, in_pl, index, node)
+            if key is not None:
+                options.append((key, s))
+        if not options:
+            s = Strategy({i: R for i in ins}, R, note="no sharding rule: inputs gathered", name="fallback")
+            options = [(self._cost(s, plan, in_pl, 0, node), s)]
+        options.sort(key=lambda o: o[0][:3])
+        return options
+
+    def _decided(self, param_node, plan) -> bool:
+        name = self.param_nodes[param_node]
+        return name in plan.params or layer_pattern(name) in plan.patterns
+
+    def _placement_of_param(self, param_node, plan):
+        name = self.param_nodes[param_node]
+        return plan.params.get(name) or plan.patterns.get(layer_pattern(name))
+
+    def _non_tensor(self, node, plan, ins, in_pl) -> Strategy:
+        """Size queries read only shapes; anything else (item(), ...) reads data and needs it whole."""
+        shape_only = node.op == "call_method" and node.target in ("size", "dim", "ndimension", "get_device")
+        if shape_only and node.target == "size":
+            x = node.args[0]
+            p = in_pl.get(x)
+            if len(node.args) > 1 and isinstance(node.args[1], int):
+                d = node.args[1] % max(1, x.meta["example_value"].dim())
+                shape_only = not (p is not None and p.is_shard and p.dim == d)
+            else:
+                shape_only = not (p is not None and p.is_shard)
+        if shape_only:
+            return Strategy({i: None for i in ins}, None, name="shape")
+        return Strategy({i: R for i in ins}, _replicated_like(node.meta.get("example_value")),
+                        note="reads a sharded value as a whole: gathered", name="fallback")
+
+    def _cost(self, s: Strategy, plan, in_pl, index, node):
+        """(replicated matrix bytes, communication bytes, preference, decision) of a strategy, or None."""
+        replicated = 0.0
+        comm = s.own_bytes
+        decision = []
+        out_sharded = _is_sharded(s.output)
+        for i, req in s.inputs.items():
+            if req is None:
+                continue
+            if i in self.param_nodes:
+                fake = i.meta["example_value"]
+                current = self._placement_of_param(i, plan)
+                if current is not None:
+                    if current != req:
+                        return None
+                else:
+                    if req.is_replicate and fake.dim() >= 2:
+                        replicated += fake.numel() * fake.element_size()
+                    if fake.dim() >= 2:
+                        decision.append((layer_pattern(self.param_nodes[i]), req))
+                if req.is_replicate and out_sharded and fake.requires_grad and i not in plan.grad_reduced:
+                    comm += self._grad_bytes(i)
+                continue
+            cost = redistribute_bytes(in_pl[i], req, self.ctx.bytes_per_token(i))
+            if cost == INFEASIBLE:
+                return None
+            comm += cost
+            if in_pl[i] is not None and in_pl[i].is_replicate and (out_sharded or (req is not None and req.is_shard)):
+                if _requires_grad(i) and i not in plan.grad_reduced:
+                    comm += self.ctx.bytes_per_token(i)
+        return (replicated, comm, index, tuple(sorted(decision)))
+
+    def _grad_bytes(self, param_node) -> float:
+        fake = param_node.meta["example_value"]
+        return fake.numel() * fake.element_size() / self.ctx.tokens
+
+    def _apply(self, node, s: Strategy, key, plan: GraphPlan) -> None:
+        plan.replicated_bytes += key[0]
+        plan.comm_bytes += key[1]
+        out_sharded = _is_sharded(s.output)
+        for i, req in s.inputs.items():
+            if req is None:
+                continue
+            if i in self.param_nodes:
+                name = self.param_nodes[i]
+                if name not in plan.params:
+                    plan.params[name] = req
+                    plan.placements[i] = req
+                    plan.reasons[name] = s.note or ("replicated" if req.is_replicate else "sharded")
+                    if i.meta["example_value"].dim() >= 2:
+                        plan.patterns.setdefault(layer_pattern(name), req)
+            cur = plan.placements.get(i)
+            if cur is not None and cur.is_replicate and (out_sharded or req.is_shard) and _requires_grad(i):
+                plan.grad_reduced.add(i)
+        if s.name == "fallback" and any(
+            p is not None and not p.is_replicate for p in (plan.placements.get(i) for i in s.inputs)
+        ):
+            plan.fallbacks.append((_describe(node), s.note or "no sharding rule: inputs gathered"))
+        plan.strategies[node] = s
+        plan.placements[node] = s.output
+
+
+def _requires_grad(node) -> bool:
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def _is_sharded(placement) -> bool:
+    if placement is None:
+        return False
+    if isinstance(placement, tuple):
+        return any(_is_sharded(p) for p in placement)
+    return not placement.is_replicate
+
+
+def _replicated_like(value):
+    if isinstance(value, torch.Tensor):
+        return R
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return tuple(R if isinstance(v, torch.Tensor) else None for v in value)
+    return None
+
+
+def _describe(node: fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    stack = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in stack.strip().splitlines() if ln.strip().startswith("File")]
+    where = lines[-1] if lines else ""
+    return f"{target} ({node.name}{'; ' + where if where else ''})"
+
+
+def check_layer_symmetry(params: dict) -> list:
+    """Parameters of the same layer pattern with different placements (should be none)."""
+    seen, broken = {}, []
+    for name, placement in params.items():
+        pat = layer_pattern(name)
+        if pat in seen and seen[pat] != placement:
+            broken.append(pat)
+        seen.setdefault(pat, placement)
+    return sorted(set(broken))
+
+
+def solve(captured: CapturedGraph, tp: int, fixed: Optional[dict] = None) -> GraphPlan:
+    return Solver(captured, tp, fixed).solve()

@@ -1,0 +1,101 @@
+"""Autograd-aware collectives over the tensor-parallel group (Megatron's conjugate pairs).
+
+Each op states which collective it runs in the forward and in the backward pass
+(``FORWARD`` / ``BACKWARD``), so the plan can count them from the graph.
+
+* ``all_reduce``:   forward all-reduce,  backward identity   (partial -> replicated)
+* ``copy_to_tp``:   forward identity,    backward all-reduce (replicated value used on shards)
+* ``all_gather``:   forward all-gather,  backward local slice (shard -> replicated)
+* ``local_chunk``:  forward local slice, backward zero-padding (replicated -> shard, no communication)
+
+With a group of size 1 every op is the identity and runs no collective.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..group import group_by_handle
+
+
+def _all_reduce(x: torch.Tensor, handle: int) -> torch.Tensor:
+    group = group_by_handle(handle)
+    if group.size == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group.process_group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int, handle: int) -> torch.Tensor:
+    group = group_by_handle(handle)
+    if group.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    dist.all_gather(parts, x, group=group.process_group)
+    return torch.cat(parts, dim=dim)
+
+
+def _chunk(x: torch.Tensor, dim: int, handle: int) -> torch.Tensor:
+    group = group_by_handle(handle)
+    if group.size == 1:
+        return x
+    size = x.shape[dim] // group.size
+    return x.narrow(dim, group.rank * size, size)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, handle):
+        return _all_reduce(x, handle)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, handle):
+        ctx.handle = handle
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.handle), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, handle):
+        ctx.dim, ctx.handle = dim, handle
+        return _all_gather(x, dim, handle)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _chunk(grad, ctx.dim, ctx.handle).contiguous(), None, None
+
+
+def all_reduce(x, handle):
+    return _AllReduce.apply(x, handle)
+
+
+def copy_to_tp(x, handle):
+    return _CopyToTP.apply(x, handle)
+
+
+def all_gather(x, dim, handle):
+    return _AllGather.apply(x, dim, handle)
+
+
+def local_chunk(x, dim, handle):
+    return _chunk(x, dim, handle)
+
+
+all_reduce.FORWARD, all_reduce.BACKWARD = "all_reduce", None
+copy_to_tp.FORWARD, copy_to_tp.BACKWARD = None, "all_reduce"
+all_gather.FORWARD, all_gather.BACKWARD = "all_gather", None
+local_chunk.FORWARD, local_chunk.BACKWARD = None, None
+
+COLLECTIVE_OPS = (all_reduce, copy_to_tp, all_gather)

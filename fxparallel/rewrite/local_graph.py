@@ -1,0 +1,220 @@
+"""Apply a graph plan: turn the full-shape captured graph into this rank's local graph.
+
+Passes, in order:
+1. ``insert_redistributions``: where a consumer needs another placement than its
+   input has, insert the collective (all-gather, all-reduce) or local slice, and
+   let each rule rewrite its node to local shapes (head counts in views, vocab
+   ranges, bias after reduction).
+2. ``insert_gradient_reductions``: a replicated value that requires grad and is
+   consumed on shards gets a ``copy_to_tp`` (identity forward, all-reduce
+   backward), one per value, shared by all its sharded consumers (q, k and v share
+   one).
+3. ``bind_inputs``: parameters and buffers become attributes under their Hugging
+   Face names; size symbols are read from the arguments; meta device constants
+   become the runtime device.
+"""
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from ..errors import ShardingError
+from ..group import TPGroup
+from ..plan.placement import P, R, Placement
+from ..plan.solver import GraphPlan
+from . import collectives
+
+
+class RewriteContext:
+    """What a rule's rewrite may use: local sizes, this rank's offsets, collective insertion."""
+
+    def __init__(self, graph: fx.Graph, group: TPGroup):
+        self.graph = graph
+        self.group = group
+        self.tp = group.size
+        self.rank = group.rank
+        self.group_handle = group.handle
+
+    def local_size(self, full: int) -> int:
+        if full % self.tp:
+            raise ShardingError(f"size {full} does not divide by tp size {self.tp}")
+        return full // self.tp
+
+    def shard_start(self, full: int) -> int:
+        return self.rank * self.local_size(full)
+
+    @staticmethod
+    def full_size(node: fx.Node, dim: int) -> int:
+        return int(node.meta["example_value"].shape[dim])
+
+    def all_reduce_after(self, node: fx.Node) -> fx.Node:
+        with self.graph.inserting_after(node):
+            reduced = self.graph.call_function(collectives.all_reduce, (node, self.group_handle))
+        reduced.meta["example_value"] = node.meta.get("example_value")
+        node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
+        return reduced
+
+
+def _is_sharded(placement) -> bool:
+    if placement is None:
+        return False
+    if isinstance(placement, tuple):
+        return any(_is_sharded(p) for p in placement)
+    return not placement.is_replicate
+
+
+def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: int, before: fx.Node) -> list:
+    """Insert the ops that turn ``node`` from ``src`` into ``dst``; returns the new nodes, last one last."""
+    steps = []
+    value = node
+    with graph.inserting_before(before):
+        if src.is_partial:
+            value = graph.call_function(collectives.all_reduce, (value, handle))
+            steps.append(value)
+        elif src.is_shard and dst != src:
+            value = graph.call_function(collectives.all_gather, (value, src.dim, handle))
+            steps.append(value)
+        if dst.is_shard:
+            value = graph.call_function(collectives.local_chunk, (value, dst.dim, handle))
+            steps.append(value)
+    for s in steps:
+        s.meta["example_value"] = node.meta.get("example_value")
+    return steps
+
+
+def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) -> dict:
+    """Pass 1. Returns, per replicated value, the consumers that use it on shards."""
+    ctx = RewriteContext(graph, group)
+    cache = {}
+    sharded_consumers = defaultdict(list)
+    for node in list(graph.nodes):
+        strategy = gplan.strategies.get(node)
+        if strategy is None:
+            continue
+        out_sharded = _is_sharded(strategy.output)
+        for inp, req in strategy.inputs.items():
+            if req is None:
+                continue
+            cur = gplan.placements.get(inp, R)
+            if cur == req:
+                if cur.is_replicate and out_sharded:
+                    sharded_consumers[inp].append(node)
+                continue
+            key = (inp, req)
+            if key not in cache:
+                steps = _redistribute(graph, inp, cur, req, group.handle, node)
+                cache[key] = steps[-1]
+                for step in steps:
+                    if step.target is collectives.local_chunk:
+                        source = step.args[0]
+                        sharded_consumers[source].append(step)
+            node.replace_input_with(inp, cache[key])
+        if strategy.rewrite is not None:
+            strategy.rewrite(node, ctx)
+    # graph outputs: partial sums are reduced; shards stay local (the module gathers on request)
+    out = next(n for n in graph.nodes if n.op == "output")
+    new_args = []
+    for value in out.args[0]:
+        if isinstance(value, fx.Node) and isinstance(gplan.placements.get(value), Placement) and gplan.placements[value].is_partial:
+            with graph.inserting_before(out):
+                value = graph.call_function(collectives.all_reduce, (value, group.handle))
+        new_args.append(value)
+    out.args = (tuple(new_args),)
+    return sharded_consumers
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def insert_gradient_reductions(graph: fx.Graph, sharded_consumers: dict, handle: int) -> list:
+    """Pass 2. Returns the replicated values whose gradient is all-reduced."""
+    reduced = []
+    for value, consumers in sharded_consumers.items():
+        if not _requires_grad(value):
+            continue
+        anchor = value
+        if value.op == "placeholder":
+            anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(anchor):
+            f = graph.call_function(collectives.copy_to_tp, (value, handle))
+        f.meta["example_value"] = value.meta.get("example_value")
+        for c in consumers:
+            c.replace_input_with(value, f)
+        reduced.append(value)
+    return reduced
+
+
+def _map_devices(obj, device: torch.device):
+    if isinstance(obj, torch.device) and obj.type == "meta":
+        return device
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_devices(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_devices(v, device) for k, v in obj.items()}
+    if isinstance(obj, str) and obj == "meta":
+        return str(device)
+    return obj
+
+
+def bind_inputs(graph: fx.Graph, captured, device: torch.device) -> None:
+    """Pass 3: placeholders for parameters/buffers -> attributes; sizes -> read from arguments."""
+    graph.eliminate_dead_code()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    first_real = next(n for n in graph.nodes if n.op != "placeholder")
+    new_inputs = {}
+    with graph.inserting_before(placeholders[0]):
+        for node in placeholders:
+            if node.name in captured.inputs:
+                new_inputs[captured.inputs[node.name]] = graph.placeholder(captured.inputs[node.name])
+    for node in placeholders:
+        if node.name in captured.inputs:
+            node.replace_all_uses_with(new_inputs[captured.inputs[node.name]])
+    with graph.inserting_before(first_real):
+        for node in placeholders:
+            if node.name in captured.params or node.name in captured.buffers:
+                target = captured.params.get(node.name) or captured.buffers[node.name]
+                attr = graph.get_attr(target)
+                attr.meta = dict(node.meta)
+                node.replace_all_uses_with(attr)
+            elif node.name in captured.symbols:
+                arg_name, dim = captured.symbols[node.name]
+                size = graph.call_function(torch.ops.aten.sym_size.int, (new_inputs[arg_name], dim))
+                node.replace_all_uses_with(size)
+    for node in placeholders:
+        graph.erase_node(node)
+    for node in graph.nodes:
+        node.args = _map_devices(node.args, device)
+        node.kwargs = _map_devices(node.kwargs, device)
+
+
+def generate_forward(graph: fx.Graph):
+    """Python code of the local graph, as a function ``forward(self, **arguments)`` whose
+    ``self`` is the module that owns the parameters."""
+    from torch.fx.graph_module import _forward_from_src
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FX warns about module paths it cannot fetch; they are attributes here
+        code = graph.python_code(root_module="self")
+    return _forward_from_src(code.src, dict(code.globals)), code.src
+
+
+def localize(captured, gplan: GraphPlan, group: TPGroup, device: torch.device):
+    """Run the three passes on the captured graph (in place). Returns the values with reduced grads."""
+    graph = captured.gm.graph
+    sharded_consumers = insert_redistributions(graph, gplan, group)
+    reduced = insert_gradient_reductions(graph, sharded_consumers, group.handle)
+    bind_inputs(graph, captured, device)
+    return reduced
+
+
+def output_placements(captured, gplan: GraphPlan) -> dict:
+    """Placement of each named graph output (before binding)."""
+    out = next(n for n in captured.gm.graph.nodes if n.op == "output")
+    return {name: gplan.placements.get(v) for name, v in zip(captured.outputs, out.args[0])}

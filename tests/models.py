@@ -1,0 +1,44 @@
+"""Tiny random models and checkpoints built locally (no hub)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+
+
+def tiny_config(family: str = "llama", **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    kwargs = dict(TINY)
+    if family == "qwen3":
+        kwargs["head_dim"] = 16
+    if family == "mistral":
+        kwargs["sliding_window"] = 8
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def save_checkpoint(config, directory: str, seed: int = 0, max_shard_size=None) -> str:
+    """Random-init the model with ``seed`` and save it as safetensors; returns the directory."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # non-trivial norm weights, so a wrong placement would show
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    os.makedirs(directory, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return directory
+
+
+def reference(directory: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
