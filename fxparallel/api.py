@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .capture import build_meta_model, capture
 from .capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
-from .group import TPGroup, resolve_tp_group
+from .group import TPGroup, fake_group, resolve_tp_group
 from .load import (default_dtype, initialize, load_from_files, load_from_state_dict, resolve_checkpoint,
                    resolve_source)
 from .module import LocalGraph, ParallelCausalLM
@@ -48,6 +48,25 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     return local, gplan, reduced, captured
 
 
+def plan_model(model, tp: int, *, dtype: Optional[torch.dtype] = None, revision=None, cache_dir=None,
+               local_files_only=None, token=None, trust_remote_code: bool = False):
+    """Plan only: capture, solve and rewrite for ``tp`` ranks without processes or weights.
+
+    Returns (ShardingPlan, LocalGraph of rank 0). Only the config is read.
+    """
+    group = fake_group(tp)
+    source = resolve_source(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
+                            token=token, trust_remote_code=trust_remote_code)
+    dtype = dtype or default_dtype(source.config)
+    meta = build_meta_model(source.config, dtype=dtype, trust_remote_code=trust_remote_code,
+                            model_class=source.model_class)
+    check_divisible(source.config, tp, meta)
+    local, gplan, reduced, captured = plan_graph(meta, TRAINING_ARGUMENTS, group, torch.device("cpu"))
+    plan = build_plan(meta, captured, gplan, captured.gm.graph, reduced, tp, dtype,
+                      tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
+    return plan, local
+
+
 def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=None, revision=None,
                 cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
                 seed: int = 0) -> ParallelCausalLM:
@@ -76,9 +95,8 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
     asymmetric = check_layer_symmetry(gplan.params)
     if asymmetric:
         log.warning("layers with the same structure got different placements: %s", ", ".join(asymmetric))
-    from .capture.dynamo import EXAMPLE_BATCH as B, EXAMPLE_SEQ as S_
-
-    plan = build_plan(meta, captured, gplan, captured.gm.graph, reduced, group.size, dtype, tokens=B * S_)
+    plan = build_plan(meta, captured, gplan, captured.gm.graph, reduced, group.size, dtype,
+                      tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
     fixed = dict(gplan.params)
 
     def graph_factory(module, arguments, input_shape):

@@ -5,8 +5,9 @@ import os
 
 import torch
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64)
+# 8 query heads and 4 kv heads (GQA): splits evenly over tp = 1, 2 and 4
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=4, max_position_embeddings=64)
 
 
 def tiny_config(family: str = "llama", **overrides):
@@ -15,7 +16,7 @@ def tiny_config(family: str = "llama", **overrides):
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
     kwargs = dict(TINY)
     if family == "qwen3":
-        kwargs["head_dim"] = 16
+        kwargs["head_dim"] = 16  # q/k norms over a head_dim that differs from hidden / heads
     if family == "mistral":
         kwargs["sliding_window"] = 8
     kwargs.update(overrides)

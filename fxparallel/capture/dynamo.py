@@ -144,7 +144,7 @@ def _bind(gm, example_inputs, model, example, output_names) -> CapturedGraph:
                     guards.append(sympy.Ge(sym, int(vr.lower)))
                 if _finite(vr.upper):
                     guards.append(sympy.Le(sym, int(vr.upper)))
-            example_sizes[sym] = getattr(env, "backed_var_to_val", env.var_to_val).get(sym)
+            example_sizes[sym] = (env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val).get(sym)
     return CapturedGraph(
         gm=gm,
         params=params,

@@ -30,6 +30,8 @@ def _where(node) -> str:
     """Name the module whose value a collective acts on, as a layer pattern: for a backward
     all-reduce the modules that consume the value, otherwise the module that produced it."""
     if node.target is collectives.copy_to_tp:
+        if node.args[0].op in ("placeholder", "get_attr"):
+            return f"gradient of parameter {layer_pattern(str(node.args[0].target))}"
         users = sorted({layer_pattern(module_path(u)) for u in node.users})
         return "gradient of the input of " + ", ".join(users)
     source = node.args[0] if node.args and hasattr(node.args[0], "meta") else node

@@ -163,6 +163,15 @@ def _map_devices(obj, device: torch.device):
 
 def bind_inputs(graph: fx.Graph, captured, device: torch.device) -> None:
     """Pass 3: placeholders for parameters/buffers -> attributes; sizes -> read from arguments."""
+    import warnings
+
+    with warnings.catch_warnings():
+        # the attributes live on the ParallelCausalLM, not on Dynamo's GraphModule: FX would warn per attribute
+        warnings.simplefilter("ignore")
+        _bind_inputs(graph, captured, device)
+
+
+def _bind_inputs(graph: fx.Graph, captured, device: torch.device) -> None:
     graph.eliminate_dead_code()
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     first_real = next(n for n in graph.nodes if n.op != "placeholder")

@@ -1,0 +1,37 @@
+"""Comparisons of a parallelized model with the single-device transformers model (run inside ranks)."""
+from __future__ import annotations
+
+import torch
+
+
+def batch(vocab: int, b: int = 2, s: int = 9, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (b, s), generator=g)
+
+
+def compare(model, reference, rank: int, tp: int, ids=None, **kwargs) -> dict:
+    """Loss, complete logits and every parameter gradient vs the reference; returns max abs errors."""
+    ids = batch(model.config.vocab_size) if ids is None else ids
+    for p in list(model.parameters()) + list(reference.parameters()):
+        p.grad = None
+    out = model(input_ids=ids, labels=ids, **kwargs)
+    ref = reference(input_ids=ids, labels=ids, **kwargs)
+    out.loss.backward()
+    ref.loss.backward()
+    logits = model(input_ids=ids, **kwargs).logits
+    ref_params = dict(reference.named_parameters())
+    grad_err, checked = 0.0, 0
+    for name, p in model.named_parameters():
+        expected = ref_params[name].grad[model.plan.param(name).local_slices(rank, tp)]
+        assert p.grad is not None, f"{name} got no gradient"
+        assert p.grad.shape == expected.shape, (name, p.grad.shape, expected.shape)
+        grad_err = max(grad_err, (p.grad - expected).abs().max().item())
+        checked += 1
+    assert checked == len(list(reference.parameters())), "every parameter must be compared"
+    return {
+        "loss": (out.loss - ref.loss).abs().item(),
+        "logits": (logits - ref.logits).abs().max().item(),
+        "grad": grad_err,
+        "local_logits": tuple(out.local_logits.shape) if out.local_logits is not None else None,
+        "logits_gathered_with_labels": out.logits is not None,
+    }
