@@ -1,0 +1,68 @@
+"""Bad input fails early with a message naming what is wrong and where."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxparallel
+from fxparallel.errors import CaptureError, FxParallelError, GroupError, ShardingError
+from fxparallel.group import resolve_tp_group
+from models import tiny_config
+
+
+def test_tp_size_that_does_not_divide_kv_heads_names_dimension_and_parameter():
+    with pytest.raises(ShardingError, match=r"tp size 8 does not divide num_key_value_heads=4.*k_proj.weight \(dim 0\)"):
+        fxparallel.plan_model(tiny_config("llama"), 8)
+
+
+def test_tp_size_that_does_not_divide_vocab():
+    with pytest.raises(ShardingError, match=r"does not divide vocab_size=130.*embed_tokens.weight \(dim 0\)"):
+        fxparallel.plan_model(tiny_config("llama", vocab_size=130), 4)
+
+
+def test_not_a_causal_lm():
+    from transformers import ViTConfig
+
+    with pytest.raises(FxParallelError, match=r"not a causal language model: model_type 'vit'"):
+        fxparallel.plan_model(ViTConfig(hidden_size=64, num_attention_heads=4, intermediate_size=64), 2)
+
+
+def test_graph_break_names_the_op_and_source_line(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaMLP.forward
+
+    def data_dependent(self, x):
+        if x.sum() > 0:  # a data-dependent branch: Dynamo cannot capture it whole
+            return original(self, x)
+        return original(self, -x)
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", data_dependent)
+    with pytest.raises(CaptureError, match=r"could not be captured as one graph.*test_errors\.py:\d+"):
+        fxparallel.plan_model(tiny_config("llama"), 2)
+
+
+def test_uninitialized_process_group():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(GroupError, match="torch.distributed is not initialized"):
+        resolve_tp_group(object())
+    with pytest.raises(GroupError, match="tp_group is None"):
+        fxparallel.parallelize(tiny_config("llama"), None)
+
+
+def test_op_without_rule_is_gathered_and_recorded(monkeypatch):
+    """An op the planner has no rule for must never give wrong numbers: it runs on gathered inputs."""
+    from transformers.models.llama import modeling_llama
+
+    def flipped_mlp(self, x):
+        h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        h = torch.flip(h, dims=[-1])  # not elementwise: flipping a sharded dim would be wrong locally
+        return self.down_proj(h)
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", flipped_mlp)
+    plan, graph = fxparallel.plan_model(tiny_config("llama"), 2)
+    assert any("flip" in f and "gathered" in f for f in plan.fallbacks), plan.fallbacks
+    assert "replicated by fallback" in str(plan)
+    assert "collectives_all_gather(" in graph.code  # the gather the fallback needs
