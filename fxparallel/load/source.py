@@ -40,6 +40,24 @@ def _check_causal_lm(config, where: str, trust_remote_code: bool):
     )
 
 
+def _config_error(name: str, hub_kwargs: dict, err: Exception) -> str:
+    from .hub import is_offline
+
+    if os.path.isdir(name):
+        return f"cannot load the config of {name!r}: {err}"
+    if name.startswith((".", "/", "~")) or os.sep + os.sep in name or name.count("/") > 1:
+        return f"{name!r} is not a directory, nor a hub id (org/name): {err}"
+    if is_offline(hub_kwargs):
+        from huggingface_hub import constants
+
+        cache = hub_kwargs.get("cache_dir") or constants.HF_HUB_CACHE
+        return (f"hub id {name!r} cannot be resolved offline (HF_HUB_OFFLINE=1 or local_files_only=True): its "
+                f"config.json is not in the hub cache {cache}"
+                + (f" for revision {hub_kwargs['revision']!r}" if hub_kwargs.get("revision") else "")
+                + f". Download it once online (e.g. `hf download {name}`) or pass a local directory")
+    return f"cannot load the config of hub id {name!r}: {err}"
+
+
 def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=None, token=None,
                    trust_remote_code=False) -> ModelSource:
     from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
@@ -60,7 +78,7 @@ def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=Non
         try:
             config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **hub_kwargs)
         except (OSError, ValueError) as err:
-            raise CheckpointError(f"cannot load the config of {name!r}: {err}") from err
+            raise CheckpointError(_config_error(name, hub_kwargs, err)) from err
         _check_causal_lm(config, repr(name), trust_remote_code)
         return ModelSource(config, checkpoint=name, hub_kwargs=hub_kwargs)
     raise FxParallelError(
