@@ -107,7 +107,7 @@ def checkpoint_bytes(path: str) -> int:
 
 
 # ---- the two systems -----------------------------------------------------------------------
-def measure_fxparallel(path: str) -> dict:
+def measure_fxparallel(path: str, dtype) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -126,7 +126,7 @@ def measure_fxparallel(path: str) -> dict:
     api.load_from_files = measured_load
     try:
         with Peak() as p:
-            model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+            model = fxparallel.parallelize(path, dist.group.WORLD, dtype=dtype)
             loaded = p.now()
             touch(model)
     finally:
@@ -135,7 +135,7 @@ def measure_fxparallel(path: str) -> dict:
     pieces = [p_.local_shape(tp) for p_ in model.plan.params]
     result = dict(system="fxparallel", loaded=loaded, growth=p.growth, rchar=p.read, bytes_read=model.bytes_read,
                   shard=sum(q.numel() * q.element_size() for q in model.parameters()),
-                  largest_piece=max(4 * _numel(s) for s in pieces), **stage)
+                  largest_piece=max(4 * _numel(s) for s in pieces), **stage)  # stored fp32
     del model
     release_memory()
     return result
@@ -149,7 +149,7 @@ def touch(model) -> None:
     with torch.no_grad():
         for q in model.parameters():
             local = q.to_local() if hasattr(q, "to_local") else q
-            float(local.float().sum()) if local.dtype != torch.float32 else float(local.sum())
+            float(local.sum())
 
 
 def _numel(shape) -> int:
@@ -159,7 +159,7 @@ def _numel(shape) -> int:
     return n
 
 
-def measure_transformers(path: str, tp: int) -> dict:
+def measure_transformers(path: str, tp: int, dtype) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -172,7 +172,7 @@ def measure_transformers(path: str, tp: int) -> dict:
         kwargs, label = dict(tp_plan="auto"), "transformers tp_plan='auto'"
     try:
         with Peak() as p:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
             loaded = p.now()
             touch(model)
     except Exception as err:  # noqa: BLE001 - reported, not hidden
@@ -200,9 +200,10 @@ def run_rank(args) -> None:
     dist.barrier()
     size = checkpoint_bytes(args.checkpoint)
     imported = status("VmRSS")
-    rows = [measure_fxparallel(args.checkpoint), measure_transformers(args.checkpoint, tp)]
+    dtype = getattr(torch, args.dtype)
+    rows = [measure_fxparallel(args.checkpoint, dtype), measure_transformers(args.checkpoint, tp, dtype)]
     for row in rows:
-        row.update(rank=rank, tp=tp, checkpoint=size, rss_before=imported)
+        row.update(rank=rank, tp=tp, checkpoint=size, rss_before=imported, dtype=args.dtype)
     everyone = [None] * tp
     dist.all_gather_object(everyone, rows)
     if rank == 0:
@@ -214,15 +215,17 @@ def run_rank(args) -> None:
 
 
 def table(rows: list) -> str:
-    head = ("tp", "rank", "system", "ckpt MiB", "shard MiB", "read MiB", "rchar MiB", "load rchar MiB",
+    head = ("tp", "rank", "system", "RSS before MiB", "ckpt MiB", "shard MiB", "read MiB", "rchar MiB", "load rchar MiB",
             "peak growth (loaded) MiB", "peak growth (+touch) MiB", "load-stage growth MiB", "growth - shard MiB")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['tp']} | {r['rank']} | {r['system']} | {r['checkpoint'] / MiB:.0f} | error: {r['error']}")
+            lines.append(f"{r['tp']} | {r['rank']} | {r['system']} | {r['rss_before'] / MiB:.0f} | "
+                         f"{r['checkpoint'] / MiB:.0f} | error: {r['error']}")
             continue
         cell = lambda k: f"{r[k] / MiB:.1f}" if k in r else "-"  # noqa: E731
-        lines.append(" | ".join([str(r["tp"]), str(r["rank"]), r["system"], f"{r['checkpoint'] / MiB:.1f}",
+        lines.append(" | ".join([str(r["tp"]), str(r["rank"]), r["system"], f"{r['rss_before'] / MiB:.0f}",
+                                 f"{r['checkpoint'] / MiB:.1f}",
                                  cell("shard"), cell("bytes_read"), cell("rchar"), cell("load_rchar"), cell("loaded"), cell("growth"),
                                  cell("load_growth"), f"{(r['growth'] - r['shard']) / MiB:.1f}"]))
     return "\n".join(lines)
@@ -230,7 +233,7 @@ def table(rows: list) -> str:
 
 def run_all(args) -> None:
     """Run torchrun for each TP size, one after the other, and print one table."""
-    results = os.path.abspath(args.json or "load_memory.jsonl")
+    results = os.path.abspath(args.json or os.path.join(os.path.dirname(args.checkpoint), "load_memory.jsonl"))
     if os.path.exists(results):
         os.remove(results)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", MALLOC_MMAP_THRESHOLD_="65536",
@@ -238,7 +241,7 @@ def run_all(args) -> None:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     for tp in args.tp:
         cmd = [torchrun, f"--nproc_per_node={tp}", __file__, "--size-mb", str(args.size_mb), "--checkpoint",
-               args.checkpoint, "--json", results]
+               args.checkpoint, "--json", results, "--dtype", args.dtype]
         print("$", " ".join(cmd), flush=True)
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:
@@ -256,6 +259,7 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="run TP = 1, 2, 4 (torchrun each) and print one table")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--json", default=None, help="append the per-rank results to this file")
+    parser.add_argument("--dtype", default="float32", help="dtype of the loaded shards (the checkpoint is fp32)")
     args = parser.parse_args()
     args.checkpoint = args.checkpoint or f"/tmp/fxparallel-bench/llama-{args.size_mb:g}mb"
     if args.all:

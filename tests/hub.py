@@ -63,6 +63,7 @@ class FakeHub:
         self.repos = repos
         self.gets = Counter()
         self.heads = Counter()
+        self.authorizations = set()  # Authorization headers seen (token= reaches the hub)
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -70,6 +71,8 @@ class FakeHub:
                 pass
 
             def _resolve(self):
+                if self.headers.get("Authorization"):
+                    hub.authorizations.add(self.headers["Authorization"])
                 # /<org>/<name>/resolve/<revision>/<file>
                 parts = self.path.split("?")[0].lstrip("/").split("/")
                 if len(parts) < 5 or parts[2] != "resolve":

@@ -281,7 +281,7 @@ def _loopback_ranks(rank, tp, plan_dict, cache):
     from fxparallel.group import resolve_tp_group
 
     plan = fxparallel.ShardingPlan.from_dict(plan_dict)
-    source = resolve_source("org/tiny", cache_dir=cache)
+    source = resolve_source("org/tiny", cache_dir=cache, token="hf_token_for_the_test")
     files = resolve_checkpoint("org/tiny", source.hub_kwargs, group=dist.group.WORLD)
     module = ParallelCausalLM(source.config, plan, resolve_tp_group(dist.group.WORLD), "cpu", torch.float32, None)
     nbytes = load_from_files(module, plan, files, rank, tp)
@@ -318,8 +318,8 @@ def test_one_download_per_node_and_failures_reach_every_rank(checkpoints, plans,
     weights = {name for name in good if name.endswith(".safetensors") and name.startswith("model-")}
     assert {f for (repo, f), n in hub.gets.items() if repo == "org/tiny"} == weights | {
         "config.json", "model.safetensors.index.json"}
-    print("GET counts", dict(hub.gets))
-    assert all(hub.gets[("org/tiny", f)] == 1 for f in weights | {"model.safetensors.index.json"})
+    assert all(hub.gets[("org/tiny", f)] == 1 for f in weights | {"config.json", "model.safetensors.index.json"})
+    assert "Bearer hf_token_for_the_test" in hub.authorizations  # token= reached the hub
     assert ("org/tiny", "pytorch_model.bin") not in hub.gets and ("org/tiny", "consolidated.safetensors") not in hub.gets
     full = full_tensors(ck)
     for rank, (shards, nbytes, errors) in enumerate(per_rank):
