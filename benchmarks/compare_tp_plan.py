@@ -253,7 +253,7 @@ def main(argv=None):
     meta = {"model": path, "model_type": AutoConfig.from_pretrained(path).model_type, "tp": world,
             "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "dtype": args.dtype,
             "device": torch.cuda.get_device_name() if use_cuda else "cpu", "backend": dist.get_backend(),
-            "memory": PeakMemory(device).kind, "torch": torch.__version__,
+            "memory": PeakMemory(device).kind, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     if rank == 0:
         print("\n" + format_table(meta, results))

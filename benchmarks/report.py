@@ -66,7 +66,7 @@ def format_table(meta: dict, results: dict) -> str:
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     lines = [
         f"{meta['model_type']} ({meta['model']}), tp={meta['tp']}, batch {meta['batch']} x seq {meta['seq']}, "
-        f"{meta['dtype']}, {meta['device']}/{meta['backend']}, median of {meta['steps']} interleaved steps after "
+        f"{meta['dtype']}, {meta['device']}/{meta['backend']}, {meta.get('threads', '?')} thread(s)/rank, median of {meta['steps']} interleaved steps after "
         f"{meta['warmup']} warm-up; memory = {meta['memory']}; load average {_num(meta.get('load_average'), '.1f')}",
         "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(),
         "  ".join("-" * w for w in widths),

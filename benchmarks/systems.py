@@ -64,6 +64,8 @@ class FxParallel(System):
         from fxparallel.capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
 
         out = {}
+        if self.model.tp_group.size == 1:  # every collective is the identity
+            return out
         for c in self.model.plan.collectives:
             per_step = c.where.startswith("gradient of parameter")
             calls_bytes = out.setdefault(c.direction, {}).setdefault(c.kind, [0, 0])

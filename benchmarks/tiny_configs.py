@@ -14,7 +14,7 @@ SIZES = {
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "expert_ffn_dim": 32,
     "vocab_size": 256, "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128, "max_seq_len": 128,
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "top_k": 2,
-    "head_dim": 8, "kv_channels": 8,
+    "head_dim": 8, "kv_channels": 8, "rotary_dim": 4, "rotary_emb_base": 10000,
 }
 
 
