@@ -1,0 +1,24 @@
+"""Training runtime around a parallelized model: mesh, FSDP2 data parallelism, loss
+normalization, clipping, distributed checkpoints, consolidated export, data.
+
+    mesh = init_mesh()                                   # TP_SIZE / DP_SIZE / CP_SIZE
+    model = fxparallel.parallelize(path, mesh.tp_mesh)   # 1. tensor parallel shards
+    model = apply_data_parallel(model, mesh)             # 2. FSDP2 over dp x cp, on the TP shards
+    optimizer = torch.optim.AdamW(model.parameters())    # 3. after FSDP: it sees the sharded params
+    metrics = train_step(model, optimizer, batches.batch(step), mesh, max_norm=1.0)
+    save_checkpoint(root, model, optimizer, mesh, step)  # loads into any (dp, tp, cp) layout
+"""
+from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from .clip import clip_grad_norm_, global_grad_norm
+from .data import StepBatches, dataset_token_stream, pack_tokens, synthetic_token_stream
+from .export import export_pretrained, gather_full_state_dict
+from .fsdp import apply_data_parallel
+from .loss import global_label_tokens, label_tokens, scaled_loss
+from .mesh import ParallelMesh, init_mesh, world_size_error
+from .train import StepMetrics, check_context_parallel, train_step
+
+__all__ = ["init_mesh", "ParallelMesh", "world_size_error", "apply_data_parallel", "label_tokens",
+           "global_label_tokens", "scaled_loss", "clip_grad_norm_", "global_grad_norm", "save_checkpoint",
+           "load_checkpoint", "latest_checkpoint", "list_checkpoints", "export_pretrained", "gather_full_state_dict",
+           "synthetic_token_stream", "pack_tokens", "dataset_token_stream", "StepBatches", "train_step", "StepMetrics",
+           "check_context_parallel"]

@@ -1,0 +1,71 @@
+"""Gradient clipping by the true global norm over every mesh dimension.
+
+Each element of the full model's gradient must be counted exactly once:
+
+* TP-sharded parameters (``S(d)``): every tp rank holds a different slice, so their
+  squares are summed over tp.
+* TP-replicated parameters (``R``): every tp rank holds the same complete gradient,
+  so only tp rank 0 contributes (summing over tp would count them tp times).
+* FSDP shards (DTensor ``Shard(0)`` over dp x cp) are disjoint: summed over dp x cp.
+  In replicate mode (or without FSDP) every dp x cp rank holds the same gradient,
+  so only dp x cp rank 0 contributes.
+
+The sum of squares is then one all-reduce over the whole world.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
+
+from .dtensor import dp_placement, local_part
+
+
+def _grads_with_multiplicity(model, mesh):
+    """(local gradient tensor, counts here?) for every parameter with a gradient."""
+    out = []
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        plan = model.plan.param(name)
+        tp_replicated = not plan.placement.startswith("S")
+        dp_replicated = not isinstance(dp_placement(param.grad), Shard)
+        counts = (not tp_replicated or mesh.tp_rank == 0) and (not dp_replicated or mesh.dp_cp_rank == 0)
+        out.append((local_part(param.grad), counts))
+    return out
+
+
+def global_grad_norm(model, mesh, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of the full model's gradient (same value on every rank)."""
+    grads = _grads_with_multiplicity(model, mesh)
+    norm_type = float(norm_type)
+    device = mesh.device
+    if math.isinf(norm_type):
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g, _ in grads:  # max is insensitive to counting twice
+            if g.numel():
+                local = torch.maximum(local, g.detach().abs().max().float())
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        return local
+    total = torch.zeros((), dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    for g, counts in grads:
+        if counts and g.numel():
+            total += g.detach().float().abs().pow(norm_type).sum().to(total.dtype)
+    dist.all_reduce(total)
+    return total.pow(1.0 / norm_type).float()
+
+
+def clip_grad_norm_(model, max_norm: float, mesh, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale every gradient so the global norm is at most ``max_norm``; returns the norm before clipping.
+
+    Like ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)``,
+    capped at 1), but over the sharded model.
+    """
+    norm = global_grad_norm(model, mesh, norm_type)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    grads = [local_part(p.grad) for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
+    return norm

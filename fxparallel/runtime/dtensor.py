@@ -1,0 +1,83 @@
+"""A rank's piece of a parameter, seen as one DTensor of the FULL model tensor.
+
+Composition order is TP then FSDP: ``parallelize`` gives each rank its tensor-parallel
+shard (placement ``param._fxparallel.placement``, "R" or "S(d)"), then ``fully_shard``
+splits that shard over the dp x cp ranks along dim 0 (torch.chunk sizes, like
+DTensor's Shard). On the 2-D mesh ("tp", "dp_cp") that is exactly the DTensor with
+placements ``(tp placement, Shard(0))``: DTensor applies placements in mesh-dimension
+order, tp first, so Shard(0) on both takes the tp block first and then the dp chunk
+inside it. (On a ("dp", "tp") mesh the same layout would need a strided shard.)
+
+The view shares storage with the local tensor, so DCP loads into it in place.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..plan.placement import Placement
+
+
+def tp_placement(plan_param):
+    p = Placement.parse(plan_param.placement)
+    return Shard(p.dim) if p.is_shard else Replicate()
+
+
+def dp_placement(tensor):
+    """How FSDP laid ``tensor`` out over dp x cp: Shard(0), or Replicate (no FSDP, replicate mode)."""
+    if isinstance(tensor, DTensor):
+        mesh = tensor.device_mesh
+        for size, placement in zip(mesh.shape, tensor.placements):
+            if isinstance(placement, Shard) and size > 1:
+                if placement.dim != 0:
+                    raise NotImplementedError(f"FSDP sharding on dim {placement.dim}; only dim 0 is supported")
+                return Shard(0)
+    return Replicate()
+
+
+def local_part(tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def local_tp_shape(tensor) -> tuple:
+    """The shape of the tensor-parallel shard (before FSDP split it)."""
+    return tuple(tensor.shape)  # a DTensor's shape is its global shape over dp x cp
+
+
+def global_view(tensor, plan_param, mesh) -> DTensor:
+    """``tensor`` (this rank's TP shard, maybe an FSDP DTensor over dp x cp) as a DTensor of
+    the full model shape ``plan_param.shape`` on ``mesh.tp_dp_mesh``."""
+    full = tuple(plan_param.shape)
+    if local_tp_shape(tensor) != plan_param_local_shape(plan_param, mesh.tp):
+        raise ValueError(f"{plan_param.name}: tensor of shape {tuple(tensor.shape)} is not its tp={mesh.tp} shard "
+                         f"{plan_param_local_shape(plan_param, mesh.tp)}")
+    local = local_part(tensor)
+    placements = (tp_placement(plan_param), dp_placement(tensor))
+    return DTensor.from_local(local, mesh.tp_dp_mesh, placements, run_check=False, shape=torch.Size(full),
+                              stride=_contiguous_stride(full))
+
+
+def plan_param_local_shape(plan_param, tp: int) -> tuple:
+    return tuple(plan_param.local_shape(tp))
+
+
+def full_tensor(tensor, plan_param, mesh) -> torch.Tensor:
+    """The complete model tensor on every rank: all-gather over dp x cp (FSDP), then over tp."""
+    tensor = tensor.detach()
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()  # this rank's whole TP shard
+    placement = tp_placement(plan_param)
+    if isinstance(placement, Replicate) or mesh.tp == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(mesh.tp)]
+    dist.all_gather(parts, tensor.contiguous(), group=mesh.tp_mesh.get_group())
+    return torch.cat(parts, dim=placement.dim)
+
+
+def _contiguous_stride(shape: tuple) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))

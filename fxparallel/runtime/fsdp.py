@@ -1,0 +1,113 @@
+"""Data parallelism over dp x cp with FSDP2, on top of the tensor-parallel shards.
+
+Order of composition: ``parallelize`` first (each rank holds its TP shard as a plain
+tensor), then ``apply_data_parallel`` (FSDP2 shards each TP shard over the dp x cp
+ranks of its tp position along dim 0). Every rank of a dp x cp group holds the same
+TP position, so the shards FSDP splits have the same shape on all of them.
+
+FSDP units: the parallel model's forward is one generated graph that reads
+parameters as attributes; it never calls the per-layer submodules, so FSDP hooks
+on them would never fire. ``fully_shard`` therefore goes on each module the model
+lists in ``model.fsdp_units()`` (none today) and then on the root, whose
+pre-forward hook all-gathers every parameter before the graph reads them.
+
+Gradient reduction: FSDP reduces with a plain SUM over dp x cp (divide factor 1).
+The loss convention that makes the sum right is in ``runtime/loss.py``: each rank
+backpropagates ``sum of its token losses / tokens in the global batch``, so the
+summed gradient is the gradient of the global-batch mean, whatever the layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+MODES = ("shard", "replicate")
+MIXED_PRECISION = {None: None, "none": None, "fp32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                   "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class DataParallelInfo:
+    mode: str
+    param_dtype: Optional[torch.dtype]
+    units: int  # number of fully_shard calls (per-layer units + root)
+
+
+def _replicate_mesh(mesh):
+    """A 2-D (replicate = dp x cp, shard = 1) mesh: HSDP that keeps whole TP shards on every rank."""
+    return mesh.dp_cp_mesh._unflatten(0, (mesh.dp_cp_size, 1), ("dp_replicate", "dp_shard"))
+
+
+def _prepare_mixed_precision(model, param_dtype) -> None:
+    """The generated graph has its capture dtype baked in (e.g. RMSNorm's cast back to the
+    input dtype), so it must have been captured in the compute dtype: parallelize with
+    ``dtype=param_dtype``. The parameters then become fp32 master weights here; FSDP casts
+    them to ``param_dtype`` for each forward."""
+    graph_dtype = getattr(model, "dtype_", None)
+    if graph_dtype != param_dtype:
+        raise ValueError(
+            f"mixed precision {param_dtype} needs a model captured in {param_dtype}, but it was parallelized with "
+            f"dtype={graph_dtype}: call fxparallel.parallelize(..., dtype={param_dtype}) (the weights become fp32 "
+            "master copies here)"
+        )
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dtype != torch.float32:
+                param.data = param.data.float()
+
+
+def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Optional[str] = None,
+                        reshard_after_forward: Optional[bool] = None):
+    """Wrap ``model`` (a ParallelCausalLM) with FSDP2 over ``mesh.dp_cp_mesh``; returns it.
+
+    ``mode``: "shard" (FSDP: parameters, gradients and optimizer states split over
+    dp x cp) or "replicate" (every rank keeps whole TP shards; gradients all-reduced).
+    ``mixed_precision``: None (compute in the parameters' dtype) or "bf16" (bf16
+    compute and all-gathers, fp32 gradient reduction and master weights; the model
+    must come from ``parallelize(..., dtype=torch.bfloat16)``, see
+    ``_prepare_mixed_precision``).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from .train import check_context_parallel
+
+    check_context_parallel(model, mesh)
+    if mode not in MODES:
+        raise ValueError(f"data parallel mode must be one of {MODES}, got {mode!r}")
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(f"mixed_precision must be one of {sorted(k for k in MIXED_PRECISION if k)} or None, "
+                         f"got {mixed_precision!r}")
+    param_dtype = MIXED_PRECISION[mixed_precision]
+    if param_dtype is not None:
+        _prepare_mixed_precision(model, param_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    dp_mesh = mesh.dp_cp_mesh if mode == "shard" else _replicate_mesh(mesh)
+    kwargs = dict(mesh=dp_mesh, mp_policy=policy)
+    units = list(getattr(model, "fsdp_units", lambda: [])())
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    for module in units + [model]:
+        # SUM over dp x cp: the loss is already divided by the global token count (runtime/loss.py).
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # no PREMUL_SUM (gloo lacks it; factor 1 needs no scaling)
+    model._fxparallel_data_parallel = DataParallelInfo(mode, param_dtype, len(units) + 1)
+    return model
+
+
+def reshard(model) -> None:
+    """Register the sharded parameters again on every FSDP unit of ``model``.
+
+    The root unit keeps its unsharded parameters after a forward (reshard_after_forward
+    is False for the root) until a backward frees them; after a forward without
+    backward (evaluation, logits) ``named_parameters()`` would return those temporary
+    full tensors. Checkpointing and export call this first so they see, and write
+    into, the sharded parameters the optimizer owns.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -1,0 +1,55 @@
+"""Loss normalization: the loss is the mean over every label token of the global batch.
+
+Labels follow the Hugging Face convention: ``labels`` is aligned with ``input_ids``
+(usually ``labels == input_ids``) and the model's loss shifts them internally, so
+the tokens that count are ``labels[:, 1:] != -100``.
+
+Each rank's model returns the mean over its own tokens. Ranks differ in token
+counts (padding, -100 masks), so averaging those means would weight tokens
+unequally. Instead each rank backpropagates
+
+    local_mean * local_tokens / global_tokens  (= sum of its token losses / global tokens)
+
+and FSDP SUMS gradients over dp x cp (divide factor 1, ``runtime/fsdp.py``): the
+result is the gradient of the global-batch mean, for every (dp, tp, cp) layout.
+Tensor-parallel ranks of one dp group see the same batch, so they agree on both
+counts; the global count is summed over dp x cp only.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+IGNORE_INDEX = -100
+
+
+def label_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Number of tokens the causal LM loss counts (labels are shifted by the loss)."""
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
+
+
+def global_label_tokens(labels: torch.Tensor, mesh) -> int:
+    """Tokens counted by the loss over the whole global batch (sum over dp x cp)."""
+    count = label_tokens(labels).to(torch.float64 if mesh.device.type == "cpu" else torch.float32)
+    count = count.to(mesh.device)
+    if mesh.dp_cp_size > 1:
+        dist.all_reduce(count, group=mesh.dp_cp_group)
+    return int(count.item())
+
+
+def scaled_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, global_tokens: int, **kwargs):
+    """Forward; returns (loss to backpropagate, this rank's token-loss sum as a detached tensor).
+
+    A rank without any label token still runs forward and backward (its collectives
+    must match the other ranks'); it contributes zero.
+    """
+    if global_tokens <= 0:
+        raise ValueError("the global batch has no label tokens (every label is -100)")
+    local = int(label_tokens(labels))
+    if local == 0:
+        # the model's mean would be 0/0; give it one dummy token and weight it by zero
+        labels = labels.clone()
+        labels[..., 1] = 0
+    out = model(input_ids=input_ids, labels=labels, **kwargs)
+    loss = out.loss * (local / global_tokens)
+    return loss, (out.loss.detach() * local).float()

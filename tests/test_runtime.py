@@ -1,0 +1,324 @@
+"""Training runtime on real gloo ranks: TP -> FSDP2 training equals single-process transformers
+(losses, clipped gradients, global grad norms, parameters) for DPxTPxCP = 2x2x1, 4x1x1, 2x1x1,
+1x2x1; checkpoints load across layouts and resume exactly; a failed save keeps the previous one;
+the consolidated export loads in transformers with the same logits.
+
+Two spawns share all checks: world 4 (2x2 then 4x1) and world 2 (1x2, 2x1 replicate mode, a tied
+model's export, the mesh error). The 2x2 run saves the checkpoint the other layouts load.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+STEPS = 4
+SAVE_AT = 2  # checkpoint after this many steps
+LR, WD, MAX_NORM = 1e-3, 0.1, 0.8
+GLOBAL_BATCH, SEQ = 8, 16
+TOL = 1e-5
+
+
+# ---- shared pieces (used inside ranks and by the reference) ------------------------------
+def _rows():
+    from fxparallel.runtime import pack_tokens, synthetic_token_stream
+
+    return pack_tokens(synthetic_token_stream(128, 40 * SEQ, seed=3, mean_doc_len=12), SEQ)
+
+
+def _mask(batch: dict) -> dict:
+    """Mask some labels (-100), so dp ranks count different numbers of tokens."""
+    labels = batch["labels"].clone()
+    labels[batch["input_ids"] % 5 == 0] = -100
+    return {"input_ids": batch["input_ids"], "labels": labels}
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+
+
+# ---- inside ranks ----------------------------------------------------------------------
+def _setup(path, tp, dp, mode="shard"):
+    import fxparallel
+    from fxparallel.runtime import StepBatches, apply_data_parallel, init_mesh
+
+    mesh = init_mesh(tp=tp, dp=dp, cp=1)
+    model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32)
+    model = apply_data_parallel(model, mesh, mode=mode)
+    return mesh, model, _optimizer(model.parameters()), StepBatches(_rows(), GLOBAL_BATCH, mesh.dp_rank, mesh.dp)
+
+
+def _train(model, opt, data, mesh, start, stop, record):
+    from fxparallel.runtime import train_step
+
+    for step in range(start, stop):
+        m = train_step(model, opt, _mask(data.batch(step)), mesh, max_norm=MAX_NORM)
+        record.append((m.loss, m.grad_norm))
+
+
+def _full(model, mesh, grads=False):
+    from fxparallel.runtime.dtensor import full_tensor
+    from fxparallel.runtime.fsdp import reshard
+
+    reshard(model)
+    out = {}
+    for name, p in model.named_parameters():
+        plan = model.plan.param(name)
+        out[plan.name] = full_tensor(p.grad if grads else p, plan, mesh).clone()
+    return out
+
+
+def _layout_run(path, ckpt_root, tp, dp, mode="shard", save=False, export_dir=None):
+    """Train STEPS steps; then load the (2x2) checkpoint of step SAVE_AT and train the rest again.
+
+    With ``save`` (the 2x2 run): save at SAVE_AT, and after the last step try a save that fails
+    and export the model, before loading."""
+    from fxparallel.runtime import export_pretrained, load_checkpoint, save_checkpoint
+
+    mesh, model, opt, data = _setup(path, tp, dp, mode)
+    run = {"fsdp": type(model).__name__, "mesh_ranks": (mesh.dp_rank, mesh.tp_rank),
+           "rows": data.indices(0).tolist()}
+    history = []
+    _train(model, opt, data, mesh, 0, SAVE_AT, history)
+    if save:
+        run["saved_params"] = _full(model, mesh)
+        save_checkpoint(ckpt_root, model, opt, mesh, SAVE_AT)
+    _train(model, opt, data, mesh, SAVE_AT, STEPS, history)
+    run["history"] = history
+    run["grads"] = _full(model, mesh, grads=True)
+    run["params"] = _full(model, mesh)
+    ids = data.global_batch_at(STEPS)["input_ids"]
+    run["logits"] = model(input_ids=ids).logits.detach().clone()
+    if save:
+        run["failed_save"] = _simulate_failed_save(model, opt, mesh, ckpt_root)
+    if export_dir:
+        export_pretrained(model, mesh, export_dir)
+    meta = load_checkpoint(ckpt_root, model, opt, mesh)  # back to step SAVE_AT, from the 2x2 layout
+    run["loaded_meta"] = {k: meta[k] for k in ("step", "layout")}
+    run["loaded_params"] = _full(model, mesh)
+    run["resumed"] = []
+    _train(model, opt, data, mesh, SAVE_AT, STEPS, run["resumed"])
+    return run
+
+
+def _public(run, rank):
+    """What goes back to the test process (rank 0 sends tensors, others only numbers)."""
+    keep = ("history", "resumed", "loaded_meta", "fsdp", "mesh_ranks", "rows", "failed_save")
+    out = {k: run[k] for k in keep if k in run}
+    if rank == 0:  # as numpy: tensors would travel through shared memory that dies with the rank
+        for k in ("grads", "params", "logits", "loaded_params", "saved_params"):
+            if k in run:
+                out[k] = {n: t.numpy() for n, t in run[k].items()} if isinstance(run[k], dict) else run[k].numpy()
+    return out
+
+
+def _simulate_failed_save(model, opt, mesh, ckpt_root):
+    """Rank 1's writer raises mid-save: every rank gets the error; the previous checkpoint stays."""
+    import torch.distributed.checkpoint as dcp
+
+    from fxparallel.runtime import latest_checkpoint, save_checkpoint
+
+    original = dcp.FileSystemWriter.write_data
+
+    def broken(self, plan, planner):
+        raise OSError("disk full (simulated)")
+
+    if mesh.rank == 1:
+        dcp.FileSystemWriter.write_data = broken
+    try:
+        save_checkpoint(ckpt_root, model, opt, mesh, STEPS + 1)
+        error = None
+    except Exception as err:  # noqa: BLE001
+        error = f"{type(err).__name__}: {err}"
+    finally:
+        dcp.FileSystemWriter.write_data = original
+    return {"error": error, "latest": os.path.basename(latest_checkpoint(ckpt_root)),
+            "entries": sorted(os.listdir(ckpt_root))}
+
+
+def _world4(rank, world, path, ckpt_root, export_dir):
+    return {"2x2x1": _public(_layout_run(path, ckpt_root, tp=2, dp=2, save=True, export_dir=export_dir), rank),
+            "4x1x1": _public(_layout_run(path, ckpt_root, tp=1, dp=4), rank)}
+
+
+def _world2(rank, world, path, tied_path, ckpt_root, tied_export):
+    import fxparallel
+    from fxparallel.errors import GroupError
+    from fxparallel.runtime import apply_data_parallel, export_pretrained, init_mesh
+
+    results = {}
+    try:
+        init_mesh(tp=2, dp=2, cp=1)
+        results["mesh_error"] = None
+    except GroupError as err:
+        results["mesh_error"] = str(err)
+    results["1x2x1"] = _public(_layout_run(path, ckpt_root, tp=2, dp=1), rank)
+    results["2x1x1"] = _public(_layout_run(path, ckpt_root, tp=1, dp=2, mode="replicate"), rank)
+    # a tied model through FSDP and export (tied weights written once)
+    mesh = init_mesh(tp=2, dp=1, cp=1)
+    tied = apply_data_parallel(fxparallel.parallelize(tied_path, mesh.tp_mesh, dtype=torch.float32), mesh)
+    export_pretrained(tied, mesh, tied_export)
+    ids = torch.arange(2 * SEQ).view(2, SEQ) % 128
+    logits = tied(input_ids=ids).logits.detach()  # collective: every rank runs it
+    results["tied_logits"] = logits.numpy() if rank == 0 else None
+    return results
+
+
+# ---- the single-process reference ------------------------------------------------------
+def _reference(path):
+    from transformers import AutoModelForCausalLM
+
+    from fxparallel.runtime import StepBatches
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opt = _optimizer(model.parameters())
+    data = StepBatches(_rows(), GLOBAL_BATCH, 0, 1)
+    ref = {"history": []}
+    for step in range(STEPS):
+        if step == SAVE_AT:
+            ref["saved_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.zero_grad()
+        loss = model(**_mask(data.global_batch_at(step))).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        ref["history"].append((loss.item(), norm.item()))
+    ref["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref["logits"] = model(input_ids=data.global_batch_at(STEPS)["input_ids"]).logits.detach()
+    return ref
+
+
+# ---- fixtures: one spawn per world size --------------------------------------------------
+@pytest.fixture(scope="module")
+def paths(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("runtime")
+    return {"model": checkpoints["llama"], "tied": checkpoints["qwen3-tied"], "ckpt": str(root / "ckpt"),
+            "export": str(root / "export"), "tied_export": str(root / "tied_export")}
+
+
+@pytest.fixture(scope="module")
+def reference(paths):
+    return _reference(paths["model"])
+
+
+@pytest.fixture(scope="module")
+def world4(paths):
+    return run_ranks(4, _world4, paths["model"], paths["ckpt"], paths["export"])
+
+
+@pytest.fixture(scope="module")
+def world2(paths, world4):  # loads the checkpoint world4 saved
+    return run_ranks(2, _world2, paths["model"], paths["tied"], paths["ckpt"], paths["tied_export"])
+
+
+def _layouts(world4, world2):
+    for per_rank in (world4, world2):
+        for key in per_rank[0]:
+            if key.count("x") == 2:
+                yield key, [r[key] for r in per_rank]
+
+
+def _t(x):
+    return torch.as_tensor(x)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), set(a) ^ set(b)
+    return max((_t(a[k]) - _t(b[k])).abs().max().item() for k in a)
+
+
+# ---- tests -----------------------------------------------------------------------------
+def test_every_layout_trains_like_single_process(world4, world2, reference):
+    seen = []
+    for layout, ranks in _layouts(world4, world2):
+        seen.append(layout)
+        first = ranks[0]
+        assert first["fsdp"].startswith("FSDP"), first["fsdp"]
+        for r in ranks:  # every rank reports the same global loss and norm
+            assert r["history"] == first["history"], layout
+        for (loss, norm), (ref_loss, ref_norm) in zip(first["history"], reference["history"]):
+            assert abs(loss - ref_loss) < TOL, (layout, first["history"], reference["history"])
+            assert abs(norm - ref_norm) < TOL, (layout, norm, ref_norm)  # global grad norm before clipping
+        assert _max_diff(first["grads"], reference["grads"]) < TOL, layout  # clipped gradients of the last step
+        assert _max_diff(first["params"], reference["params"]) < TOL, layout
+        assert (_t(first["logits"]) - reference["logits"]).abs().max().item() < TOL, layout
+    assert sorted(seen) == ["1x2x1", "2x1x1", "2x2x1", "4x1x1"]
+    assert any(norm > MAX_NORM for _, norm in reference["history"])  # clipping was active
+
+
+def test_tp_ranks_of_a_dp_group_share_the_batch(world4):
+    by_dp = {}
+    for r in world4:
+        dp_rank, tp_rank = r["2x2x1"]["mesh_ranks"]
+        by_dp.setdefault(dp_rank, []).append(r["2x2x1"]["rows"])
+    assert sorted(by_dp) == [0, 1]
+    for rows in by_dp.values():
+        assert len(rows) == 2 and rows[0] == rows[1]  # both tp ranks of a dp group: the same rows
+    assert not set(by_dp[0][0]) & set(by_dp[1][0])  # dp groups: disjoint rows
+    assert len(by_dp[0][0]) == GLOBAL_BATCH // 2
+    four = sorted(tuple(r["4x1x1"]["rows"]) for r in world4)
+    assert len({i for rows in four for i in rows}) == GLOBAL_BATCH  # dp=4: the global batch, split in 4
+
+
+def test_checkpoint_loads_into_every_layout(world4, world2, reference):
+    saved = world4[0]["2x2x1"]["saved_params"]
+    assert _max_diff(saved, reference["saved_params"]) < TOL
+    for layout, ranks in _layouts(world4, world2):
+        first = ranks[0]
+        assert first["loaded_meta"] == {"step": SAVE_AT, "layout": {"dp": 2, "tp": 2, "cp": 1}}, layout
+        assert _max_diff(first["loaded_params"], saved) == 0.0, layout  # bit-exact, whatever the layout
+
+
+def test_resume_gives_the_same_losses(world4, world2):
+    uninterrupted = world4[0]["2x2x1"]["history"][SAVE_AT:]
+    # same layout: bit-identical; other layouts: same within fp32 reduction-order noise
+    assert world4[0]["2x2x1"]["resumed"] == uninterrupted
+    for layout, ranks in _layouts(world4, world2):
+        resumed = ranks[0]["resumed"]
+        assert len(resumed) == STEPS - SAVE_AT
+        for (loss, norm), (ref_loss, ref_norm) in zip(resumed, uninterrupted):
+            assert abs(loss - ref_loss) < TOL and abs(norm - ref_norm) < TOL, (layout, resumed, uninterrupted)
+
+
+def test_failed_save_keeps_the_previous_checkpoint(world4):
+    for r in world4:
+        failed = r["2x2x1"]["failed_save"]
+        assert failed["error"] is not None and "disk full (simulated)" in failed["error"], failed
+        assert failed["latest"] == f"step_{SAVE_AT:08d}"
+    entries = world4[0]["2x2x1"]["failed_save"]["entries"]
+    assert f"step_{STEPS + 1:08d}" not in entries and f"step_{SAVE_AT:08d}" in entries, entries
+
+
+def test_export_loads_in_transformers_with_the_same_logits(world4, world2, paths):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from fxparallel.runtime import StepBatches
+
+    trained = world4[0]["2x2x1"]
+    exported = AutoModelForCausalLM.from_pretrained(paths["export"], dtype=torch.float32)
+    # the export holds the 2x2 model as it was after the last step, and computes its logits
+    assert _max_diff({n: p.detach() for n, p in exported.named_parameters()}, trained["params"]) == 0.0
+    ids = StepBatches(_rows(), GLOBAL_BATCH, 0, 1).global_batch_at(STEPS)["input_ids"]
+    with torch.no_grad():
+        assert (exported(input_ids=ids).logits - _t(trained["logits"])).abs().max().item() < TOL
+
+    tied = AutoModelForCausalLM.from_pretrained(paths["tied_export"], dtype=torch.float32)
+    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    with safe_open(os.path.join(paths["tied_export"], "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys  # tied weight stored once
+    ids = torch.arange(2 * SEQ).view(2, SEQ) % 128
+    with torch.no_grad():
+        got = tied(input_ids=ids).logits
+    assert (got - _t(world2[0]["tied_logits"])).abs().max().item() < TOL
+
+
+def test_mesh_error_names_the_sizes(world2):
+    for r in world2:
+        assert r["mesh_error"] == "World size (2) must equal TP size (2) * DP size (2) * CP size (1)"
