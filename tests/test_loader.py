@@ -20,7 +20,7 @@ from fxparallel.group import fake_group
 from fxparallel.load import load_from_files, local_checkpoint, resolve_checkpoint, resolve_source
 from fxparallel.load import safetensors_io
 from fxparallel.module import ParallelCausalLM
-from hub import FakeHub, add_to_cache, checkpoint_files, commit_of
+from hub import FakeHub, add_to_cache, checkpoint_files
 from models import save_checkpoint, tiny_config
 
 TIED = dict(tie_word_embeddings=True)
