@@ -92,8 +92,7 @@ def main(argv=None):
             print(f"error: context parallelism (CP_SIZE={requested_cp(args)}) is not implemented yet; "
                   "run with CP_SIZE=1 and give those ranks to DP_SIZE or TP_SIZE", file=sys.stderr)
         sys.exit(2)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
+    owns_group = not dist.is_initialized()
     mesh = init_mesh(args.tp, args.dp, args.cp)
     first = mesh.rank == 0
     model_path = args.model
@@ -127,8 +126,10 @@ def main(argv=None):
             if first:
                 print(f"resumed from {found} (step {start}, saved with layout {meta['layout']})", flush=True)
 
+    history = []
     for step in range(start, args.steps):
         metrics = train_step(model, optimizer, data.batch(step), mesh, max_norm=args.max_norm)
+        history.append(metrics)
         done = step + 1
         if first:
             print(f"step {done:5d} | loss {metrics.loss:.4f} | grad norm {metrics.grad_norm:.4f} | "
@@ -142,7 +143,9 @@ def main(argv=None):
         export_pretrained(model, mesh, args.export)
         if first:
             print(f"exported a Hugging Face checkpoint to {args.export}", flush=True)
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
+    return history
 
 
 if __name__ == "__main__":
