@@ -87,6 +87,10 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
     meta = build_meta_model(source.config, dtype=dtype, trust_remote_code=trust_remote_code,
                             model_class=source.model_class)
     check_divisible(source.config, group.size, meta)
+    # resolve (download) the checkpoint before the capture, so a bad checkpoint fails early
+    files = None
+    if source.checkpoint is not None:
+        files = resolve_checkpoint(source.checkpoint, source.hub_kwargs, group=group.process_group)
     timings["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
@@ -105,11 +109,8 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
         return g
 
     # weights: everything that can fail on input runs before any shard is written
-    files = None
-    if source.checkpoint is not None:
-        files = resolve_checkpoint(source.checkpoint, source.hub_kwargs)
     module = ParallelCausalLM(source.config, plan, group, device, dtype, graph_factory)
-    module.set_buffers({name: b for name, b in meta.named_buffers()})
+    module.set_buffers(meta.fxparallel_buffers)
     module.add_graph(local)
     t = time.perf_counter()
     if files is not None:

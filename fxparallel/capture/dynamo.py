@@ -6,6 +6,7 @@ one graph serves every shape that satisfies the recorded shape guards.
 """
 from __future__ import annotations
 
+import logging
 import re
 import types
 
@@ -30,6 +31,14 @@ def _forward_fn(model, input_names, output_names):
     # A fresh code object per capture: Dynamo caches by code object, so this capture
     # neither reuses nor evicts anything else (no torch._dynamo.reset() needed).
     return types.FunctionType(run.__code__.replace(), run.__globals__, "fxparallel_capture", None, run.__closure__)
+
+
+def _logging_functions() -> set:
+    """Logger methods Dynamo may treat as no-ops: models warn from inside forward (e.g. about
+    ignored arguments); that must not break the graph."""
+    names = ("debug", "info", "warning", "warn", "error", "warning_once", "info_once", "warning_advice")
+    found = {getattr(logging.Logger, n) for n in names if hasattr(logging.Logger, n)}
+    return set(torch._dynamo.config.ignore_logging_functions) | found
 
 
 def _dynamo_message(err: Exception) -> str:
@@ -76,11 +85,20 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
 
     fn = _forward_fn(model, input_names, output_names)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    # Models build small constants with torch.tensor(..., device=x.device); on the meta device
+    # those are meta tensors, which the fake-tensor mode must accept as inputs.
+    from torch._subclasses.fake_tensor import fake_tensor_tls
+
+    previous = fake_tensor_tls.allow_non_fake_inputs_override
+    fake_tensor_tls.allow_non_fake_inputs_override = True
     try:
-        compiled(**example)
+        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
+            compiled(**example)
     except Exception as err:  # Dynamo raises many exception types; all mean "not capturable whole"
         kind = type(model).__name__
         raise CaptureError(f"{kind} could not be captured as one graph: {_dynamo_message(err)}") from err
+    finally:
+        fake_tensor_tls.allow_non_fake_inputs_override = previous
     if len(seen) != 1:
         raise CaptureError(f"expected one captured graph, Dynamo produced {len(seen)}")
     gm, example_inputs = seen[0]

@@ -30,7 +30,12 @@ def parameters_on_meta():
 
 
 def build_meta_model(config, *, dtype: torch.dtype, trust_remote_code: bool = False, model_class=None):
-    """Instantiate the causal LM of ``config`` with meta parameters and real (CPU) buffers."""
+    """Instantiate the causal LM of ``config`` entirely on the meta device.
+
+    Buffer values are computed for real by ``__init__`` (on CPU) and kept in
+    ``model.fxparallel_buffers`` (name -> tensor); the module itself holds meta
+    copies, so that capture never mixes devices.
+    """
     from transformers import AutoModelForCausalLM
 
     previous = torch.get_default_dtype()
@@ -45,4 +50,13 @@ def build_meta_model(config, *, dtype: torch.dtype, trust_remote_code: bool = Fa
         torch.set_default_dtype(previous)
     for p in model.parameters():
         p.requires_grad_(True)
+    values = {}
+    for module_name, module in model.named_modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is None:
+                continue
+            full = f"{module_name}.{name}" if module_name else name
+            values[full] = buf
+            module._buffers[name] = buf.to("meta")
+    model.fxparallel_buffers = values
     return model.eval()

@@ -44,7 +44,7 @@ from .rules import RuleContext, Strategy, rule_for, tensor_inputs
 
 INFEASIBLE = float("inf")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
-MAX_BRANCHES = 4000  # complete plans evaluated at most; beyond it the best so far is kept
+MAX_BRANCHES = 400  # complete plans evaluated at most; beyond it the best so far is kept
 
 
 def layer_pattern(name: str) -> str:
@@ -175,7 +175,7 @@ class Solver:
         if not undecided and all(p is None or p.is_replicate for p in in_pl.values()):
             plan.placements[node] = _replicated_like(value)
             return None
-        if not isinstance(value, torch.Tensor):
+        if not _has_tensor(value):
             return [((0.0, 0.0, 0, ()), self._non_tensor(node, plan, ins, in_pl))]
         rule = rule_for(node)
         strategies = rule(node, in_pl, self.ctx) if rule else []
@@ -274,6 +274,12 @@ class Solver:
             plan.fallbacks.append((_describe(node), s.note or "no sharding rule: inputs gathered"))
         plan.strategies[node] = s
         plan.placements[node] = s.output
+
+
+def _has_tensor(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
 
 
 def _requires_grad(node) -> bool:

@@ -70,3 +70,16 @@ def pointwise_strategies(node, placements, ctx, inputs=None):
 
 
 register(*_UNARY, *_METHODS)(pointwise_strategies)
+
+
+def _min_max(node, placements, ctx):
+    """torch.min/max: pointwise with a second tensor; a reduction along ``dim`` otherwise."""
+    second = node.args[1] if len(node.args) > 1 else node.kwargs.get("other", node.kwargs.get("dim"))
+    if isinstance(second, int) or "dim" in node.kwargs:
+        from .multi_output import _along
+
+        return _along(node, placements, ctx, 1, "dim", -1, 2, keeps_dim=bool(node.kwargs.get("keepdim", False)))
+    return pointwise_strategies(node, placements, ctx)
+
+
+register(torch.min, torch.max, "min", "max")(_min_max)

@@ -305,3 +305,36 @@ def _cat(node, placements, ctx):
 
 
 register(torch.cat, torch.concat, torch.concatenate)(_cat)
+
+
+def _stack(node, placements, ctx):
+    tensors = node.args[0]
+    if not isinstance(tensors, (tuple, list)) or not all(isinstance(t, fx.Node) for t in tensors):
+        return []
+    out = ctx.fake(node)
+    stack_dim = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), out.dim())
+    strategies = []
+    for d in {placements[t].dim for t in tensors if placements[t].is_shard}:
+        o = d if d < stack_dim else d + 1
+        if isinstance(out.shape[o], int) and out.shape[o] % ctx.tp == 0:
+            strategies.append(Strategy({t: S(d) for t in tensors}, S(o)))
+    strategies.append(Strategy({t: R for t in tensors}, R))
+    return strategies
+
+
+register(torch.stack)(_stack)
+
+
+def _pad(node, placements, ctx):
+    x = node.args[0]
+    pad = arg(node, 1, "pad")
+    p = placements[x]
+    inputs = tensor_inputs(node)
+    strategies = []
+    if p.is_shard and isinstance(pad, (tuple, list)) and p.dim < ctx.ndim(x) - len(pad) // 2 and inputs == [x]:
+        strategies.append(Strategy({x: p}, S(p.dim)))
+    strategies.append(Strategy({i: R for i in inputs}, R))
+    return strategies
+
+
+register(torch.nn.functional.pad)(_pad)

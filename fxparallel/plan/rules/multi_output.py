@@ -1,0 +1,51 @@
+"""Ops with several outputs (chunk, split, unbind, topk, max/min along a dim, sort).
+
+Splitting or selecting along a dimension that is not sharded leaves every output
+sharded like the input. Splitting along the sharded dimension is handled only
+when the input was sharded segment by segment (fused projections); otherwise
+the input is gathered.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..placement import R, S
+from .base import Strategy, arg, norm_dim, register, tensor_inputs
+
+
+def _along(node, placements, ctx, dim_index, dim_name, default_dim, n_out, keeps_dim=True):
+    x = node.args[0]
+    p = placements[x]
+    value = node.meta.get("example_value")
+    if not isinstance(value, (tuple, list)):
+        return []
+    n = len(value)
+    dim = norm_dim(arg(node, dim_index, dim_name, default_dim), ctx.ndim(x))
+    strategies = []
+    if p.is_shard and p.dim != dim:
+        out_dim = p.dim if keeps_dim or p.dim < dim else p.dim - 1
+        strategies.append(Strategy({x: p}, tuple(S(out_dim) for _ in range(n))))
+    strategies.append(Strategy({i: R for i in tensor_inputs(node)}, tuple(R for _ in range(n))))
+    return strategies
+
+
+def _chunk(node, placements, ctx):
+    return _along(node, placements, ctx, 2, "dim", 0, None)
+
+
+def _unbind(node, placements, ctx):
+    return _along(node, placements, ctx, 1, "dim", 0, None, keeps_dim=False)
+
+
+def _topk(node, placements, ctx):
+    return _along(node, placements, ctx, 2, "dim", -1, 2)
+
+
+def _sort(node, placements, ctx):
+    return _along(node, placements, ctx, 1, "dim", -1, 2)
+
+
+register("chunk", "split", "tensor_split", torch.chunk, torch.split, torch.tensor_split)(_chunk)
+register("unbind", torch.unbind)(_unbind)
+register("topk", torch.topk)(_topk)
+register("sort", torch.sort)(_sort)
