@@ -32,6 +32,7 @@ ROWS = [
     ("forward, no grad (ms, median)", lambda r: f"{r['forward_s'] * 1e3:.1f}", lambda r: r["forward_s"]),
     ("  CPU time of the forward (ms, median)", lambda r: f"{r['forward_cpu_s'] * 1e3:.1f}",
      lambda r: r["forward_cpu_s"]),
+    ("fwd+bwd (ms, median)", lambda r: f"{r['fwd_bwd_s'] * 1e3:.1f}", lambda r: r["fwd_bwd_s"]),
     ("fwd+bwd+AdamW step (ms, median)", lambda r: f"{r['step_s'] * 1e3:.1f}", lambda r: r["step_s"]),
     ("  CPU time of the step (ms, median)", lambda r: f"{r['step_cpu_s'] * 1e3:.1f}", lambda r: r["step_cpu_s"]),
     ("training tokens/s", lambda r: f"{r['tokens_per_s']:.0f}", lambda r: r["tokens_per_s"]),
@@ -44,7 +45,8 @@ ROWS = [
     ("peak memory per rank (MiB, max over ranks)", lambda r: f"{r['peak_mib']:.0f}", lambda r: r["peak_mib"]),
     ("  growth during the run (MiB, per rank)", lambda r: " ".join(f"{x:.0f}" for x in r["growth_mib_per_rank"]),
      None),
-    ("max |logits - single device|", lambda r: f"{r['logits_diff']:.2e}", None),
+    ("max |logits - single device|",
+     lambda r: "error (below)" if r.get("logits_error") else f"{r['logits_diff']:.2e}", None),
     ("|loss - single device|", lambda r: f"{r['loss_diff']:.2e}", None),
 ]
 
@@ -82,6 +84,9 @@ def format_table(meta: dict, results: dict) -> str:
                             f"backward {r['backward_collectives']})"))
         if not ok[n]:
             lines.append(f"{results[n]['label']} failed: {results[n]['error']}")
+        elif results[n].get("logits_error"):
+            lines.append(f"{results[n]['label']}: forward without labels (complete logits) failed: "
+                         f"{results[n]['logits_error']}")
     if all(ok.values()) and len(names) == 2:
         a, b = (results[n]["losses"] for n in names)
         gap = max(abs(x - y) for x, y in zip(a, b))

@@ -28,7 +28,8 @@ class System:
     def loss(self, ids):
         return self.model(input_ids=ids, labels=ids).loss
 
-    def logits_and_loss(self, ids):
+    def logits(self, ids):
+        """Complete logits of a forward without labels."""
         raise NotImplementedError
 
     def make_optimizer(self, lr: float):
@@ -51,9 +52,8 @@ class FxParallel(System):
         self.timings["capture+plan"] = self.model.timings["capture+plan+rewrite"]
         self.model.eval()  # captured without dropout; the same mode for both systems
 
-    def logits_and_loss(self, ids):
-        logits = self.model(input_ids=ids).logits  # complete logits: gathered when no labels are given
-        return logits, self.loss(ids)
+    def logits(self, ids):
+        return self.model(input_ids=ids).logits  # complete: gathered when no labels are given
 
     def expected_collectives(self, tokens: int) -> dict:
         """What the plan says one training step sends: {phase: {kind: [calls, bytes]}}.
@@ -91,12 +91,11 @@ class TransformersTP(System):
         if self.model.device.type != device.type:
             raise RuntimeError(f"transformers placed the model on {self.model.device}, expected {device.type}")
 
-    def logits_and_loss(self, ids):
-        out = self.model(input_ids=ids, labels=ids)
-        logits = out.logits
+    def logits(self, ids):
+        logits = self.model(input_ids=ids).logits
         if hasattr(logits, "full_tensor"):  # a DTensor: make it a plain complete tensor
             logits = logits.full_tensor()
-        return logits, out.loss
+        return logits
 
 
 SYSTEMS = {cls.name: cls for cls in (FxParallel, TransformersTP)}
