@@ -60,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--dataset", default=None, help="a `datasets` dataset name (default: synthetic tokens)")
     p.add_argument("--dataset-config", default=None)
     p.add_argument("--text-field", default="text")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for --dataset (default: the model's)")
     p.add_argument("--max-tokens", type=int, default=2_000_000, help="tokens to read from --dataset")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -78,7 +79,12 @@ def load_rows(args, model_path, vocab_size: int) -> torch.Tensor:
     else:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        source = args.tokenizer or model_path
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"error: --dataset needs a tokenizer; none loads from {source!r} ({err}); "
+                             "pass --tokenizer") from None
         stream = dataset_token_stream(args.dataset, tokenizer, config_name=args.dataset_config,
                                       text_field=args.text_field, max_tokens=args.max_tokens)
     return pack_tokens(stream, args.seq_len)

@@ -134,6 +134,18 @@ def test_context_parallel_is_refused():
     check_context_parallel(object(), types.SimpleNamespace(cp=1))
 
 
+def test_mixed_precision_needs_a_graph_captured_in_bf16():
+    from fxparallel.runtime import apply_data_parallel
+
+    model = types.SimpleNamespace(dtype_=torch.float32)
+    mesh = types.SimpleNamespace(cp=1)
+    with pytest.raises(ValueError, match=r"parallelized with dtype=torch.float32: call fxparallel.parallelize\(\.\.\., "
+                                         r"dtype=torch.bfloat16\)"):
+        apply_data_parallel(model, mesh, mixed_precision="bf16")
+    with pytest.raises(ValueError, match="data parallel mode must be one of"):
+        apply_data_parallel(model, mesh, mode="ddp")
+
+
 def test_train_3d_refuses_cp_before_starting(monkeypatch, capsys):
     import importlib.util
 

@@ -40,26 +40,17 @@ def local_part(tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-def local_tp_shape(tensor) -> tuple:
-    """The shape of the tensor-parallel shard (before FSDP split it)."""
-    return tuple(tensor.shape)  # a DTensor's shape is its global shape over dp x cp
-
-
 def global_view(tensor, plan_param, mesh) -> DTensor:
     """``tensor`` (this rank's TP shard, maybe an FSDP DTensor over dp x cp) as a DTensor of
     the full model shape ``plan_param.shape`` on ``mesh.tp_dp_mesh``."""
     full = tuple(plan_param.shape)
-    if local_tp_shape(tensor) != plan_param_local_shape(plan_param, mesh.tp):
-        raise ValueError(f"{plan_param.name}: tensor of shape {tuple(tensor.shape)} is not its tp={mesh.tp} shard "
-                         f"{plan_param_local_shape(plan_param, mesh.tp)}")
-    local = local_part(tensor)
+    tp_shard = tuple(plan_param.local_shape(mesh.tp))
+    if tuple(tensor.shape) != tp_shard:  # a DTensor's shape is its shape over dp x cp: the TP shard
+        raise ValueError(f"{plan_param.name}: tensor of shape {tuple(tensor.shape)} is not its tp={mesh.tp} "
+                         f"shard {tp_shard}")
     placements = (tp_placement(plan_param), dp_placement(tensor))
-    return DTensor.from_local(local, mesh.tp_dp_mesh, placements, run_check=False, shape=torch.Size(full),
-                              stride=_contiguous_stride(full))
-
-
-def plan_param_local_shape(plan_param, tp: int) -> tuple:
-    return tuple(plan_param.local_shape(tp))
+    return DTensor.from_local(local_part(tensor), mesh.tp_dp_mesh, placements, run_check=False,
+                              shape=torch.Size(full), stride=_contiguous_stride(full))
 
 
 def full_tensor(tensor, plan_param, mesh) -> torch.Tensor:
