@@ -15,6 +15,7 @@ import torch
 
 from ..errors import CheckpointError
 from .checkpoint import CheckpointFiles
+from .conversion import ConversionError, Stored, find_conversions
 from .coordinate import agree, first_on_node
 from .safetensors_io import SafetensorsFile, byte_runs, normalize_index
 
@@ -36,8 +37,7 @@ class _Read:
     path: str
     tensor: str
     source: tuple  # index into the stored tensor
-    param: torch.Tensor
-    dest: tuple  # index into this rank's shard
+    out: torch.Tensor  # where the piece goes: a view of this rank's shard
     nbytes: int
     offset: int  # where the piece starts in the file (reads go in file order)
 
@@ -46,44 +46,138 @@ def _names(p) -> tuple:
     return (p.name,) + tuple(p.aliases)
 
 
-def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int) -> list:
-    """Check the checkpoint against the plan (headers only); returns the pieces to read and the files."""
-    missing = [p.name for p in plan.params if not any(n in files.weight_map for n in _names(p))]
+MAX_LISTED = 8
+
+
+def _absent_note(name: str, absent: list) -> str:
+    if not absent or absent == [name]:
+        return name
+    shown = ", ".join(absent[:MAX_LISTED]) + (f" and {len(absent) - MAX_LISTED} more" if len(absent) > MAX_LISTED else "")
+    return f"{name} (absent: {shown})"
+
+
+def _conversions(module, plan, needed: dict, files: CheckpointFiles, shape_of_stored, meta_model):
+    """How the parameters in ``needed`` are stored (transformers' conversion mapping), or None."""
+    if meta_model is None:
+        from ..capture import build_meta_model
+
+        try:
+            meta_model = build_meta_model(module.config, dtype=torch.float32)
+        except Exception as err:  # noqa: BLE001 - e.g. remote code: no conversion mapping then
+            log.debug("no meta model for the conversion mapping: %s", err)
+            return None
+    shapes = {n: tuple(p.shape) for p in plan.params for n in _names(p)}
+    return find_conversions(meta_model, needed, shapes, files.weight_map, shape_of_stored, shapes.__getitem__,
+                            module.config)
+
+
+def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_model=None) -> list:
+    """Check the checkpoint against the plan (headers only); returns the pieces to read and the files.
+
+    A parameter is read from the tensor of its own name (or of a tied alias) when the checkpoint has
+    one; else from the tensors transformers' conversion mapping builds it from (see conversion.py)."""
+    stored = files.weight_map
+    headers = {}
+
+    def header(tensor: str):
+        path = stored[tensor]
+        if path not in headers:
+            headers[path] = SafetensorsFile(path)
+        return headers[path].tensors.get(tensor), path
+
+    def shape_of_stored(tensor: str) -> tuple:
+        info, path = header(tensor)
+        if info is None:
+            raise ConversionError(f"tensor {tensor!r} is listed in the index for {path}, which does not hold it")
+        return info.shape
+
+    direct = {p.name: next((n for n in _names(p) if n in stored), None) for p in plan.params}
+    needed = {n: tuple(p.shape) for p in plan.params if direct[p.name] is None for n in _names(p)}
+    conv = _conversions(module, plan, needed, files, shape_of_stored, meta_model) if needed else None
+    converted, missing = {}, []
+    for p in plan.params:
+        if direct[p.name] is not None:
+            continue
+        name = next((n for n in _names(p) if conv is not None and n in conv.groups), None)
+        if name is None:
+            expected = next((list(conv.expected[n]) for n in _names(p) if conv is not None and n in conv.expected), [])
+            missing.append(_absent_note(p.name, [n for n in expected if n not in stored]))
+        elif conv.absent(name, stored):
+            missing.append(_absent_note(p.name, conv.absent(name, stored)))
+        else:
+            converted[p.name] = name
     if missing:
         where = files.source or "the checkpoint"
         raise CheckpointError(f"{where} has no weights for {len(missing)} parameter(s): {', '.join(missing)}")
     known = {n for p in plan.params for n in _names(p)} | {n for n, _ in module.named_buffers()}
-    extra = sorted(set(files.weight_map) - known)
+    extra = sorted(set(stored) - known - (conv.consumed if conv is not None else set()))
     if extra:
         warnings.warn(f"{files.source or 'checkpoint'} has {len(extra)} tensor(s) the model does not use: "
                       f"{', '.join(extra)}", stacklevel=4)
-    headers = {}
     reads, problems = [], []
     for p in plan.params:
-        tensor = next(n for n in _names(p) if n in files.weight_map)  # tied: read once, under one name
-        path = files.weight_map[tensor]
-        if path not in headers:
-            headers[path] = SafetensorsFile(path)
-        info = headers[path].tensors.get(tensor)
-        if info is None:
-            problems.append(f"tensor {tensor!r} is listed in the index for {path}, which does not hold it")
+        tensor = direct[p.name]  # tied: read once, under one name
+        if tensor is not None:
+            info, path = header(tensor)
+            if info is None:
+                problems.append(f"tensor {tensor!r} is listed in the index for {path}, which does not hold it")
+                continue
+            if info.shape != tuple(p.shape):
+                problems.append(f"tensor {tensor!r} in {path} has shape {list(info.shape)} but the config gives "
+                                f"{list(p.shape)}")
+                continue
+            node = Stored(tensor, info.shape)
+        else:
+            node = _converted_node(p, converted[p.name], conv, header, problems)
+            if node is None:
+                continue
+        bad = [n for n in node.leaves() if header(n)[0].torch_dtype is None]
+        for n in bad:
+            info, path = header(n)
+            problems.append(f"tensor {n!r} in {path} has dtype {info.dtype}, which fxparallel cannot read")
+        if bad:
             continue
-        if info.shape != tuple(p.shape):
-            problems.append(f"tensor {tensor!r} in {path} has shape {list(info.shape)} but the config gives "
-                            f"{list(p.shape)}")
-            continue
-        if info.torch_dtype is None:
-            problems.append(f"tensor {tensor!r} in {path} has dtype {info.dtype}, which fxparallel cannot read")
-            continue
-        param = module.get_parameter(p.name)
+        param = module.get_parameter(p.name).detach()
         for source, dest in slice_pieces(p, rank, tp):
-            runs = byte_runs(info.shape, normalize_index(info.shape, source), info.itemsize)
-            nbytes = sum(n for _, n in runs)
-            reads.append(_Read(path, tensor, source, param, dest, nbytes, info.start + (runs[0][0] if runs else 0)))
+            for tensor, index, out in node.pieces(normalize_index(p.shape, source), param[dest]):
+                info, path = header(tensor)
+                runs = byte_runs(info.shape, normalize_index(info.shape, index), info.itemsize)
+                if runs:
+                    reads.append(_Read(path, tensor, index, out, sum(n for _, n in runs), info.start + runs[0][0]))
     if problems:
         raise CheckpointError("the checkpoint does not match the model:\n  " + "\n  ".join(problems))
     reads.sort(key=lambda r: (r.path, r.offset))
     return reads, headers
+
+
+def _converted_node(p, name: str, conv, header, problems: list):
+    """The symbolic tensor of a converted parameter after checking its stored tensors; None (and
+    ``problems`` extended) if they do not fit."""
+    group = conv.groups[name]
+    expected = conv.expected.get(name, {})
+    ok = True
+    for tensor in group.sources:
+        info, path = header(tensor)
+        if info is None:
+            problems.append(f"tensor {tensor!r} is listed in the index for {path}, which does not hold it")
+            ok = False
+        elif tensor in expected and info.shape != expected[tensor]:
+            problems.append(f"tensor {tensor!r} in {path} has shape {list(info.shape)} but the config gives "
+                            f"{list(expected[tensor])}")
+            ok = False
+    if not ok:
+        return None
+    sources = ", ".join(repr(t) for t in group.sources[:MAX_LISTED]) + (" ..." if len(group.sources) > MAX_LISTED else "")
+    where = header(group.sources[0])[1]
+    if group.error is not None:
+        problems.append(f"{p.name} cannot be built from its stored tensors {sources} in {where}: {group.error}")
+        return None
+    node = group.made[name]
+    if tuple(node.shape) != tuple(p.shape):
+        problems.append(f"{p.name} built from its stored tensors {sources} in {where} has shape {list(node.shape)} "
+                        f"but the config gives {list(p.shape)}")
+        return None
+    return node
 
 
 def _progress(total: int, rank: int, tp: int):
@@ -93,13 +187,17 @@ def _progress(total: int, rank: int, tp: int):
                 disable=not first_on_node(), leave=False)
 
 
-def load_from_files(module, plan, files: CheckpointFiles, rank: int, tp: int, *, progress: bool = True) -> int:
-    """Read each parameter's rank pieces from the checkpoint into the shards; returns bytes read."""
+def load_from_files(module, plan, files: CheckpointFiles, rank: int, tp: int, *, progress: bool = True,
+                    meta_model=None) -> int:
+    """Read each parameter's rank pieces from the checkpoint into the shards; returns bytes read.
+
+    ``meta_model``: the transformers model on the meta device, for its conversion mapping (built
+    from ``module.config`` when needed and not given)."""
     group = getattr(getattr(module, "tp_group", None), "process_group", None)
     t0 = time.perf_counter()
     nbytes, error = 0, None
     try:
-        reads, headers = _plan_reads(module, plan, files, rank, tp)
+        reads, headers = _plan_reads(module, plan, files, rank, tp, meta_model)
         bar = _progress(sum(r.nbytes for r in reads), rank, tp) if progress else None
         with torch.no_grad():
             path, handle = None, None
@@ -109,7 +207,7 @@ def load_from_files(module, plan, files: CheckpointFiles, rank: int, tp: int, *,
                         if handle is not None:
                             handle.__exit__(None, None, None)
                         path, handle = r.path, headers[r.path].__enter__()
-                    nbytes += handle.read_into(r.tensor, r.source, r.param.detach()[r.dest])
+                    nbytes += handle.read_into(r.tensor, r.source, r.out)
                     if bar is not None:
                         bar.update(r.nbytes)
             finally:
