@@ -165,6 +165,12 @@ def _converted_node(p, name: str, conv, header, problems: list):
             problems.append(f"tensor {tensor!r} in {path} has shape {list(info.shape)} but the config gives "
                             f"{list(expected[tensor])}")
             ok = False
+    if expected and set(group.sources) & set(expected):  # save_pretrained's layout: nothing else belongs
+        for tensor in group.sources:
+            if tensor not in expected:
+                problems.append(f"tensor {tensor!r} in {header(tensor)[1]} does not fit the config: {p.name} is "
+                                f"stored as {len(expected)} tensor(s), e.g. {next(iter(expected))!r}")
+                ok = False
     if not ok:
         return None
     sources = ", ".join(repr(t) for t in group.sources[:MAX_LISTED]) + (" ..." if len(group.sources) > MAX_LISTED else "")
