@@ -120,7 +120,8 @@ def _forced(plan, placement):
 def _module(directory, plan, rank, tp=2):
     from transformers import AutoConfig
 
-    module = ParallelCausalLM(AutoConfig.from_pretrained(directory), plan, fake_group(tp, rank), "cpu", torch.float32, None)
+    config = AutoConfig.from_pretrained(directory)
+    module = ParallelCausalLM(config, plan, fake_group(tp, rank), "cpu", torch.float32, None)
     with torch.no_grad():
         for p in module.parameters():
             p.fill_(float("nan"))
@@ -167,7 +168,8 @@ def test_missing_expert_tensors_are_named_as_stored(saved, loaded, tmp_path):
 def test_converted_tensor_of_the_wrong_shape_names_file_and_tensor(saved, loaded, tmp_path):
     plan = fxparallel.ShardingPlan.from_dict(loaded[0]["qwen2_moe"][1])
     bad = "model.layers.1.mlp.experts.3.up_proj.weight"
-    directory = _edited(saved["qwen2_moe"], str(tmp_path / "ck"), lambda t: t.update({bad: torch.zeros(24, 64)}))
+    directory = _edited(saved["qwen2_moe"], str(tmp_path / "ck"),
+                        lambda t: t.update({bad: torch.zeros(24, 64)}))
     with pytest.raises(CheckpointError) as info:
         load_from_files(_module(directory, plan, 1), plan, local_checkpoint(directory), 1, 2, progress=False)
     message = str(info.value)

@@ -85,11 +85,12 @@ class SafetensorsFile:
         if nbytes == 0:
             return 0
         out = out.detach()
-        if out.dtype == info.torch_dtype and out.is_contiguous():
+        direct = out.is_contiguous() and out.device.type == "cpu"
+        if direct and out.dtype == info.torch_dtype:
             self._read_runs(info, runs, _bytes_view(out))
-        elif out.is_contiguous():
+        elif direct:
             self._stream_convert(info, runs, out.as_strided((out.numel(),), (1,)))
-        else:  # a non-contiguous destination (e.g. one piece of a fused parameter)
+        else:  # a non-contiguous destination (one piece of a stacked parameter), or one on an accelerator
             tmp = torch.empty(piece_shape, dtype=info.torch_dtype)
             self._read_runs(info, runs, _bytes_view(tmp))
             out.copy_(tmp)

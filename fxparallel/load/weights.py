@@ -25,11 +25,10 @@ log = logging.getLogger("fxparallel")
 def slice_pieces(p, rank: int, tp: int) -> list:
     """The pieces of the stored tensor ``p`` that this rank keeps: [(source index, destination index)].
 
-    Today every placement is one contiguous slice. A fused parameter (several pieces of
-    the stored tensor per rank) returns more than one pair; the reader handles any list.
+    A plain shard is one contiguous slice; a segmented shard (fused q/k/v, gate/up) is one
+    piece per segment (``ParamPlan.pieces``); the reader handles any list.
     """
-    local = p.local_shape(tp)
-    return [(p.local_slices(rank, tp), tuple(slice(0, s) for s in local))]
+    return p.pieces(rank, tp)
 
 
 @dataclass
@@ -52,8 +51,8 @@ MAX_LISTED = 8
 def _absent_note(name: str, absent: list) -> str:
     if not absent or absent == [name]:
         return name
-    shown = ", ".join(absent[:MAX_LISTED]) + (f" and {len(absent) - MAX_LISTED} more" if len(absent) > MAX_LISTED else "")
-    return f"{name} (absent: {shown})"
+    more = f" and {len(absent) - MAX_LISTED} more" if len(absent) > MAX_LISTED else ""
+    return f"{name} (absent: {', '.join(absent[:MAX_LISTED])}{more})"
 
 
 def _conversions(module, plan, needed: dict, files: CheckpointFiles, shape_of_stored, meta_model):
@@ -173,7 +172,8 @@ def _converted_node(p, name: str, conv, header, problems: list):
                 ok = False
     if not ok:
         return None
-    sources = ", ".join(repr(t) for t in group.sources[:MAX_LISTED]) + (" ..." if len(group.sources) > MAX_LISTED else "")
+    sources = ", ".join(repr(t) for t in group.sources[:MAX_LISTED])
+    sources += " ..." if len(group.sources) > MAX_LISTED else ""
     where = header(group.sources[0])[1]
     if group.error is not None:
         problems.append(f"{p.name} cannot be built from its stored tensors {sources} in {where}: {group.error}")
