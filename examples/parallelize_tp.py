@@ -72,7 +72,7 @@ def main():
     grad_err = 0.0
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
-        full_grad = ref_params[name].grad[model.plan.param(name).local_slices(rank, world)]
+        full_grad = model.plan.param(name).shard_of(ref_params[name].grad, rank, world)
         grad_err = max(grad_err, (p.grad - full_grad).abs().max().item())
     errors = torch.tensor([(out.loss - ref.loss).abs().item(), (logits - ref.logits).abs().max().item(), grad_err],
                           device=device)

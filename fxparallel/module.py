@@ -78,7 +78,12 @@ class ParallelCausalLM(nn.Module):
 
     # ---- graphs --------------------------------------------------------------
     def add_graph(self, graph: LocalGraph) -> None:
+        self._register_attributes(graph)
         self._graphs.append(graph)
+
+    def _register_attributes(self, graph: LocalGraph) -> None:
+        for name, value in graph.captured.attributes.items():
+            object.__setattr__(self, name, value)  # not submodules: they hold no parameters of ours
 
     def graphs(self) -> list:
         return list(self._graphs)
@@ -90,7 +95,7 @@ class ParallelCausalLM(nn.Module):
             if tuple(sorted(g.arguments)) == names and g.captured.holds_for(shapes):
                 return g
         graph = self._graph_factory(self, tuple(n for n in ARGUMENTS if n in args), shapes["input_ids"])
-        self._graphs.append(graph)
+        self.add_graph(graph)
         return graph
 
     def set_buffers(self, buffers: dict) -> None:

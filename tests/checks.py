@@ -22,7 +22,7 @@ def compare(model, reference, rank: int, tp: int, ids=None, **kwargs) -> dict:
     ref_params = dict(reference.named_parameters())
     grad_err, checked = 0.0, 0
     for name, p in model.named_parameters():
-        expected = ref_params[name].grad[model.plan.param(name).local_slices(rank, tp)]
+        expected = model.plan.param(name).shard_of(ref_params[name].grad, rank, tp)
         assert p.grad is not None, f"{name} got no gradient"
         assert p.grad.shape == expected.shape, (name, p.grad.shape, expected.shape)
         grad_err = max(grad_err, (p.grad - expected).abs().max().item())

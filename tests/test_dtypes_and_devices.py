@@ -27,7 +27,7 @@ def _low_precision(rank, tp, path, dtype_name):
     param_dtypes = {p.dtype for p in model.parameters()}
     ref_params = dict(ref.named_parameters())
     grad_err = max(
-        ((p.grad.float() - ref_params[n].grad[p._fxparallel.local_slices(rank, tp)].float()).abs().max().item())
+        ((p.grad.float() - p._fxparallel.shard_of(ref_params[n].grad, rank, tp).float()).abs().max().item())
         for n, p in model.named_parameters()
     )
     return (out.loss.float() - r.loss.float()).abs().item(), (logits.float() - r.logits.float()).abs().max().item(), \

@@ -19,6 +19,7 @@ class CapturedGraph:
     guards: list = field(default_factory=list)
     symbol_sources: dict = field(default_factory=dict)  # sympy Symbol -> (argument, dim)
     example_sizes: dict = field(default_factory=dict)  # sympy Symbol -> example int used at capture
+    attributes: dict = field(default_factory=dict)  # attributes the local graph reads besides parameters/buffers
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]

@@ -6,6 +6,11 @@ Three layouts are enough for tensor parallelism:
 * ``S(d)``: every rank holds one contiguous chunk of dimension ``d`` (sharded).
 * ``P``: every rank holds a full-shape tensor and the true value is their sum
   (partial, as after a row-parallel matmul).
+
+A shard may be *segmented*: dimension ``d`` is the concatenation of segments
+(q, k and v of a fused projection, gate and up) and each segment is split on its
+own, so that each rank holds its chunk of every segment, in segment order. That
+is how a fused weight is split by head without any gather.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Optional
 class Placement:
     kind: str  # "R", "S" or "P"
     dim: Optional[int] = None
+    segments: Optional[tuple] = None  # sizes of the segments of a segmented shard
 
     def __post_init__(self):
         if self.kind not in ("R", "S", "P"):
@@ -37,7 +43,15 @@ class Placement:
         return self.kind == "P"
 
     def __repr__(self) -> str:
-        return f"S({self.dim})" if self.kind == "S" else self.kind
+        if self.kind != "S":
+            return self.kind
+        if self.segments:
+            return f"S({self.dim})[{','.join(map(str, self.segments))}]"
+        return f"S({self.dim})"
+
+    def with_dim(self, dim: int) -> "Placement":
+        """The same shard (segments included) on another dimension."""
+        return Placement("S", dim, self.segments)
 
     __str__ = __repr__
 
@@ -46,6 +60,9 @@ class Placement:
         text = text.strip()
         if text in ("R", "P"):
             return Placement(text)
+        if text.startswith("S(") and text.endswith("]") and ")[" in text:
+            head, segs = text[:-1].split(")[")
+            return Placement("S", int(head[2:]), tuple(int(x) for x in segs.split(",")))
         if text.startswith("S(") and text.endswith(")"):
             return Placement("S", int(text[2:-1]))
         raise ValueError(f"cannot parse placement {text!r}")
@@ -55,5 +72,15 @@ R = Placement("R")
 P = Placement("P")
 
 
-def S(dim: int) -> Placement:
-    return Placement("S", dim)
+def S(dim: int, segments: Optional[tuple] = None) -> Placement:
+    return Placement("S", dim, tuple(segments) if segments else None)
+
+
+def shard_pieces(size: int, rank: int, tp: int, segments: Optional[tuple] = None) -> list:
+    """[(start, stop) in the full dimension] that rank holds, in local order."""
+    pieces, offset = [], 0
+    for seg in segments or (size,):
+        chunk = seg // tp
+        pieces.append((offset + rank * chunk, offset + (rank + 1) * chunk))
+        offset += seg
+    return pieces

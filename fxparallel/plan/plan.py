@@ -8,7 +8,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from .placement import Placement
+from .placement import Placement, shard_pieces
 from .solver import layer_pattern
 
 
@@ -33,13 +33,35 @@ class ParamPlan:
         return tuple(shape)
 
     def local_slices(self, rank: int, tp: int) -> tuple:
-        """Index of this rank's shard in the full tensor (one slice per dimension)."""
+        """Index of this rank's shard in the full tensor (one slice per dimension).
+
+        Only for one-piece placements; a segmented shard has several pieces (``pieces``).
+        """
+        pieces = self.pieces(rank, tp)
+        if len(pieces) != 1:
+            raise ValueError(f"{self.name} is a segmented shard: use pieces() or shard_of()")
+        return pieces[0][0]
+
+    def pieces(self, rank: int, tp: int) -> list:
+        """[(index into the full tensor, index into the local shard)] that make up this rank's shard."""
         p = self.layout
-        slices = [slice(0, s) for s in self.shape]
-        if p.is_shard:
-            size = self.shape[p.dim] // tp
-            slices[p.dim] = slice(rank * size, (rank + 1) * size)
-        return tuple(slices)
+        full = [slice(0, s) for s in self.shape]
+        if not p.is_shard:
+            return [(tuple(full), tuple(full))]
+        out, offset = [], 0
+        for start, stop in shard_pieces(self.shape[p.dim], rank, tp, p.segments):
+            src, dst = list(full), list(full)
+            src[p.dim] = slice(start, stop)
+            dst[p.dim] = slice(offset, offset + stop - start)
+            offset += stop - start
+            out.append((tuple(src), tuple(dst)))
+        return out
+
+    def shard_of(self, full, rank: int, tp: int):
+        """This rank's shard of the full tensor ``full`` (pieces concatenated)."""
+        p = self.layout
+        parts = [full[src] for src, _ in self.pieces(rank, tp)]
+        return parts[0] if len(parts) == 1 else __import__("torch").cat(parts, dim=p.dim)
 
 
 @dataclass(frozen=True)

@@ -27,22 +27,34 @@ def _all_reduce(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x
 
 
-def _all_gather(x: torch.Tensor, dim: int, handle: int) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, handle: int, segments=None) -> torch.Tensor:
     group = group_by_handle(handle)
     if group.size == 1:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(group.size)]
     dist.all_gather(parts, x, group=group.process_group)
-    return torch.cat(parts, dim=dim)
+    if not segments:
+        return torch.cat(parts, dim=dim)
+    # each rank holds its chunk of every segment: regroup segment by segment
+    local = [seg // group.size for seg in segments]
+    split = [p.split(local, dim=dim) for p in parts]
+    return torch.cat([split[r][i] for i in range(len(segments)) for r in range(group.size)], dim=dim)
 
 
-def _chunk(x: torch.Tensor, dim: int, handle: int) -> torch.Tensor:
+def _chunk(x: torch.Tensor, dim: int, handle: int, segments=None) -> torch.Tensor:
     group = group_by_handle(handle)
     if group.size == 1:
         return x
-    size = x.shape[dim] // group.size
-    return x.narrow(dim, group.rank * size, size)
+    if not segments:
+        size = x.shape[dim] // group.size
+        return x.narrow(dim, group.rank * size, size)
+    pieces, offset = [], 0
+    for seg in segments:
+        size = seg // group.size
+        pieces.append(x.narrow(dim, offset + group.rank * size, size))
+        offset += seg
+    return torch.cat(pieces, dim=dim)
 
 
 class _AllReduce(torch.autograd.Function):
@@ -68,13 +80,13 @@ class _CopyToTP(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, handle):
-        ctx.dim, ctx.handle = dim, handle
-        return _all_gather(x, dim, handle)
+    def forward(ctx, x, dim, handle, segments):
+        ctx.dim, ctx.handle, ctx.segments = dim, handle, segments
+        return _all_gather(x, dim, handle, segments)
 
     @staticmethod
     def backward(ctx, grad):
-        return _chunk(grad, ctx.dim, ctx.handle).contiguous(), None, None
+        return _chunk(grad, ctx.dim, ctx.handle, ctx.segments).contiguous(), None, None, None
 
 
 def all_reduce(x, handle):
@@ -85,12 +97,12 @@ def copy_to_tp(x, handle):
     return _CopyToTP.apply(x, handle)
 
 
-def all_gather(x, dim, handle):
-    return _AllGather.apply(x, dim, handle)
+def all_gather(x, dim, handle, segments=None):
+    return _AllGather.apply(x, dim, handle, segments)
 
 
-def local_chunk(x, dim, handle):
-    return _chunk(x, dim, handle)
+def local_chunk(x, dim, handle, segments=None):
+    return _chunk(x, dim, handle, segments)
 
 
 all_reduce.FORWARD, all_reduce.BACKWARD = "all_reduce", None

@@ -75,10 +75,10 @@ def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: 
             value = graph.call_function(collectives.all_reduce, (value, handle))
             steps.append(value)
         elif src.is_shard and dst != src:
-            value = graph.call_function(collectives.all_gather, (value, src.dim, handle))
+            value = graph.call_function(collectives.all_gather, (value, src.dim, handle, src.segments))
             steps.append(value)
         if dst.is_shard:
-            value = graph.call_function(collectives.local_chunk, (value, dst.dim, handle))
+            value = graph.call_function(collectives.local_chunk, (value, dst.dim, handle, dst.segments))
             steps.append(value)
     for s in steps:
         s.meta["example_value"] = node.meta.get("example_value")
@@ -112,6 +112,9 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) ->
                         source = step.args[0]
                         sharded_consumers[source].append(step)
             node.replace_input_with(inp, cache[key])
+            if req.is_replicate and out_sharded:
+                # a gathered/reduced value used on shards: its gradient is partial too
+                sharded_consumers[cache[key]].append(node)
         if strategy.rewrite is not None:
             strategy.rewrite(node, ctx)
     # graph outputs: partial sums are reduced; shards stay local (the module gathers on request)
@@ -196,6 +199,14 @@ def _bind_inputs(graph: fx.Graph, captured, device: torch.device) -> None:
                 node.replace_all_uses_with(size)
     for node in placeholders:
         graph.erase_node(node)
+    # attributes of Dynamo's own module (e.g. the bodies of custom autograd functions)
+    owner = captured.gm
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target not in captured.params.values() and \
+                node.target not in captured.buffers.values() and hasattr(owner, str(node.target)):
+            name = f"_fxparallel_graph_{id(graph)}_{node.target}".replace(".", "_")
+            captured.attributes[name] = getattr(owner, str(node.target))
+            node.target = name
     for node in graph.nodes:
         node.args = _map_devices(node.args, device)
         node.kwargs = _map_devices(node.kwargs, device)

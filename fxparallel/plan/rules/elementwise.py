@@ -45,15 +45,15 @@ def pointwise_strategies(node, placements, ctx, inputs=None):
     if out is None:
         return []
     out_nd = out.dim()
-    dims = []
+    dims = {}
     for x in inputs:
         p = placements[x]
         if p.is_shard:
             d = p.dim + out_nd - ctx.ndim(x)
             if d >= 0 and d not in dims:
-                dims.append(d)
+                dims[d] = p.segments
     strategies = []
-    for d in dims:
+    for d, segments in dims.items():
         size = out.shape[d]
         if not isinstance(size, int) or size % ctx.tp:
             continue
@@ -63,8 +63,8 @@ def pointwise_strategies(node, placements, ctx, inputs=None):
             if xd < 0 or ctx.size(x, xd) == 1:
                 req[x] = R
             else:
-                req[x] = S(xd)
-        strategies.append(Strategy(req, S(d)))
+                req[x] = S(xd, segments)
+        strategies.append(Strategy(req, S(d, segments)))
     strategies.append(Strategy({x: R for x in inputs}, R))
     return strategies
 

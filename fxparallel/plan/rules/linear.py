@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from ..placement import P, R, S
 from .base import Strategy, arg, register, tensor_inputs
+from .fused import output_segments
 
 
 def _bias_after_reduce(bias_index: int, dense_target=None):
@@ -52,9 +53,11 @@ def _linear(node, placements, ctx):
     bias = {b: None} if isinstance(b, fx.Node) else {}
     strategies = []
     nbytes = ctx.bytes_per_token(node)
+    segments = output_segments(node, ctx.tp)
     if out_features % ctx.tp == 0:
-        strategies.append(Strategy({x: R, w: S(0), **{k: S(0) for k in bias}}, S(last),
-                                   note="column-parallel linear", name="column"))
+        note = "column-parallel linear" + (f" (fused: {len(segments)} parts split alike)" if segments else "")
+        strategies.append(Strategy({x: R, w: S(0, segments), **{k: S(0, segments) for k in bias}},
+                                   S(last, segments), note=note, name="column"))
     if in_features % ctx.tp == 0:
         if bias:
             strategies.append(Strategy({x: S(ctx.ndim(x) - 1), w: S(1), **{k: R for k in bias}}, R,
@@ -79,8 +82,11 @@ def _addmm(node, placements, ctx):
     in_features, out_features = ctx.fake(w).shape
     nbytes = ctx.bytes_per_token(node)
     strategies = []
+    segments = output_segments(node, ctx.tp)
     if out_features % ctx.tp == 0:
-        strategies.append(Strategy({b: S(ctx.ndim(b) - 1), x: R, w: S(1)}, S(1), note="column-parallel (Conv1D)", name="column"))
+        note = "column-parallel (Conv1D)" + (f" (fused: {len(segments)} parts split alike)" if segments else "")
+        strategies.append(Strategy({b: S(ctx.ndim(b) - 1, segments), x: R, w: S(1, segments)}, S(1, segments),
+                                   note=note, name="column"))
     if in_features % ctx.tp == 0:
         strategies.append(Strategy({b: R, x: S(1), w: S(0)}, R, own_bytes=nbytes,
                                    rewrite=_bias_after_reduce(0, torch.mm),

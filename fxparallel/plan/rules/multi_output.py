@@ -24,9 +24,31 @@ def _along(node, placements, ctx, dim_index, dim_name, default_dim, n_out, keeps
     strategies = []
     if p.is_shard and p.dim != dim:
         out_dim = p.dim if keeps_dim or p.dim < dim else p.dim - 1
-        strategies.append(Strategy({x: p}, tuple(S(out_dim) for _ in range(n))))
+        strategies.append(Strategy({x: p}, tuple(p.with_dim(out_dim) for _ in range(n))))
+    elif p.is_shard and p.segments and node.target in ("split", "chunk", torch.split, torch.chunk):
+        sizes = tuple(int(v.shape[dim]) for v in value)
+        if sizes == tuple(p.segments):
+            strategies.append(Strategy({x: p}, tuple(S(dim) for _ in range(n)), rewrite=_local_split_sizes(ctx.tp),
+                                       note="split of a fused projection into its segments"))
     strategies.append(Strategy({i: R for i in tensor_inputs(node)}, tuple(R for _ in range(n))))
     return strategies
+
+
+def _local_split_sizes(tp):
+    def apply(node, rctx):
+        args = list(node.args)
+        if node.target in ("split", torch.split):
+            sizes = args[1] if len(args) > 1 else node.kwargs.get("split_size_or_sections", node.kwargs.get("split_size"))
+            local = [v // tp for v in sizes] if isinstance(sizes, (list, tuple)) else sizes // tp
+            if len(args) > 1:
+                args[1] = local
+                node.args = tuple(args)
+            else:
+                key = "split_size_or_sections" if "split_size_or_sections" in node.kwargs else "split_size"
+                node.kwargs = {**node.kwargs, key: local}
+        # chunk(k): equal segments stay equal locally
+
+    return apply
 
 
 def _chunk(node, placements, ctx):

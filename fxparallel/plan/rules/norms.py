@@ -20,7 +20,7 @@ def _norm(node, placements, ctx):
     p = placements[x]
     strategies = []
     if p.is_shard and p.dim < ctx.ndim(x) - n_norm:
-        strategies.append(Strategy({i: (p if i is x else R) for i in inputs}, S(p.dim)))
+        strategies.append(Strategy({i: (p if i is x else R) for i in inputs}, p))
     strategies.append(Strategy({i: R for i in inputs}, R))
     return strategies
 

@@ -43,7 +43,7 @@ def _reduce(node, placements, ctx):
                                                                           torch.log_softmax, torch.cumsum)
         if dims is not None and p.dim not in dims:
             out_dim = p.dim if (keepdim or shape_keeping) else p.dim - sum(1 for d in dims if d < p.dim)
-            strategies.append(Strategy({x: p}, S(out_dim)))
+            strategies.append(Strategy({x: p}, p.with_dim(out_dim)))
     strategies.append(Strategy({x: R}, R))
     return strategies
 

@@ -122,6 +122,10 @@ def rewrite_size(out_dim: int, full: int):
 
     def apply(node, ctx):
         sizes, rebuild = _size_args(node)
+        if len(sizes) == 1 and isinstance(sizes[0], fx.Node) and not isinstance(
+            sizes[0].meta.get("example_value"), (int, torch.SymInt)
+        ):
+            sizes, rebuild = _explode_size_node(node, sizes[0], ctx)
         if out_dim >= len(sizes):
             return
         value = sizes[out_dim]
@@ -134,6 +138,24 @@ def rewrite_size(out_dim: int, full: int):
     return apply
 
 
+def _explode_size_node(node, size_node, ctx):
+    """``x.view(shape)`` where ``shape`` is computed in the graph (e.g. ``x.size()[:-1] + (heads, dim)``):
+    spell it out element by element, static sizes as literals, symbolic ones read from ``shape``."""
+    out = node.meta["example_value"]
+    sizes = []
+    for i, s in enumerate(out.shape):
+        if isinstance(s, int):
+            sizes.append(s)
+        else:
+            with ctx.graph.inserting_before(node):
+                sizes.append(ctx.graph.call_function(operator.getitem, (size_node, i)))
+
+    def rebuild(new):
+        node.args = (node.args[0], tuple(new))
+
+    return sizes, rebuild
+
+
 def _reshape(node, placements, ctx):
     inputs = tensor_inputs(node)
     if not inputs or node.args[0] is not inputs[0]:
@@ -144,9 +166,11 @@ def _reshape(node, placements, ctx):
     strategies = []
     if p.is_shard and out is not None:
         o = reshape_shard_dim(ctx.fake(x).shape, out.shape, p.dim, ctx.tp)
+        if o is not None and p.segments and not _same(ctx.fake(x).shape[p.dim], out.shape[o]):
+            o = None  # a segmented dim survives a reshape only unchanged
         if o is not None:
             rw = rewrite_size(o, int(out.shape[o])) if node.target in ("view", "reshape", torch.reshape) else None
-            strategies.append(Strategy({x: p}, S(o), rewrite=rw))
+            strategies.append(Strategy({x: p}, p.with_dim(o), rewrite=rw))
     strategies.append(Strategy({x: R}, R))
     return strategies
 
@@ -163,7 +187,7 @@ def _expand(node, placements, ctx):
     if p.is_shard:
         o = p.dim + out.dim() - ctx.ndim(x)
         if isinstance(out.shape[o], int) and out.shape[o] % ctx.tp == 0:
-            strategies.append(Strategy({x: p}, S(o), rewrite=rewrite_size(o, int(out.shape[o]))))
+            strategies.append(Strategy({x: p}, p.with_dim(o), rewrite=rewrite_size(o, int(out.shape[o]))))
     strategies.append(Strategy({x: R}, R))
     return strategies
 
@@ -193,7 +217,7 @@ def _permute(node, placements, ctx):
     if p.is_shard:
         perm = _permutation(node, ctx.ndim(x))
         if perm is not None:
-            strategies.append(Strategy({x: p}, S(perm.index(p.dim))))
+            strategies.append(Strategy({x: p}, p.with_dim(perm.index(p.dim))))
     strategies.append(Strategy({x: R}, R))
     return strategies
 
@@ -253,12 +277,14 @@ def _getitem(node, placements, ctx):
         if p.is_shard:
             o = index_shard_dim(index, ctx.ndim(x), p.dim)
             if o is not None:
-                strategies.append(Strategy({x: p}, S(o)))
+                strategies.append(Strategy({x: p}, p.with_dim(o)))
+            elif p.segments:
+                strategies.extend(segment_slice_strategy(node, x, p, index, ctx))
     elif p.is_shard and inputs == [x]:
         # slices with symbolic bounds on other dims are fine too
         o = _symbolic_index_dim(index, ctx.ndim(x), p.dim)
         if o is not None:
-            strategies.append(Strategy({x: p}, S(o)))
+            strategies.append(Strategy({x: p}, p.with_dim(o)))
     strategies.append(Strategy({i: R for i in inputs}, R))
     return strategies
 
@@ -299,7 +325,8 @@ def _cat(node, placements, ctx):
     dims = {placements[t].dim for t in tensors if placements[t].is_shard}
     for d in dims:
         if d != cat_dim and isinstance(out.shape[d], int) and out.shape[d] % ctx.tp == 0:
-            strategies.append(Strategy({t: S(d) for t in tensors}, S(d)))
+            segs = next(placements[t].segments for t in tensors if placements[t].is_shard and placements[t].dim == d)
+            strategies.append(Strategy({t: S(d, segs) for t in tensors}, S(d, segs)))
     strategies.append(Strategy({t: R for t in tensors}, R))
     return strategies
 
@@ -338,3 +365,46 @@ def _pad(node, placements, ctx):
 
 
 register(torch.nn.functional.pad)(_pad)
+
+
+def segment_slice_strategy(node, x, p, index, ctx) -> list:
+    """``fused[..., a:b]`` where [a, b) is one segment of a segmented shard: a plain shard of it."""
+    items = index if isinstance(index, tuple) else (index,)
+    ndim = ctx.ndim(x)
+    # locate the item that indexes the sharded dim (only slices / Ellipsis / None allowed)
+    consumed = sum(1 for i in items if isinstance(i, (int, slice)))
+    src, position = 0, None
+    for k, item in enumerate(items):
+        if item is Ellipsis:
+            src += ndim - consumed
+        elif item is None:
+            continue
+        else:
+            if src == p.dim:
+                position = k
+            src += 1
+    if position is None or not isinstance(items[position], slice) or items[position].step not in (None, 1):
+        return []
+    sl = items[position]
+    size = int(ctx.fake(x).shape[p.dim])
+    start = 0 if sl.start is None else (sl.start + size if sl.start < 0 else sl.start)
+    stop = size if sl.stop is None else (sl.stop + size if sl.stop < 0 else sl.stop)
+    bounds, offset = [], 0
+    for seg in p.segments:
+        bounds.append((offset, offset + seg))
+        offset += seg
+    if (start, stop) not in bounds:
+        return []
+    i = bounds.index((start, stop))
+    local_start = sum(seg // ctx.tp for seg in p.segments[:i])
+    local_stop = local_start + p.segments[i] // ctx.tp
+    out_dim = index_shard_dim(tuple(slice(None) if k == position else it for k, it in enumerate(items)), ndim, p.dim)
+    if out_dim is None:
+        return []
+
+    def rewrite(node, rctx):
+        new = list(items)
+        new[position] = slice(local_start, local_stop)
+        node.args = (node.args[0], tuple(new) if isinstance(index, tuple) else new[0])
+
+    return [Strategy({x: p}, S(out_dim), rewrite=rewrite, note="one segment of a fused projection")]

@@ -1,0 +1,86 @@
+"""Find fused projections: a matmul whose output features are later split into parts.
+
+GPT-2's ``c_attn`` output is ``split`` into q, k, v; Phi-3's ``qkv_proj`` output is
+sliced ``[..., :q]``, ``[..., q:q+kv]``, ...; ``gate_up_proj`` is ``chunk``-ed in two.
+Sharding such a weight contiguously would give rank 0 all of q and rank 1 all of
+v; sharding each part (segment) on its own keeps every rank's heads together.
+This analysis follows the output through shape-preserving ops to the split and
+returns the segment sizes, which the linear rule turns into a segmented shard.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+_TRANSPARENT_METHODS = {"to", "float", "half", "bfloat16", "contiguous", "view", "reshape", "add", "mul"}
+_TRANSPARENT_FUNCS = {operator.add, operator.mul, torch.add, torch.nn.functional.dropout}
+
+
+def _value(node):
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
+def _last_dim_size(node) -> Optional[int]:
+    v = _value(node)
+    if isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(v.shape[-1], int):
+        return int(v.shape[-1])
+    return None
+
+
+def _cuts(node: fx.Node, size: int) -> Optional[set]:
+    """Boundaries at which ``node``'s last dimension is split (None: not split)."""
+    target = node.target
+    value = _value(node)
+    if (node.op == "call_method" and target in ("split", "chunk")) or target in (torch.split, torch.chunk):
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        x_dim = _value(node.args[0]).dim()
+        if dim % x_dim != x_dim - 1 or not isinstance(value, (tuple, list)):
+            return None
+        sizes = [int(v.shape[-1]) for v in value]
+        cuts, offset = set(), 0
+        for s in sizes[:-1]:
+            offset += s
+            cuts.add(offset)
+        return cuts
+    if node.op == "call_function" and target is operator.getitem and isinstance(_value(node.args[0]), torch.Tensor):
+        index = node.args[1]
+        items = index if isinstance(index, tuple) else (index,)
+        last = items[-1] if items and items[0] is Ellipsis and len(items) == 2 else None
+        if isinstance(last, slice) and last.step in (None, 1):
+            start = 0 if last.start is None else last.start % size if last.start < 0 else last.start
+            stop = size if last.stop is None else last.stop % size if last.stop < 0 else last.stop
+            return {c for c in (start, stop) if 0 < c < size}
+    return None
+
+
+def output_segments(node: fx.Node, tp: int) -> Optional[tuple]:
+    """Segment sizes of a matmul's output features if it is fused, else None (cached on the node)."""
+    if "fxparallel_segments" in node.meta:
+        return node.meta["fxparallel_segments"]
+    size = _last_dim_size(node)
+    cuts, frontier, seen = set(), [node], set()
+    while size and frontier:
+        current = frontier.pop()
+        for user in current.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            found = _cuts(user, size)
+            if found is not None:
+                cuts |= found
+            elif (user.op == "call_method" and user.target in _TRANSPARENT_METHODS) or (
+                user.op == "call_function" and user.target in _TRANSPARENT_FUNCS
+            ):
+                if _last_dim_size(user) == size:
+                    frontier.append(user)
+    segments = None
+    if cuts:
+        bounds = [0] + sorted(cuts) + [size]
+        segments = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+        if any(s % tp for s in segments):
+            segments = None
+    node.meta["fxparallel_segments"] = segments
+    return segments
