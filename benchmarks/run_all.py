@@ -31,7 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--tp", default="1,2,4")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=15, help="timed steps per system (interleaved; median)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--plan-layers", default="8,16,32")
     p.add_argument("--plan-repeats", type=int, default=3)
