@@ -35,8 +35,9 @@ def tiny_config(model_type: str, **overrides):
             setattr(config, sub, tiny_config_obj(getattr(config, sub)))
     if hasattr(config, "layer_types") and isinstance(config.layer_types, list):
         config.layer_types = config.layer_types[: getattr(config, "num_hidden_layers", 2)]
-    for attr in ("tie_word_embeddings",):
-        pass
+    if model_type == "gpt_neo":  # attention_layers is derived in __init__ from attention_types
+        config.attention_types = [[["global", "local"], 1]]
+        config.attention_layers = ["global", "local"]
     if hasattr(config, "pad_token_id") and isinstance(config.pad_token_id, int) and config.pad_token_id >= 256:
         config.pad_token_id = 0
     for attr in ("bos_token_id", "eos_token_id", "decoder_start_token_id"):

@@ -48,6 +48,20 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     return local, gplan, reduced, captured
 
 
+def _for_device(config, device: torch.device):
+    """Model code that picks kernels by device type sees 'meta' at capture; choose for the real one.
+
+    transformers' default MoE kernel (grouped_mm) takes an integer histogram path off CPU, which
+    CPU cannot run: on CPU use its batched_mm kernel (same math)."""
+    if device.type == "cpu" and getattr(config, "_experts_implementation", None) in (None, "grouped_mm"):
+        if any(hasattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+            import copy
+
+            config = copy.deepcopy(config)
+            config._experts_implementation = "batched_mm"
+    return config
+
+
 def plan_model(model, tp: int, *, dtype: Optional[torch.dtype] = None, revision=None, cache_dir=None,
                local_files_only=None, token=None, trust_remote_code: bool = False):
     """Plan only: capture, solve and rewrite for ``tp`` ranks without processes or weights.
@@ -84,6 +98,7 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
                             token=token, trust_remote_code=trust_remote_code)
     dtype = dtype or default_dtype(source.config)
     device = torch.device(device) if device is not None else _default_device(group)
+    source.config = _for_device(source.config, device)
     meta = build_meta_model(source.config, dtype=dtype, trust_remote_code=trust_remote_code,
                             model_class=source.model_class)
     check_divisible(source.config, group.size, meta)
@@ -114,7 +129,7 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
     module.add_graph(local)
     t = time.perf_counter()
     if files is not None:
-        module.bytes_read = load_from_files(module, plan, files, group.rank, group.size)
+        module.bytes_read = load_from_files(module, plan, files, group.rank, group.size, meta_model=meta)
     elif source.state_dict is not None:
         load_from_state_dict(module, plan, source.state_dict, group.rank, group.size)
     else:
