@@ -92,7 +92,8 @@ def build_plan(model, captured, gplan: GraphPlan, graph, reduced_values, tp: int
         model_type=getattr(model.config, "model_type", type(model).__name__),
         tp=tp,
         params=params,
-        collectives=collect_collectives(graph, tokens, tp),
+        # with one rank every collective is the identity and sends nothing
+        collectives=collect_collectives(graph, tokens, tp) if tp > 1 else [],
         fallbacks=fallbacks,
         dtype=str(dtype).replace("torch.", ""),
     )
