@@ -23,6 +23,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 TOL = 1e-5
+TIMEOUT = 240  # seconds per type
 
 
 def _check(rank, tp, model_type, path):
@@ -71,11 +72,14 @@ def check_type(model_type: str, tp: int) -> dict:
             row.update(status="config", why=f"cannot build/save model: {type(err).__name__}: {err}"[:300])
             return row
         try:
-            results = run_ranks(tp, _check, model_type, tmp, timeout=600)
+            results = run_ranks(tp, _check, model_type, tmp, timeout=TIMEOUT)
         except AssertionError as err:
             text = str(err).strip().splitlines()
             last = next((ln for ln in reversed(text) if ln.strip()), "")
             row.update(status="error", why=last[:300])
+            return row
+        except Exception as err:  # noqa: BLE001 - e.g. no answer within TIMEOUT
+            row.update(status="error", why=f"{type(err).__name__}: no result within {TIMEOUT} s")
             return row
     worst = {k: max(r["errors"][k] for r in results) for k in ("loss", "logits", "grad")}
     plan = results[0]["plan"]

@@ -59,18 +59,15 @@ class FxParallel(System):
         """What the plan says one training step sends: {phase: {kind: [calls, bytes]}}.
 
         Activation collectives scale with the tokens; a parameter-gradient all-reduce
-        has a fixed size, which the plan states per token of its example capture.
+        has a fixed size per call (``bytes_per_call``).
         """
-        from fxparallel.capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
-
         out = {}
         if self.model.tp_group.size == 1:  # every collective is the identity
             return out
         for c in self.model.plan.collectives:
-            per_step = c.where.startswith("gradient of parameter")
             calls_bytes = out.setdefault(c.direction, {}).setdefault(c.kind, [0, 0])
             calls_bytes[0] += c.count
-            calls_bytes[1] += round(c.count * c.bytes_per_token * (EXAMPLE_BATCH * EXAMPLE_SEQ if per_step else tokens))
+            calls_bytes[1] += round(c.count * (c.bytes_per_token * tokens + c.bytes_per_call))
         return out
 
 

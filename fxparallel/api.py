@@ -78,6 +78,7 @@ def plan_model(model, tp: int, *, dtype: Optional[torch.dtype] = None, revision=
     local, gplan, reduced, captured = plan_graph(meta, TRAINING_ARGUMENTS, group, torch.device("cpu"))
     plan = build_plan(meta, captured, gplan, captured.gm.graph, reduced, tp, dtype,
                       tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
+    captured.release()
     return plan, local
 
 
@@ -116,11 +117,13 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
         log.warning("layers with the same structure got different placements: %s", ", ".join(asymmetric))
     plan = build_plan(meta, captured, gplan, captured.gm.graph, reduced, group.size, dtype,
                       tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
+    captured.release()
     fixed = dict(gplan.params)
 
     def graph_factory(module, arguments, input_shape):
         shape = tuple(int(s) for s in input_shape)
-        g, _, _, _ = plan_graph(meta, arguments, group, module.device_, shape=shape, fixed=fixed)
+        g, _, _, captured_again = plan_graph(meta, arguments, group, module.device_, shape=shape, fixed=fixed)
+        captured_again.release()
         return g
 
     # weights: everything that can fail on input runs before any shard is written

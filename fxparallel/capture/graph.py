@@ -21,6 +21,11 @@ class CapturedGraph:
     example_sizes: dict = field(default_factory=dict)  # sympy Symbol -> example int used at capture
     attributes: dict = field(default_factory=dict)  # attributes the local graph reads besides parameters/buffers
 
+    def release(self) -> None:
+        """Drop the graph (and the fake tensors in its metadata) once the local code exists;
+        only the guards and attributes are needed to run it."""
+        self.gm = None
+
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
 

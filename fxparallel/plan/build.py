@@ -51,17 +51,22 @@ def collect_collectives(graph, tokens: int, tp: int) -> list:
             continue
         fn = node.target
         if fn is vocab_parallel_cross_entropy:
-            key = ("all_gather", "forward", "vocab-parallel cross-entropy statistics", 8.0 * tp)
+            key = ("all_gather", "forward", "vocab-parallel cross-entropy statistics", 8.0 * tp, 0.0)
             counts[key] = counts.get(key, 0) + 1
             continue
         if fn not in collectives.COLLECTIVE_OPS:
             continue
-        nbytes = bytes_per_token(node.args[0], tokens)
+        source = node.args[0]
+        if source.op in ("placeholder", "get_attr"):  # a parameter: fixed size per call
+            value = source.meta["example_value"]
+            per_token, per_call = 0.0, float(value.numel() * value.element_size())
+        else:
+            per_token, per_call = bytes_per_token(source, tokens), 0.0
         for direction, kind in (("forward", fn.FORWARD), ("backward", fn.BACKWARD)):
             if kind:
-                key = (kind, direction, _where(node), nbytes)
+                key = (kind, direction, _where(node), per_token, per_call)
                 counts[key] = counts.get(key, 0) + 1
-    return [CollectivePlan(kind=k[0], direction=k[1], where=k[2], bytes_per_token=k[3], count=n)
+    return [CollectivePlan(kind=k[0], direction=k[1], where=k[2], bytes_per_token=k[3], count=n, bytes_per_call=k[4])
             for k, n in counts.items()]
 
 

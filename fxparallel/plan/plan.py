@@ -69,8 +69,9 @@ class CollectivePlan:
     kind: str  # all_reduce, all_gather
     direction: str  # forward or backward
     where: str  # the module (layer pattern) whose output it acts on
-    bytes_per_token: float  # payload of one call, per token
+    bytes_per_token: float  # payload of one call, per token (collectives of activations)
     count: int  # calls per step
+    bytes_per_call: float = 0.0  # fixed payload of one call (gradients of parameters), independent of tokens
 
 
 @dataclass
@@ -166,9 +167,12 @@ class ShardingPlan:
         for direction in ("forward", "backward"):
             calls = [c for c in self.collectives if c.direction == direction]
             total = sum(c.count for c in calls)
-            out.append(f"  {direction}: {total} calls, {sum(c.count * c.bytes_per_token for c in calls):.0f} bytes/token")
+            fixed = sum(c.count * c.bytes_per_call for c in calls)
+            out.append(f"  {direction}: {total} calls, {sum(c.count * c.bytes_per_token for c in calls):.0f} bytes/token"
+                       + (f" + {fixed:.0f} bytes/step" if fixed else ""))
             for c in calls:
-                out.append(f"    {c.count:>4} x {c.kind:<10} {c.bytes_per_token:>10.1f} B/token  {c.where}")
+                size = f"{c.bytes_per_call:>10.0f} B/call " if c.bytes_per_call else f"{c.bytes_per_token:>10.1f} B/token"
+                out.append(f"    {c.count:>4} x {c.kind:<10} {size}  {c.where}")
         mb = self.param_bytes_per_rank(_itemsize(self.dtype)) / 2**20
         out.append(f"parameter memory per rank: {mb:.2f} MiB")
         if self.fallbacks:
