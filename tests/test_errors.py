@@ -11,8 +11,10 @@ from models import tiny_config
 
 
 def test_tp_size_that_does_not_divide_kv_heads_names_dimension_and_parameter():
-    with pytest.raises(ShardingError, match=r"tp size 8 does not divide num_key_value_heads=4.*k_proj.weight \(dim 0\)"):
-        fxparallel.plan_model(tiny_config("llama"), 8)
+    # 12 heads split over 6 ranks, but 4 kv heads neither split over 6 nor replicate evenly onto 6
+    config = tiny_config("llama", hidden_size=96, num_attention_heads=12, num_key_value_heads=4)
+    with pytest.raises(ShardingError, match=r"tp size 6 does not divide num_key_value_heads=4.*k_proj.weight \(dim 0\)"):
+        fxparallel.plan_model(config, 6)
 
 
 def test_tp_size_that_does_not_divide_vocab():

@@ -14,6 +14,8 @@ _FIELDS = (
     ("intermediate_size", "MLP intermediate size"),
     ("vocab_size", "vocabulary"),
 )
+# Fewer key/value heads than ranks is fine when tp is a multiple of them: every rank then
+# needs whole kv heads that other ranks need too, and the planner computes them replicated.
 
 
 def _head_dim(config) -> int:
@@ -30,6 +32,8 @@ def check_divisible(config, tp: int, meta_model=None) -> None:
     for field_name, what in _FIELDS:
         value = getattr(config, field_name, None)
         if not isinstance(value, int) or value % tp == 0:
+            continue
+        if field_name == "num_key_value_heads" and tp % value == 0:
             continue
         extent = value
         if field_name in ("num_attention_heads", "num_key_value_heads"):
