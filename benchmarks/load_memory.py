@@ -108,7 +108,6 @@ def checkpoint_bytes(path: str) -> int:
 
 # ---- the two systems -----------------------------------------------------------------------
 def measure_fxparallel(path: str, dtype) -> dict:
-    import torch
     import torch.distributed as dist
 
     import fxparallel
@@ -160,7 +159,6 @@ def _numel(shape) -> int:
 
 
 def measure_transformers(path: str, tp: int, dtype) -> dict:
-    import torch
     from transformers import AutoModelForCausalLM
 
     try:

@@ -43,3 +43,17 @@ def reference(directory: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def edited_copy(src: str, dst: str, edit) -> str:
+    """Copy a single-file checkpoint directory and apply ``edit(tensors)`` to its safetensors file."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return dst

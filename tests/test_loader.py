@@ -21,7 +21,7 @@ from fxparallel.load import load_from_files, local_checkpoint, resolve_checkpoin
 from fxparallel.load import safetensors_io
 from fxparallel.module import ParallelCausalLM
 from hub import FakeHub, add_to_cache, checkpoint_files
-from models import save_checkpoint, tiny_config
+from models import edited_copy, save_checkpoint, tiny_config
 
 TIED = dict(tie_word_embeddings=True)
 
@@ -151,18 +151,11 @@ def test_dtype_is_converted_on_the_fly(checkpoints, plans, tmp_path, monkeypatch
 
 
 # ---- bad checkpoints: clear errors, nothing written ----------------------------------
-def _single_file_copy(src, dst, edit):
-    shutil.copytree(src, dst)
-    path = os.path.join(dst, "model.safetensors")
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-    return dst
 
 
 def test_missing_weights_are_all_listed(checkpoints, plans, tmp_path):
     gone = ["model.layers.1.mlp.up_proj.weight", "model.norm.weight"]
-    directory = _single_file_copy(checkpoints["llama"], str(tmp_path / "ck"), lambda t: [t.pop(n) for n in gone])
+    directory = edited_copy(checkpoints["llama"], str(tmp_path / "ck"), lambda t: [t.pop(n) for n in gone])
     module = shard_module(plans[("llama", 2)], 2, 0)
     with pytest.raises(CheckpointError, match=r"has no weights for 2 parameter\(s\): " + ", ".join(gone)):
         load_from_files(module, plans[("llama", 2)], local_checkpoint(directory), 0, 2)
@@ -171,7 +164,7 @@ def test_missing_weights_are_all_listed(checkpoints, plans, tmp_path):
 
 def test_extra_tensors_give_a_warning_that_lists_them(checkpoints, plans, tmp_path):
     extra = {"model.layers.0.self_attn.rotary_emb.scale": torch.ones(2), "vision.proj.weight": torch.ones(2, 2)}
-    directory = _single_file_copy(checkpoints["llama"], str(tmp_path / "ck"), lambda t: t.update(extra))
+    directory = edited_copy(checkpoints["llama"], str(tmp_path / "ck"), lambda t: t.update(extra))
     module = shard_module(plans[("llama", 2)], 2, 1)
     with pytest.warns(UserWarning, match="2 tensor.* does not use: model.layers.0.self_attn.rotary_emb.scale, "
                                          "vision.proj.weight"):

@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import fxparallel
 from checks import batch
@@ -20,7 +19,7 @@ from fxparallel.errors import CheckpointError
 from fxparallel.group import fake_group
 from fxparallel.load import load_from_files, local_checkpoint
 from fxparallel.module import ParallelCausalLM
-from models import reference, save_checkpoint
+from models import edited_copy, reference, save_checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 from tiny_configs import tiny_config  # noqa: E402
@@ -144,19 +143,12 @@ def test_sharded_experts_read_only_their_rows_from_each_expert(saved, loaded, ki
         assert nbytes == _check(plan, module.get_parameter, rank, 2, ref)
 
 
-def _edited(src, dst, edit):
-    shutil.copytree(src, dst)
-    path = os.path.join(dst, "model.safetensors")
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-    return dst
 
 
 def test_missing_expert_tensors_are_named_as_stored(saved, loaded, tmp_path):
     plan = fxparallel.ShardingPlan.from_dict(loaded[0]["mixtral"][1])
     gone = ["model.layers.0.block_sparse_moe.experts.2.w1.weight", "model.layers.1.block_sparse_moe.gate.weight"]
-    directory = _edited(saved["mixtral"], str(tmp_path / "ck"), lambda t: [t.pop(n) for n in gone])
+    directory = edited_copy(saved["mixtral"], str(tmp_path / "ck"), lambda t: [t.pop(n) for n in gone])
     module = _module(directory, plan, 0)
     with pytest.raises(CheckpointError, match=r"has no weights for 2 parameter\(s\): "
                        rf"model.layers.0.mlp.experts.gate_up_proj \(absent: {gone[0]}\), "
@@ -168,7 +160,7 @@ def test_missing_expert_tensors_are_named_as_stored(saved, loaded, tmp_path):
 def test_converted_tensor_of_the_wrong_shape_names_file_and_tensor(saved, loaded, tmp_path):
     plan = fxparallel.ShardingPlan.from_dict(loaded[0]["qwen2_moe"][1])
     bad = "model.layers.1.mlp.experts.3.up_proj.weight"
-    directory = _edited(saved["qwen2_moe"], str(tmp_path / "ck"),
+    directory = edited_copy(saved["qwen2_moe"], str(tmp_path / "ck"),
                         lambda t: t.update({bad: torch.zeros(24, 64)}))
     with pytest.raises(CheckpointError) as info:
         load_from_files(_module(directory, plan, 1), plan, local_checkpoint(directory), 1, 2, progress=False)

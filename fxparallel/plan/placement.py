@@ -84,3 +84,12 @@ def shard_pieces(size: int, rank: int, tp: int, segments: Optional[tuple] = None
         pieces.append((offset + rank * chunk, offset + (rank + 1) * chunk))
         offset += seg
     return pieces
+
+
+def is_sharded(placement) -> bool:
+    """Is any part of a (possibly tuple) placement not replicated?"""
+    if placement is None:
+        return False
+    if isinstance(placement, tuple):
+        return any(is_sharded(p) for p in placement)
+    return not placement.is_replicate

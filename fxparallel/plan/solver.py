@@ -39,8 +39,9 @@ import torch.fx as fx
 
 from ..capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
 from ..capture.graph import CapturedGraph
-from .placement import R, Placement
+from .placement import R, Placement, is_sharded
 from .rules import RuleContext, Strategy, rule_for, tensor_inputs
+from .rules.base import requires_grad
 
 INFEASIBLE = float("inf")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -219,7 +220,7 @@ class Solver:
         replicated = 0.0
         comm = s.own_bytes
         decision = []
-        out_sharded = _is_sharded(s.output)
+        out_sharded = is_sharded(s.output)
         for i, req in s.inputs.items():
             if req is None:
                 continue
@@ -242,7 +243,7 @@ class Solver:
                 return None
             comm += cost
             if in_pl[i] is not None and in_pl[i].is_replicate and (out_sharded or (req is not None and req.is_shard)):
-                if _requires_grad(i) and i not in plan.grad_reduced:
+                if requires_grad(i) and i not in plan.grad_reduced:
                     comm += self.ctx.bytes_per_token(i)
         return (replicated, comm, index, tuple(sorted(decision)))
 
@@ -253,7 +254,7 @@ class Solver:
     def _apply(self, node, s: Strategy, key, plan: GraphPlan) -> None:
         plan.replicated_bytes += key[0]
         plan.comm_bytes += key[1]
-        out_sharded = _is_sharded(s.output)
+        out_sharded = is_sharded(s.output)
         for i, req in s.inputs.items():
             if req is None:
                 continue
@@ -266,7 +267,7 @@ class Solver:
                     if i.meta["example_value"].dim() >= 2:
                         plan.patterns.setdefault(layer_pattern(name), req)
             cur = plan.placements.get(i)
-            if cur is not None and cur.is_replicate and (out_sharded or req.is_shard) and _requires_grad(i):
+            if cur is not None and cur.is_replicate and (out_sharded or req.is_shard) and requires_grad(i):
                 plan.grad_reduced.add(i)
         if s.name == "fallback" and any(
             p is not None and not p.is_replicate for p in (plan.placements.get(i) for i in s.inputs)
@@ -280,19 +281,6 @@ def _has_tensor(value) -> bool:
     if isinstance(value, torch.Tensor):
         return True
     return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
-
-
-def _requires_grad(node) -> bool:
-    value = node.meta.get("example_value")
-    return isinstance(value, torch.Tensor) and value.requires_grad
-
-
-def _is_sharded(placement) -> bool:
-    if placement is None:
-        return False
-    if isinstance(placement, tuple):
-        return any(_is_sharded(p) for p in placement)
-    return not placement.is_replicate
 
 
 def _replicated_like(value):

@@ -15,7 +15,6 @@ Passes, in order:
 """
 from __future__ import annotations
 
-import operator
 from collections import defaultdict
 
 import torch
@@ -23,7 +22,8 @@ import torch.fx as fx
 
 from ..errors import ShardingError
 from ..group import TPGroup
-from ..plan.placement import P, R, Placement
+from ..plan.placement import R, Placement, is_sharded
+from ..plan.rules.base import requires_grad
 from ..plan.solver import GraphPlan
 from . import collectives
 
@@ -58,14 +58,6 @@ class RewriteContext:
         return reduced
 
 
-def _is_sharded(placement) -> bool:
-    if placement is None:
-        return False
-    if isinstance(placement, tuple):
-        return any(_is_sharded(p) for p in placement)
-    return not placement.is_replicate
-
-
 def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: int, before: fx.Node) -> list:
     """Insert the ops that turn ``node`` from ``src`` into ``dst``; returns the new nodes, last one last."""
     steps = []
@@ -94,7 +86,7 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) ->
         strategy = gplan.strategies.get(node)
         if strategy is None:
             continue
-        out_sharded = _is_sharded(strategy.output)
+        out_sharded = is_sharded(strategy.output)
         for inp, req in strategy.inputs.items():
             if req is None:
                 continue
@@ -129,16 +121,11 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) ->
     return sharded_consumers
 
 
-def _requires_grad(node: fx.Node) -> bool:
-    value = node.meta.get("example_value")
-    return isinstance(value, torch.Tensor) and value.requires_grad
-
-
 def insert_gradient_reductions(graph: fx.Graph, sharded_consumers: dict, handle: int) -> list:
     """Pass 2. Returns the replicated values whose gradient is all-reduced."""
     reduced = []
     for value, consumers in sharded_consumers.items():
-        if not _requires_grad(value):
+        if not requires_grad(value):
             continue
         anchor = value
         if value.op == "placeholder":

@@ -7,7 +7,7 @@ runs on replicated inputs (the always-correct fallback).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import torch
@@ -126,3 +126,9 @@ def bytes_per_token(node, tokens: int) -> float:
     for s in value.shape:
         numel *= int(s.node.hint) if isinstance(s, torch.SymInt) else int(s)
     return numel * value.element_size() / tokens
+
+
+def requires_grad(node) -> bool:
+    """Does the node's value (per its capture-time example) require grad?"""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.requires_grad

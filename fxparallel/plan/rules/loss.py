@@ -6,7 +6,6 @@ cross-entropy). The backward needs no communication.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 import torch.nn.functional as F
 

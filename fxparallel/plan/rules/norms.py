@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..placement import R, S
+from ..placement import R
 from .base import Strategy, arg, register, tensor_inputs
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..placement import R, S
+from ..placement import R
 from .base import Strategy, arg, norm_dim, register, tensor_inputs
 
 _REDUCE = ["mean", "sum", "amax", "amin", "prod", "std", "var", "norm", "logsumexp", "any", "all", "argmax",

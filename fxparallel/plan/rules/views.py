@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from ...errors import ShardingError
 from ..placement import R, S
-from .base import Strategy, norm_dim, register, tensor_inputs
+from .base import Strategy, arg, norm_dim, register, tensor_inputs
 
 
 def _expr(size):
@@ -315,38 +315,36 @@ def _symbolic_index_dim(index, ndim, dim):
 register(operator.getitem)(_getitem)
 
 
-def _cat(node, placements, ctx):
+def _join(node, placements, ctx, new_dim: bool):
+    """cat (new_dim False) and stack (True): inputs sharded alike on another dim stay sharded."""
     tensors = node.args[0]
     if not isinstance(tensors, (tuple, list)) or not all(isinstance(t, fx.Node) for t in tensors):
         return []
     out = ctx.fake(node)
-    cat_dim = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), out.dim())
+    join_dim = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), out.dim())
     strategies = []
-    dims = {placements[t].dim for t in tensors if placements[t].is_shard}
-    for d in dims:
-        if d != cat_dim and isinstance(out.shape[d], int) and out.shape[d] % ctx.tp == 0:
-            segs = next(placements[t].segments for t in tensors if placements[t].is_shard and placements[t].dim == d)
-            strategies.append(Strategy({t: S(d, segs) for t in tensors}, S(d, segs)))
+    for t in tensors:
+        p = placements[t]
+        if not p.is_shard or (not new_dim and p.dim == join_dim):
+            continue
+        o = p.dim + 1 if new_dim and p.dim >= join_dim else p.dim
+        if isinstance(out.shape[o], int) and out.shape[o] % ctx.tp == 0:
+            s = Strategy({u: p for u in tensors}, p.with_dim(o))
+            if all(s.output != other.output for other in strategies):
+                strategies.append(s)
     strategies.append(Strategy({t: R for t in tensors}, R))
     return strategies
+
+
+def _cat(node, placements, ctx):
+    return _join(node, placements, ctx, new_dim=False)
 
 
 register(torch.cat, torch.concat, torch.concatenate)(_cat)
 
 
 def _stack(node, placements, ctx):
-    tensors = node.args[0]
-    if not isinstance(tensors, (tuple, list)) or not all(isinstance(t, fx.Node) for t in tensors):
-        return []
-    out = ctx.fake(node)
-    stack_dim = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), out.dim())
-    strategies = []
-    for d in {placements[t].dim for t in tensors if placements[t].is_shard}:
-        o = d if d < stack_dim else d + 1
-        if isinstance(out.shape[o], int) and out.shape[o] % ctx.tp == 0:
-            strategies.append(Strategy({t: S(d) for t in tensors}, S(o)))
-    strategies.append(Strategy({t: R for t in tensors}, R))
-    return strategies
+    return _join(node, placements, ctx, new_dim=True)
 
 
 register(torch.stack)(_stack)
