@@ -54,11 +54,10 @@ def _for_device(config, device: torch.device):
     transformers' default MoE kernel (grouped_mm) takes an integer histogram path off CPU, which
     CPU cannot run: on CPU use its batched_mm kernel (same math)."""
     if device.type == "cpu" and getattr(config, "_experts_implementation", None) in (None, "grouped_mm"):
-        if any(hasattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
-            import copy
+        import copy
 
-            config = copy.deepcopy(config)
-            config._experts_implementation = "batched_mm"
+        config = copy.deepcopy(config)  # harmless for models without experts
+        config._experts_implementation = "batched_mm"
     return config
 
 
