@@ -7,6 +7,7 @@ and every parameter gradient with the single-device transformers model.
     python benchmarks/coverage.py                 # all types (about 10 s each on 2 cores)
     python benchmarks/coverage.py llama gpt2      # some types
     python benchmarks/coverage.py --tp 4 --out docs/coverage.md
+    python benchmarks/coverage.py gpt2 opt --merge docs/coverage.json --json docs/coverage.json  # update rows
 """
 from __future__ import annotations
 
@@ -142,9 +143,15 @@ def main(argv=None):
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(HERE, "..", "docs", "coverage.md"))
     parser.add_argument("--json", default=None, help="also write the rows as JSON")
+    parser.add_argument("--merge", default=None, help="rows of an earlier run (JSON): rerun only the given "
+                        "types and write the table of all of them")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     types = args.types or causal_lm_types()
+    earlier = []
+    if args.merge:
+        with open(args.merge) as f:
+            earlier = [r for r in json.load(f) if r["type"] not in types]
     rows = []
     for t in types:
         start = time.time()
@@ -153,11 +160,12 @@ def main(argv=None):
         print(f"{t:28s} {row['status']:6s} {time.time() - start:5.1f}s {row.get('max_error', '')} "
               f"{row.get('why', '')[:160]}", flush=True)
         # rewrite after every type, so an interrupted sweep still leaves its rows
-        if not args.types or args.out != os.path.join(HERE, "..", "docs", "coverage.md"):
-            write_markdown(rows, args.out, args.tp, total=len(types))
+        every = sorted(earlier + rows, key=lambda r: r["type"])
+        if not args.types or args.merge or args.out != os.path.join(HERE, "..", "docs", "coverage.md"):
+            write_markdown(every, args.out, args.tp, total=len(earlier) + len(types))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+                json.dump(every, f, indent=1)
     return rows
 
 

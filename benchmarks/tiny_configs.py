@@ -23,6 +23,7 @@ def tiny_config(model_type: str, **overrides):
     from transformers import CONFIG_MAPPING
 
     config = CONFIG_MAPPING[model_type]()
+    layers_before = getattr(config, "num_hidden_layers", None)
     names = set(vars(config)) | set(getattr(config, "attribute_map", {}))
     for key, value in {**SIZES, **overrides}.items():
         if key in names or key in overrides:
@@ -33,8 +34,14 @@ def tiny_config(model_type: str, **overrides):
     for sub in ("text_config",):
         if getattr(config, sub, None) is not None:
             setattr(config, sub, tiny_config_obj(getattr(config, sub)))
-    if hasattr(config, "layer_types") and isinstance(config.layer_types, list):
-        config.layer_types = config.layer_types[: getattr(config, "num_hidden_layers", 2)]
+    # per-layer lists (layer_types, mlp_layer_types, ...) follow the new depth
+    layers_after = getattr(config, "num_hidden_layers", 2)
+    for key, value in list(vars(config).items()):
+        if isinstance(value, list) and layers_before and len(value) == layers_before != layers_after:
+            try:
+                setattr(config, key, value[:layers_after])
+            except (AttributeError, ValueError, TypeError):
+                pass
     if model_type == "gpt_neo":  # attention_layers is derived in __init__ from attention_types
         config.attention_types = [[["global", "local"], 1]]
         config.attention_layers = ["global", "local"]
