@@ -21,6 +21,12 @@ from ..plan.placement import Placement
 
 def tp_placement(plan_param):
     p = Placement.parse(plan_param.placement)
+    if p.segments:
+        # a fused weight's shard is one chunk of each of its parts: no DTensor placement says that
+        raise NotImplementedError(
+            f"{plan_param.name} is a segmented shard {plan_param.placement} (fused projection); distributed "
+            "checkpoints and export of fused weights are not supported yet"
+        )
     return Shard(p.dim) if p.is_shard else Replicate()
 
 
