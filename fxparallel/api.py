@@ -61,23 +61,37 @@ def _for_device(config, device: torch.device):
     return config
 
 
+def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
+    """The meta model of ``source``, after checking it can be split over ``tp`` ranks."""
+    meta = build_meta_model(source.config, dtype=dtype, trust_remote_code=trust_remote_code,
+                            model_class=source.model_class)
+    check_divisible(source.config, tp, meta)
+    return meta
+
+
+def _plan_training_graph(meta, group: TPGroup, device, dtype):
+    """Capture, solve and rewrite the training graph; returns (LocalGraph, GraphPlan, ShardingPlan)."""
+    local, gplan, reduced, captured = plan_graph(meta, TRAINING_ARGUMENTS, group, device)
+    asymmetric = check_layer_symmetry(gplan.params)
+    if asymmetric:
+        log.warning("layers with the same structure got different placements: %s", ", ".join(asymmetric))
+    plan = build_plan(meta, captured, gplan, captured.gm.graph, reduced, group.size, dtype,
+                      tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
+    captured.release()
+    return local, gplan, plan
+
+
 def plan_model(model, tp: int, *, dtype: Optional[torch.dtype] = None, revision=None, cache_dir=None,
                local_files_only=None, token=None, trust_remote_code: bool = False):
     """Plan only: capture, solve and rewrite for ``tp`` ranks without processes or weights.
 
     Returns (ShardingPlan, LocalGraph of rank 0). Only the config is read.
     """
-    group = fake_group(tp)
     source = resolve_source(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                             token=token, trust_remote_code=trust_remote_code)
     dtype = dtype or default_dtype(source.config)
-    meta = build_meta_model(source.config, dtype=dtype, trust_remote_code=trust_remote_code,
-                            model_class=source.model_class)
-    check_divisible(source.config, tp, meta)
-    local, gplan, reduced, captured = plan_graph(meta, TRAINING_ARGUMENTS, group, torch.device("cpu"))
-    plan = build_plan(meta, captured, gplan, captured.gm.graph, reduced, tp, dtype,
-                      tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
-    captured.release()
+    meta = _meta_model(source, tp, dtype, trust_remote_code)
+    local, _, plan = _plan_training_graph(meta, fake_group(tp), torch.device("cpu"), dtype)
     return plan, local
 
 
@@ -99,9 +113,7 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
     dtype = dtype or default_dtype(source.config)
     device = torch.device(device) if device is not None else _default_device(group)
     source.config = _for_device(source.config, device)
-    meta = build_meta_model(source.config, dtype=dtype, trust_remote_code=trust_remote_code,
-                            model_class=source.model_class)
-    check_divisible(source.config, group.size, meta)
+    meta = _meta_model(source, group.size, dtype, trust_remote_code)
     # resolve (download) the checkpoint before the capture, so a bad checkpoint fails early
     files = None
     if source.checkpoint is not None:
@@ -109,14 +121,8 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
     timings["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    local, gplan, reduced, captured = plan_graph(meta, TRAINING_ARGUMENTS, group, device)
+    local, gplan, plan = _plan_training_graph(meta, group, device, dtype)
     timings["capture+plan+rewrite"] = time.perf_counter() - t
-    asymmetric = check_layer_symmetry(gplan.params)
-    if asymmetric:
-        log.warning("layers with the same structure got different placements: %s", ", ".join(asymmetric))
-    plan = build_plan(meta, captured, gplan, captured.gm.graph, reduced, group.size, dtype,
-                      tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
-    captured.release()
     fixed = dict(gplan.params)
 
     def graph_factory(module, arguments, input_shape):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..placement import R, S
 from .base import Strategy, register, tensor_inputs
 
-_UNARY = [
+_FUNCTIONS = [  # pointwise functions (unary, binary, ternary)
     torch.rsqrt, torch.sqrt, torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.cos, torch.sin,
     torch.abs, torch.erf, torch.square, torch.reciprocal, torch.log1p, torch.expm1, torch.sign, torch.clamp,
     torch.clip, torch.pow, torch.where, torch.maximum, torch.minimum, torch.add, torch.sub, torch.mul,
@@ -69,7 +69,7 @@ def pointwise_strategies(node, placements, ctx, inputs=None):
     return strategies
 
 
-register(*_UNARY, *_METHODS)(pointwise_strategies)
+register(*_FUNCTIONS, *_METHODS)(pointwise_strategies)
 
 
 def _min_max(node, placements, ctx):
