@@ -8,6 +8,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+import torch
+
 from .placement import Placement, shard_pieces
 from .solver import layer_pattern
 
@@ -61,7 +63,7 @@ class ParamPlan:
         """This rank's shard of the full tensor ``full`` (pieces concatenated)."""
         p = self.layout
         parts = [full[src] for src, _ in self.pieces(rank, tp)]
-        return parts[0] if len(parts) == 1 else __import__("torch").cat(parts, dim=p.dim)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=p.dim)
 
 
 @dataclass(frozen=True)
