@@ -55,16 +55,8 @@ class RuleContext:
     def size(self, node, dim) -> Union[int, torch.SymInt]:
         return self.fake(node).shape[dim]
 
-    def static_size(self, node, dim) -> Optional[int]:
-        s = self.size(node, dim)
-        return s if isinstance(s, int) else None
-
     def bytes_per_token(self, node) -> float:
         return bytes_per_token(node, self.tokens)
-
-    def divisible(self, node, dim) -> bool:
-        s = self.static_size(node, dim)
-        return s is not None and s % self.tp == 0
 
 
 Rule = Callable[[fx.Node, dict, RuleContext], list]
