@@ -151,7 +151,7 @@ def _bind(gm, example_inputs, model, example, output_names) -> CapturedGraph:
     fake_mode = torch._guards.detect_fake_mode(
         [n.meta["example_value"] for n in placeholders if "example_value" in n.meta]
     )
-    guards, example_sizes = [], {}
+    guards = []
     if fake_mode is not None and fake_mode.shape_env is not None:
         env = fake_mode.shape_env
         guards = [g.expr for g in env.guards]
@@ -162,7 +162,6 @@ def _bind(gm, example_inputs, model, example, output_names) -> CapturedGraph:
                     guards.append(sympy.Ge(sym, int(vr.lower)))
                 if _finite(vr.upper):
                     guards.append(sympy.Le(sym, int(vr.upper)))
-            example_sizes[sym] = (env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val).get(sym)
     return CapturedGraph(
         gm=gm,
         params=params,
@@ -172,5 +171,4 @@ def _bind(gm, example_inputs, model, example, output_names) -> CapturedGraph:
         outputs=output_names,
         guards=guards,
         symbol_sources=symbol_sources,
-        example_sizes=example_sizes,
     )

@@ -18,7 +18,6 @@ class CapturedGraph:
     # shape guards that must hold for this graph to be valid: (sympy expr, {symbol: (argument, dim)})
     guards: list = field(default_factory=list)
     symbol_sources: dict = field(default_factory=dict)  # sympy Symbol -> (argument, dim)
-    example_sizes: dict = field(default_factory=dict)  # sympy Symbol -> example int used at capture
     attributes: dict = field(default_factory=dict)  # attributes the local graph reads besides parameters/buffers
 
     def release(self) -> None:
