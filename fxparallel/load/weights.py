@@ -143,6 +143,17 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
                 runs = byte_runs(info.shape, normalize_index(info.shape, index), info.itemsize)
                 if runs:
                     reads.append(_Read(path, tensor, index, out, sum(n for _, n in runs), info.start + runs[0][0]))
+    for name, buffer in module.named_buffers():
+        if name in stored:  # persistent buffers hold trained values too (e.g. MoE routing score biases)
+            info, path = header(name)
+            if info is None or info.shape != tuple(buffer.shape):
+                problems.append(f"buffer {name!r} in {path} has shape {None if info is None else list(info.shape)} "
+                                f"but the model has {list(buffer.shape)}")
+                continue
+            index = normalize_index(info.shape, ())
+            runs = byte_runs(info.shape, index, info.itemsize)
+            if runs:
+                reads.append(_Read(path, name, (), buffer, sum(n for _, n in runs), info.start + runs[0][0]))
     if problems:
         raise CheckpointError("the checkpoint does not match the model:\n  " + "\n  ".join(problems))
     reads.sort(key=lambda r: (r.path, r.offset))
@@ -244,6 +255,9 @@ def load_from_state_dict(module, plan, state: dict, rank: int, tp: int) -> None:
             param = module.get_parameter(p.name)
             for source, dest in slice_pieces(p, rank, tp):
                 param[dest].copy_(full[source])
+        for name, buffer in module.named_buffers():
+            if name in state and tuple(state[name].shape) == tuple(buffer.shape):  # persistent buffers
+                buffer.copy_(state[name])
 
 
 def initialize(module, plan, config, rank: int, tp: int, seed: int, dtype, model_class=None) -> None:

@@ -15,6 +15,7 @@ Passes, in order:
 """
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 
 import torch
@@ -37,6 +38,20 @@ class RewriteContext:
         self.tp = group.size
         self.rank = group.rank
         self.group_handle = group.handle
+        self._replaced = {}  # node -> the node that took over its uses (e.g. linear -> all_reduce -> + bias)
+
+    def replace_uses(self, old: fx.Node, new: fx.Node) -> None:
+        """Move every use of ``old`` (except by ``new`` itself) to ``new``, and remember it:
+        consumers planned against ``old`` must read ``new`` (see ``current``)."""
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+        new.meta.setdefault("example_value", old.meta.get("example_value"))
+        self._replaced[old] = new
+
+    def current(self, node: fx.Node) -> fx.Node:
+        """The node that now carries ``node``'s value, after rewrites that replaced it."""
+        while node in self._replaced:
+            node = self._replaced[node]
+        return node
 
     def local_size(self, full: int) -> int:
         if full % self.tp:
@@ -54,7 +69,7 @@ class RewriteContext:
         with self.graph.inserting_after(node):
             reduced = self.graph.call_function(collectives.all_reduce, (node, self.group_handle))
         reduced.meta["example_value"] = node.meta.get("example_value")
-        node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
+        self.replace_uses(node, reduced)
         return reduced
 
 
@@ -87,10 +102,11 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) ->
         if strategy is None:
             continue
         out_sharded = is_sharded(strategy.output)
-        for inp, req in strategy.inputs.items():
+        for planned, req in strategy.inputs.items():
             if req is None:
                 continue
-            cur = gplan.placements.get(inp, R)
+            cur = gplan.placements.get(planned, R)
+            inp = ctx.current(planned)  # a rewrite may have replaced it (e.g. bias added after the reduction)
             if cur == req:
                 if cur.is_replicate and out_sharded:
                     sharded_consumers[inp].append(node)
@@ -161,8 +177,25 @@ def bind_inputs(graph: fx.Graph, captured, device: torch.device) -> None:
         _bind_inputs(graph, captured, device)
 
 
+def mutates_in_place(node: fx.Node) -> bool:
+    """Does the node write into one of its inputs (``x.scatter_(...)``, ``x += y``)? Its result
+    may be unused while the mutation is read later (DeepSeek-style routing builds its group
+    mask with ``scatter_``), so dead-code elimination must keep it; FX counts method calls
+    as pure."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if name.startswith("__"):
+        return name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
+    return name.endswith("_") or (node.target in _INPLACE_OPERATORS)
+
+
+_INPLACE_OPERATORS = {getattr(operator, n) for n in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
+                                                      "imatmul", "iand", "ior", "ixor", "ilshift", "irshift")}
+
+
 def _bind_inputs(graph: fx.Graph, captured, device: torch.device) -> None:
-    graph.eliminate_dead_code()
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutates_in_place(n))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     first_real = next(n for n in graph.nodes if n.op != "placeholder")
     new_inputs = {}
