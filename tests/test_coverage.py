@@ -73,7 +73,9 @@ def _fewer_kv_heads_than_ranks(rank, tp, path):
 
     model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
     errors = compare(model, reference(path), rank, tp)
-    return {k: errors[k] for k in ("loss", "logits", "grad")}
+    gathers = [(c.where, c.bytes_per_token) for c in model.plan.collectives
+               if c.kind == "all_gather" and c.direction == "forward"]
+    return {k: errors[k] for k in ("loss", "logits", "grad")}, gathers
 
 
 def test_gqa_with_fewer_kv_heads_than_ranks(tmp_path):
@@ -81,5 +83,10 @@ def test_gqa_with_fewer_kv_heads_than_ranks(tmp_path):
     from models import save_checkpoint, tiny_config
 
     path = save_checkpoint(tiny_config("llama", num_key_value_heads=2), str(tmp_path / "gqa"))
-    for errors in run_ranks(4, _fewer_kv_heads_than_ranks, path):
+    for errors, gathers in run_ranks(4, _fewer_kv_heads_than_ranks, path):
         assert max(errors.values()) < 1e-5, errors
+        # attention runs on this rank's query heads: only the (small) k and v are gathered, never q
+        # (hidden 64, 8 heads of 8, 2 kv heads: k and v are 16 floats = 64 bytes per token)
+        in_layers = [g for g in gathers if ".layers." in g[0]]
+        assert sorted(w.rsplit(".", 1)[-1] for w, _ in in_layers) == ["k_proj", "v_proj"], gathers
+        assert all(b == 64 for _, b in in_layers), gathers

@@ -39,6 +39,7 @@ import torch.fx as fx
 
 from ..capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
 from ..capture.graph import CapturedGraph
+from .grad_reduction import reduction_point
 from .placement import R, Placement, is_sharded
 from .rules import RuleContext, Strategy, rule_for, tensor_inputs
 from .rules.base import requires_grad
@@ -243,9 +244,15 @@ class Solver:
                 return None
             comm += cost
             if in_pl[i] is not None and in_pl[i].is_replicate and (out_sharded or (req is not None and req.is_shard)):
-                if requires_grad(i) and i not in plan.grad_reduced:
-                    comm += self.ctx.bytes_per_token(i)
+                point = self._reduction_point(i, plan)
+                if requires_grad(i) and point not in plan.grad_reduced:
+                    comm += self.ctx.bytes_per_token(point)
         return (replicated, comm, index, tuple(sorted(decision)))
+
+    @staticmethod
+    def _reduction_point(value, plan: GraphPlan):
+        return reduction_point(value, lambda n: isinstance(plan.placements.get(n), Placement)
+                               and plan.placements[n].is_replicate)
 
     def _grad_bytes(self, param_node) -> float:
         fake = param_node.meta["example_value"]
@@ -268,7 +275,7 @@ class Solver:
                         plan.patterns.setdefault(layer_pattern(name), req)
             cur = plan.placements.get(i)
             if cur is not None and cur.is_replicate and (out_sharded or req.is_shard) and requires_grad(i):
-                plan.grad_reduced.add(i)
+                plan.grad_reduced.add(self._reduction_point(i, plan) if i not in self.param_nodes else i)
         if s.name == "fallback" and any(
             p is not None and not p.is_replicate for p in (plan.placements.get(i) for i in s.inputs)
         ):

@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from ..errors import ShardingError
 from ..group import TPGroup
+from ..plan.grad_reduction import reduction_point
 from ..plan.placement import R, Placement, is_sharded
 from ..plan.rules.base import requires_grad
 from ..plan.solver import GraphPlan
@@ -137,11 +138,22 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) ->
     return sharded_consumers
 
 
-def insert_gradient_reductions(graph: fx.Graph, sharded_consumers: dict, handle: int) -> list:
+def insert_gradient_reductions(graph: fx.Graph, sharded_consumers: dict, handle: int, gplan: GraphPlan) -> list:
     """Pass 2. Returns the replicated values whose gradient is all-reduced."""
     reduced = []
     for value, consumers in sharded_consumers.items():
         if not requires_grad(value):
+            continue
+        point = reduction_point(value, lambda n: isinstance(gplan.placements.get(n), Placement)
+                                and gplan.placements[n].is_replicate)
+        if point is not value and next(iter(value.users)) in consumers:
+            # reduce on the smallest tensor of the reshape chain that made the value (plan/grad_reduction.py)
+            user = next(iter(point.users))
+            with graph.inserting_after(point):
+                f = graph.call_function(collectives.copy_to_tp, (point, handle))
+            f.meta["example_value"] = point.meta.get("example_value")
+            user.replace_input_with(point, f)
+            reduced.append(point)
             continue
         anchor = value
         if value.op == "placeholder":
@@ -249,7 +261,7 @@ def localize(captured, gplan: GraphPlan, group: TPGroup, device: torch.device):
     """Run the three passes on the captured graph (in place). Returns the values with reduced grads."""
     graph = captured.gm.graph
     sharded_consumers = insert_redistributions(graph, gplan, group)
-    reduced = insert_gradient_reductions(graph, sharded_consumers, group.handle)
+    reduced = insert_gradient_reductions(graph, sharded_consumers, group.handle, gplan)
     bind_inputs(graph, captured, device)
     return reduced
 

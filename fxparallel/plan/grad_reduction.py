@@ -1,0 +1,62 @@
+"""Where to all-reduce the gradient of a replicated value that is used on shards.
+
+A replicated value consumed by sharded ops gets a partial gradient on each rank, so
+its gradient is all-reduced in the backward pass (``copy_to_tp``). The reduction may
+sit anywhere on the chain of pure reshapes that produced the value: summing before
+or after a view, transpose or expand is the same sum. Putting it on the smallest
+tensor of that chain moves fewer bytes. The case that matters is GQA with fewer kv
+heads than ranks: the kv heads are expanded to one per query head and then sliced
+per rank, and the reduction is cheaper before the expansion, by the repeat factor.
+
+The solver (to cost a plan) and the rewrite (to insert the collective) both use
+``reduction_point``, so the plan reports what the graph does.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .rules.base import requires_grad
+
+_RESHAPE_METHODS = {"view", "reshape", "expand", "transpose", "permute", "unsqueeze", "contiguous", "flatten"}
+_RESHAPE_FUNCTIONS = {torch.reshape, torch.transpose, torch.permute, torch.unsqueeze, torch.flatten}
+
+
+def _is_pure_reshape(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _RESHAPE_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target in _RESHAPE_FUNCTIONS:
+        return True
+    if node.target is operator.getitem and isinstance(node.args[1], tuple):  # x[:, :, None]: adds a dim only
+        return all(i is None or i is Ellipsis or i == slice(None) for i in node.args[1])
+    return False
+
+
+def _numel(node: fx.Node) -> int:
+    value = node.meta.get("example_value")
+    return value.numel() if isinstance(value, torch.Tensor) else 0
+
+
+def reduction_point(value: fx.Node, is_replicated) -> fx.Node:
+    """The node on whose output the gradient of ``value`` is best all-reduced.
+
+    Walk up while the node is a pure reshape of a single replicated input that
+    requires grad and has no other user (another user would have its own, already
+    complete, gradient summed into the reduction). ``value`` itself must have one
+    user, else ``value`` is returned."""
+    best, node = value, value
+    if len(value.users) != 1:
+        return value
+    while _is_pure_reshape(node):
+        source = node.args[0]
+        if not isinstance(source, fx.Node) or len(source.users) != 1 or not requires_grad(source) \
+                or not is_replicated(source):
+            break
+        node = source
+        if _numel(node) and _numel(node) < _numel(best):
+            best = node
+    return best
