@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
-from .dtensor import global_view
+from .dtensor import global_view, segment_views, segments_of
 from .fsdp import reshard
 
 log = logging.getLogger("fxparallel")
@@ -83,11 +83,27 @@ def init_optimizer_state(model, optimizer) -> None:
         p.grad = grad
 
 
-def state_dict_views(model, optimizer, mesh, with_optimizer: bool) -> dict:
-    """Flat {key: tensor} for DCP: full-shape DTensor views, plus scalar optimizer states."""
+def _add_views(state: dict, key: str, tensor, plan, mesh, write_backs: list) -> None:
+    """``state[key]``: the full-shape DTensor view of ``tensor``; a fused weight (segmented shard)
+    gets one entry per segment, ``key.segment<i>`` (see ``dtensor.segment_views``)."""
+    if segments_of(plan):
+        views, write_back = segment_views(tensor, plan, mesh)
+        for i, view in views.items():
+            state[f"{key}.segment{i}"] = view
+        write_backs.append(write_back)
+    else:
+        state[key] = global_view(tensor, plan, mesh)
+
+
+def state_dict_views(model, optimizer, mesh, with_optimizer: bool, write_backs: Optional[list] = None) -> dict:
+    """Flat {key: tensor} for DCP: full-shape DTensor views, plus scalar optimizer states.
+
+    ``write_backs`` collects what must run after a load to put values that DCP loaded into
+    temporary copies (fused weights under FSDP) back into the parameters."""
     state = {}
+    write_backs = [] if write_backs is None else write_backs
     for name, param, plan in _params(model):
-        state[f"model.{name}"] = global_view(param.detach(), plan, mesh)
+        _add_views(state, f"model.{name}", param.detach(), plan, mesh, write_backs)
         if not with_optimizer:
             continue
         for key, value in optimizer.state[param].items():
@@ -96,7 +112,7 @@ def state_dict_views(model, optimizer, mesh, with_optimizer: bool) -> dict:
                 raise CheckpointError(f"optimizer state {key!r} of {name} is a {type(value).__name__}; "
                                       "only tensor states are supported")
             if tuple(value.shape) == tuple(param.shape):
-                state[full_key] = global_view(value, plan, mesh)
+                _add_views(state, full_key, value, plan, mesh, write_backs)
             elif value.numel() == 1:
                 state[full_key] = value  # e.g. Adam's step: the same on every rank
             else:
@@ -271,12 +287,16 @@ def load_checkpoint(path: str, model, optimizer, mesh) -> dict:
     with_optimizer = optimizer is not None and meta.get("optimizer_state", False)
     if with_optimizer:
         init_optimizer_state(model, optimizer)
-    state = state_dict_views(model, optimizer, mesh, with_optimizer)
+    write_backs = []
+    state = state_dict_views(model, optimizer, mesh, with_optimizer, write_backs)
     _check_against_metadata(state, directory)
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
     except dcp.CheckpointException as err:
         raise CheckpointError(f"loading {directory} failed ({_failures(err)})") from None
+    with torch.no_grad():
+        for write_back in write_backs:
+            write_back()
     if with_optimizer and meta.get("param_groups"):
         groups = meta["param_groups"]
         if len(groups) != len(optimizer.param_groups):

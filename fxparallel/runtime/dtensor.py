@@ -22,12 +22,15 @@ from ..plan.placement import Placement
 def tp_placement(plan_param):
     p = Placement.parse(plan_param.placement)
     if p.segments:
-        # a fused weight's shard is one chunk of each of its parts: no DTensor placement says that
-        raise NotImplementedError(
-            f"{plan_param.name} is a segmented shard {plan_param.placement} (fused projection); distributed "
-            "checkpoints and export of fused weights are not supported yet"
-        )
+        # a fused weight's shard is one chunk of each of its parts: no single DTensor placement says
+        # that; callers go through ``segment_views`` / ``full_tensor`` instead
+        raise NotImplementedError(f"{plan_param.name} is a segmented shard {plan_param.placement}")
     return Shard(p.dim) if p.is_shard else Replicate()
+
+
+def segments_of(plan_param):
+    """The segment sizes of a fused weight's shard (q, k, v / gate, up), or None."""
+    return Placement.parse(plan_param.placement).segments
 
 
 def dp_placement(tensor):
@@ -59,17 +62,60 @@ def global_view(tensor, plan_param, mesh) -> DTensor:
                               shape=torch.Size(full), stride=_contiguous_stride(full))
 
 
+def segment_views(tensor, plan_param, mesh):
+    """A fused weight as one DTensor per segment (each its own full shape, split over tp like a
+    plain shard), so any tp size loads it. Returns ({segment index: DTensor}, write_back).
+
+    FSDP's dim-0 chunk of the TP shard can straddle segments, so the views are built on the
+    whole TP shard (gathered over dp x cp, as FSDP does for every forward) and replicated over
+    dp x cp; ``write_back()`` copies a loaded TP shard into this rank's FSDP chunk."""
+    p = Placement.parse(plan_param.placement)
+    tp_shard = tensor.detach()
+    if isinstance(tp_shard, DTensor):
+        tp_shard = tp_shard.full_tensor()
+    views, offset = {}, 0
+    for i, seg in enumerate(p.segments):
+        local = seg // mesh.tp
+        shape = list(plan_param.shape)
+        shape[p.dim] = seg
+        piece = tp_shard.narrow(p.dim, offset, local)
+        views[i] = DTensor.from_local(piece, mesh.tp_dp_mesh, (Shard(p.dim), Replicate()), run_check=False,
+                                      shape=torch.Size(shape), stride=_contiguous_stride(tuple(shape)))
+        offset += local
+
+    def write_back():
+        if isinstance(tensor, DTensor):
+            whole = DTensor.from_local(tp_shard, tensor.device_mesh, [Replicate()] * tensor.device_mesh.ndim,
+                                       run_check=False)
+            local_part(tensor).copy_(local_part(whole.redistribute(tensor.device_mesh, tensor.placements)))
+        elif tp_shard.data_ptr() != tensor.data_ptr():
+            tensor.copy_(tp_shard)
+
+    return views, write_back
+
+
 def full_tensor(tensor, plan_param, mesh) -> torch.Tensor:
     """The complete model tensor on every rank: all-gather over dp x cp (FSDP), then over tp."""
     tensor = tensor.detach()
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()  # this rank's whole TP shard
+    segments = segments_of(plan_param)
+    if segments:
+        dim = Placement.parse(plan_param.placement).dim
+        pieces = tensor.split([seg // mesh.tp for seg in segments], dim=dim)
+        return torch.cat([_gather_tp(piece, dim, mesh) for piece in pieces], dim=dim)
     placement = tp_placement(plan_param)
     if isinstance(placement, Replicate) or mesh.tp == 1:
         return tensor
+    return _gather_tp(tensor, placement.dim, mesh)
+
+
+def _gather_tp(tensor, dim: int, mesh) -> torch.Tensor:
+    if mesh.tp == 1:
+        return tensor
     parts = [torch.empty_like(tensor) for _ in range(mesh.tp)]
     dist.all_gather(parts, tensor.contiguous(), group=mesh.tp_mesh.get_group())
-    return torch.cat(parts, dim=placement.dim)
+    return torch.cat(parts, dim=dim)
 
 
 def _contiguous_stride(shape: tuple) -> tuple:
