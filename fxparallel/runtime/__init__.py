@@ -10,6 +10,7 @@ normalization, clipping, distributed checkpoints, consolidated export, data.
 """
 from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from .clip import clip_grad_norm_, global_grad_norm
+from .context_parallel import shift_labels, split_for_context_parallel, split_sequence, unsplit_sequence
 from .data import StepBatches, dataset_token_stream, pack_tokens, synthetic_token_stream
 from .export import export_pretrained, gather_full_state_dict
 from .fsdp import apply_data_parallel
@@ -21,4 +22,4 @@ __all__ = ["init_mesh", "ParallelMesh", "world_size_error", "apply_data_parallel
            "global_label_tokens", "scaled_loss", "clip_grad_norm_", "global_grad_norm", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "export_pretrained", "gather_full_state_dict",
            "synthetic_token_stream", "pack_tokens", "dataset_token_stream", "StepBatches", "train_step", "StepMetrics",
-           "check_context_parallel"]
+           "check_context_parallel", "shift_labels", "split_sequence", "unsplit_sequence", "split_for_context_parallel"]
