@@ -123,14 +123,15 @@ def test_dataset_path_is_lazy_and_optional(monkeypatch):
         dataset_token_stream("fake", Tokenizer(), text_field="content")
 
 
-# ---- context parallelism is refused until the core provides it -----------------------------
-def test_context_parallel_is_refused():
+# ---- context parallelism needs a model parallelized over the mesh's cp group ------------------
+def test_context_parallel_needs_a_cp_model():
     from fxparallel.runtime import check_context_parallel
 
     mesh = types.SimpleNamespace(cp=2)
-    with pytest.raises(NotImplementedError, match=r"context parallelism \(CP_SIZE=2\) is not implemented yet"):
+    with pytest.raises(ValueError, match=r"the mesh has CP_SIZE=2 but the model was parallelized for context-parallel "
+                                         r"size 1"):
         check_context_parallel(object(), mesh)
-    check_context_parallel(types.SimpleNamespace(supports_context_parallel=True), mesh)  # the future hook
+    check_context_parallel(types.SimpleNamespace(cp_size=2), mesh)
     check_context_parallel(object(), types.SimpleNamespace(cp=1))
 
 
