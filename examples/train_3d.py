@@ -68,6 +68,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def requested_cp(args) -> int:
+    if args.cp is not None:
+        return args.cp
+    return int(os.environ.get("CP_SIZE", "1") or 1)
+
+
 def load_rows(args, model_path, vocab_size: int) -> torch.Tensor:
     if args.dataset is None:
         rows = max(32 * args.global_batch, 256)
@@ -89,13 +95,14 @@ def load_rows(args, model_path, vocab_size: int) -> torch.Tensor:
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    cp = requested_cp(args)
+    if args.seq_len % (2 * cp):  # before starting anything
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: --seq-len {args.seq_len} must divide by 2 * CP_SIZE = {2 * cp} (each context-parallel rank "
+                  "takes two equal chunks of every sequence)", file=sys.stderr)
+        sys.exit(2)
     owns_group = not dist.is_initialized()
     mesh = init_mesh(args.tp, args.dp, args.cp)
-    if args.seq_len % (2 * mesh.cp):
-        if mesh.rank == 0:
-            print(f"error: --seq-len {args.seq_len} must divide by 2 * CP_SIZE = {2 * mesh.cp} (each cp rank takes two "
-                  "equal chunks of every sequence)", file=sys.stderr)
-        sys.exit(2)
     first = mesh.rank == 0
     model_path = args.model
     if model_path is None:

@@ -307,3 +307,20 @@ def test_graphs_context_parallelism_would_get_wrong_are_refused():
     config._attn_implementation = "eager"
     with pytest.raises(ContextParallelError, match="this model's graph has none \\(eager attention\\?\\)"):
         check_graph(_captured(config), "llama")
+
+
+def test_attention_gathers_kv_heads_not_their_repeats():
+    """GQA (8 query heads, 4 kv heads): the gather takes k and v before repeat_kv, half the bytes."""
+    from models import tiny_config
+
+    from fxparallel.group import fake_group
+    from fxparallel.rewrite.context_parallel import SDPA, apply_context_parallel, context_parallel_attention
+
+    graph = _captured(tiny_config("llama", num_hidden_layers=1)).gm.graph
+    assert apply_context_parallel(graph, fake_group(2)) == 1
+    assert not [n for n in graph.nodes if n.target in SDPA]
+    (node,) = [n for n in graph.nodes if n.target is context_parallel_attention]
+    q, k, v, _, scale, gqa = node.args
+    heads = [t.meta["example_value"].shape[1] for t in (q, k, v)]
+    assert heads == [8, 4, 4] and gqa is True and scale == pytest.approx(8 ** -0.5)
+    assert not [n for n in graph.nodes if n.target == "expand" and len(n.args) == 6]  # repeat_kv is gone

@@ -147,7 +147,7 @@ def test_mixed_precision_needs_a_graph_captured_in_bf16():
         apply_data_parallel(model, mesh, mode="ddp")
 
 
-def test_train_3d_refuses_cp_before_starting(monkeypatch, capsys):
+def test_train_3d_refuses_a_sequence_cp_cannot_split_before_starting(monkeypatch, capsys):
     import importlib.util
 
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "train_3d.py")
@@ -156,6 +156,6 @@ def test_train_3d_refuses_cp_before_starting(monkeypatch, capsys):
     spec.loader.exec_module(example)
     monkeypatch.setenv("CP_SIZE", "2")
     with pytest.raises(SystemExit) as exit_info:
-        example.main(["--steps", "1"])
+        example.main(["--steps", "1", "--seq-len", "30"])
     assert exit_info.value.code == 2
-    assert "context parallelism (CP_SIZE=2) is not implemented yet" in capsys.readouterr().err
+    assert "--seq-len 30 must divide by 2 * CP_SIZE = 4" in capsys.readouterr().err

@@ -9,7 +9,8 @@ which holds the tokens' GLOBAL positions.
 
 Attention: every ``scaled_dot_product_attention`` of the local graph is replaced by
 ``context_parallel_attention``. It all-gathers k and v over the cp group (one
-collective for both), puts the chunks in global order, and lets each local query
+collective for both; with grouped-query attention the kv heads before transformers'
+``repeat_kv``, which is redone after the gather), puts the chunks in global order, and lets each local query
 chunk j attend to the keys of chunks 0..j with a causal mask aligned to the lower
 right (query t of chunk j sees keys up to j*c + t): exactly causal attention over the
 whole sequence. The gather's backward sums the k/v gradients of every rank's
@@ -204,12 +205,35 @@ def apply_context_parallel(graph: fx.Graph, group: TPGroup) -> int:
         if node.op != "call_function" or node.target not in SDPA:
             continue
         q, k, v = (_arg(node, i, SDPA_ARGS[i]) for i in range(3))
+        gqa = bool(_arg(node, 7, "enable_gqa", False))
+        k_source, v_source = _before_repeat_kv(k), _before_repeat_kv(v)
+        if k_source is not None and v_source is not None:  # gather the kv heads, expand after
+            k, v, gqa = k_source, v_source, True
         node.target = context_parallel_attention
-        node.args = (q, k, v, group.handle, _arg(node, 6, "scale"), bool(_arg(node, 7, "enable_gqa", False)))
+        node.args = (q, k, v, group.handle, _arg(node, 6, "scale"), gqa)
         node.kwargs = {}
         count += 1
     _drop_unused(graph)  # the model's own (local) mask
     return count
+
+
+def _before_repeat_kv(node) -> "fx.Node | None":
+    """The key/value heads before transformers' ``repeat_kv`` (x[:, :, None].expand(b, kv, n, s, d)
+    .reshape(b, kv*n, s, d), i.e. each kv head repeated n times in place), else None. Gathering
+    them instead of the expanded heads sends n times fewer bytes; the expansion is redone after."""
+    if not (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "reshape"):
+        return None
+    expand = node.args[0]
+    if not (isinstance(expand, fx.Node) and expand.op == "call_method" and expand.target == "expand"):
+        return None
+    unsqueeze = expand.args[0]
+    if not (isinstance(unsqueeze, fx.Node) and unsqueeze.op == "call_function" and unsqueeze.target is operator.getitem):
+        return None
+    index = unsqueeze.args[1]
+    full = slice(None, None, None)
+    if index != (full, full, None, full, full) or len(node.args) != 5 or len(expand.args) != 6:
+        return None
+    return unsqueeze.args[0]
 
 
 def _drop_unused(graph: fx.Graph) -> None:
