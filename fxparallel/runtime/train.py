@@ -1,4 +1,8 @@
-"""One training step over the mesh: global-token loss, backward, clipping, optimizer step."""
+"""One training step over the mesh: global-token loss, backward, clipping, optimizer step.
+
+With cp > 1 the step first keeps this cp rank's chunks of the batch (``runtime/context_parallel.py``):
+the loss is still the mean over every label token of the global batch.
+"""
 from __future__ import annotations
 
 import time
