@@ -12,6 +12,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from distributed import run_ranks
 
@@ -324,3 +325,43 @@ def test_attention_gathers_kv_heads_not_their_repeats():
     heads = [t.meta["example_value"].shape[1] for t in (q, k, v)]
     assert heads == [8, 4, 4] and gqa is True and scale == pytest.approx(8 ** -0.5)
     assert not [n for n in graph.nodes if n.target == "expand" and len(n.args) == 6]  # repeat_kv is gone
+
+
+class _Toy(torch.nn.Module):
+    """A one-layer causal LM in miniature, with one variant a chunk could not compute."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.variant = variant
+        self.embed, self.positions = torch.nn.Embedding(16, 8), torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, input_ids, position_ids, labels):
+        h = self.embed(input_ids)
+        q = h if self.variant == "unpositioned queries" else h + self.positions(position_ids)
+        q, k = q.unsqueeze(1), h.unsqueeze(1)
+        h = F.scaled_dot_product_attention(q, k, k, is_causal=self.variant != "bidirectional").squeeze(1)
+        if self.variant == "cumsum":
+            h = h.cumsum(1)
+        if self.variant == "eager scores":
+            h = torch.matmul(h, h.transpose(1, 2)).softmax(-1) @ h
+        return F.cross_entropy(self.head(h).view(-1, 16), labels.view(-1))
+
+
+@pytest.mark.parametrize("variant, message", [
+    ("plain", None),
+    ("unpositioned queries", "the queries of scaled_dot_product_attention do not depend on position_ids"),
+    ("bidirectional", "attention scaled_dot_product_attention is not causal"),
+    ("cumsum", r"cumsum \(cumsum\) may mix tokens along the sequence"),
+    ("eager scores", r"matmul \(matmul\) multiplies two activations"),
+])
+def test_sequence_mixing_outside_causal_sdpa_is_refused(variant, message):
+    from fxparallel.rewrite.context_parallel import ContextParallelError, check_graph
+
+    gm = torch.fx.symbolic_trace(_Toy(variant))
+    captured = types.SimpleNamespace(gm=gm, inputs={n: n for n in ("input_ids", "position_ids", "labels")})
+    if message is None:
+        check_graph(captured, "toy")
+        return
+    with pytest.raises(ContextParallelError, match=f"toy: {message}"):
+        check_graph(captured, "toy")

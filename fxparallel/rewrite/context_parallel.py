@@ -27,6 +27,7 @@ transformers' ``shift_labels``.
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -217,7 +218,7 @@ def apply_context_parallel(graph: fx.Graph, group: TPGroup) -> int:
     return count
 
 
-def _before_repeat_kv(node) -> "fx.Node | None":
+def _before_repeat_kv(node) -> Optional[fx.Node]:
     """The key/value heads before transformers' ``repeat_kv`` (x[:, :, None].expand(b, kv, n, s, d)
     .reshape(b, kv*n, s, d), i.e. each kv head repeated n times in place), else None. Gathering
     them instead of the expanded heads sends n times fewer bytes; the expansion is redone after."""
