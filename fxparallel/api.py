@@ -21,7 +21,7 @@ from .module import LocalGraph, ParallelCausalLM
 from .plan.build import build_plan
 from .plan.solver import check_layer_symmetry, solve
 from .plan.validate import check_divisible
-from .rewrite import context_parallel, localize, output_placements
+from .rewrite import context_parallel, context_parallel_checks, localize, output_placements
 from .rewrite.local_graph import generate_forward
 
 log = logging.getLogger("fxparallel")
@@ -44,7 +44,8 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     ``cp``: the context-parallel group (or None): labels arrive shifted and attention spans the cp ranks."""
     captured = capture(meta_model, arguments, shape=shape, labels_shifted=cp is not None)
     if cp is not None:
-        context_parallel.check_graph(captured, getattr(meta_model.config, "model_type", type(meta_model).__name__))
+        kind = getattr(meta_model.config, "model_type", type(meta_model).__name__)
+        context_parallel_checks.check_graph(captured, kind)
     gplan = solve(captured, group.size, fixed=fixed)
     placements = output_placements(captured, gplan)
     reduced = localize(captured, gplan, group, device)
@@ -127,7 +128,7 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
     device = torch.device(device) if device is not None else _default_device(group)
     source.config = _for_device(source.config, device)
     if cp is not None:
-        context_parallel.check_config(source.config)
+        context_parallel_checks.check_config(source.config)
     meta = _meta_model(source, group.size, dtype, trust_remote_code)
     # resolve (download) the checkpoint before the capture, so a bad checkpoint fails early
     files = None

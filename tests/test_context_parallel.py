@@ -302,7 +302,8 @@ def _captured(config, labels_shifted=True):
 def test_graphs_context_parallelism_would_get_wrong_are_refused():
     from models import tiny_config
 
-    from fxparallel.rewrite.context_parallel import ContextParallelError, check_graph
+    from fxparallel.rewrite.context_parallel import ContextParallelError
+    from fxparallel.rewrite.context_parallel_checks import check_graph
 
     config = tiny_config("llama", num_hidden_layers=1)
     check_graph(_captured(config), "llama")  # the supported case passes
@@ -359,7 +360,8 @@ class _Toy(torch.nn.Module):
     ("eager scores", r"matmul \(matmul\) multiplies two activations"),
 ])
 def test_sequence_mixing_outside_causal_sdpa_is_refused(variant, message):
-    from fxparallel.rewrite.context_parallel import ContextParallelError, check_graph
+    from fxparallel.rewrite.context_parallel import ContextParallelError
+    from fxparallel.rewrite.context_parallel_checks import check_graph
 
     gm = torch.fx.symbolic_trace(_Toy(variant))
     captured = types.SimpleNamespace(gm=gm, inputs={n: n for n in ("input_ids", "position_ids", "labels")})
