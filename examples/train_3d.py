@@ -1,13 +1,15 @@
-"""Train a causal LM with tensor x data parallelism (TP -> FSDP2), checkpoints, resume and export.
+"""Train a causal LM with tensor x data x context parallelism (TP -> FSDP2, CP), checkpoints, resume, export.
 
     TP_SIZE=2 DP_SIZE=2 CP_SIZE=1 torchrun --nproc_per_node=4 examples/train_3d.py --steps 5
+    TP_SIZE=1 DP_SIZE=1 CP_SIZE=2 torchrun --nproc_per_node=2 examples/train_3d.py --steps 5
     ... examples/train_3d.py --steps 10 --resume              # continue from out/train_3d/checkpoints
     ... examples/train_3d.py --model DIR --dataset NAME       # your model, a `datasets` dataset
 
 By default it builds a small Llama locally (checkpoints/tiny-llama-train) and trains on a
 synthetic token stream made locally (no hub, no `datasets`). Rank 0 logs the loss (mean over
 the global batch's tokens), the gradient norm before clipping and tokens/s of each step.
-Context parallelism (CP_SIZE > 1) is not implemented yet and is refused.
+With CP_SIZE > 1 every sequence is split over the cp ranks (load-balanced causal chunks, exact
+attention over the whole sequence); --seq-len must then divide by 2 * CP_SIZE.
 """
 from __future__ import annotations
 
@@ -93,10 +95,11 @@ def load_rows(args, model_path, vocab_size: int) -> torch.Tensor:
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    if requested_cp(args) > 1:
+    cp = requested_cp(args)
+    if args.seq_len % (2 * cp):  # before starting anything
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: context parallelism (CP_SIZE={requested_cp(args)}) is not implemented yet; "
-                  "run with CP_SIZE=1 and give those ranks to DP_SIZE or TP_SIZE", file=sys.stderr)
+            print(f"error: --seq-len {args.seq_len} must divide by 2 * CP_SIZE = {2 * cp} (each context-parallel rank "
+                  "takes two equal chunks of every sequence)", file=sys.stderr)
         sys.exit(2)
     owns_group = not dist.is_initialized()
     mesh = init_mesh(args.tp, args.dp, args.cp)
@@ -109,7 +112,8 @@ def main(argv=None):
         model_path = args.model_dir
 
     mixed = None if args.mixed_precision == "none" else args.mixed_precision
-    model = fxparallel.parallelize(model_path, mesh.tp_mesh, dtype=torch.bfloat16 if mixed else torch.float32)
+    model = fxparallel.parallelize(model_path, mesh.tp_mesh, dtype=torch.bfloat16 if mixed else torch.float32,
+                                   cp_group=mesh.cp_mesh)  # cp size 1: no context parallelism
     model = apply_data_parallel(model, mesh, mode=args.dp_mode, mixed_precision=mixed)  # TP first, then FSDP
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     data = StepBatches(load_rows(args, model_path, model.config.vocab_size), args.global_batch, mesh.dp_rank,

@@ -21,12 +21,13 @@ from .module import LocalGraph, ParallelCausalLM
 from .plan.build import build_plan
 from .plan.solver import check_layer_symmetry, solve
 from .plan.validate import check_divisible
-from .rewrite import localize, output_placements
+from .rewrite import context_parallel, context_parallel_checks, localize, output_placements
 from .rewrite.local_graph import generate_forward
 
 log = logging.getLogger("fxparallel")
 
 TRAINING_ARGUMENTS = ("input_ids", "labels")
+CONTEXT_PARALLEL_TRAINING_ARGUMENTS = ("input_ids", "position_ids", "labels")  # global positions per token
 
 
 def _default_device(group: TPGroup) -> torch.device:
@@ -36,12 +37,20 @@ def _default_device(group: TPGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None):
-    """Capture, solve and rewrite one graph. Returns (LocalGraph, GraphPlan, reduced values, captured)."""
-    captured = capture(meta_model, arguments, shape=shape)
+def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None,
+               cp=None):
+    """Capture, solve and rewrite one graph. Returns (LocalGraph, GraphPlan, reduced values, captured).
+
+    ``cp``: the context-parallel group (or None): labels arrive shifted and attention spans the cp ranks."""
+    captured = capture(meta_model, arguments, shape=shape, labels_shifted=cp is not None)
+    if cp is not None:
+        kind = getattr(meta_model.config, "model_type", type(meta_model).__name__)
+        context_parallel_checks.check_graph(captured, kind)
     gplan = solve(captured, group.size, fixed=fixed)
     placements = output_placements(captured, gplan)
     reduced = localize(captured, gplan, group, device)
+    if cp is not None:
+        context_parallel.apply_context_parallel(captured.gm.graph, cp)
     forward, code = generate_forward(captured.gm.graph)
     local = LocalGraph(arguments=arguments, forward=forward, outputs=captured.outputs,
                        output_placements=placements, captured=captured, code=code)
@@ -69,9 +78,10 @@ def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
     return meta
 
 
-def _plan_training_graph(meta, group: TPGroup, device, dtype):
+def _plan_training_graph(meta, group: TPGroup, device, dtype, cp=None):
     """Capture, solve and rewrite the training graph; returns (LocalGraph, GraphPlan, ShardingPlan)."""
-    local, gplan, reduced, captured = plan_graph(meta, TRAINING_ARGUMENTS, group, device)
+    arguments = TRAINING_ARGUMENTS if cp is None else CONTEXT_PARALLEL_TRAINING_ARGUMENTS
+    local, gplan, reduced, captured = plan_graph(meta, arguments, group, device, cp=cp)
     asymmetric = check_layer_symmetry(gplan.params)
     if asymmetric:
         log.warning("layers with the same structure got different placements: %s", ", ".join(asymmetric))
@@ -97,22 +107,28 @@ def plan_model(model, tp: int, *, dtype: Optional[torch.dtype] = None, revision=
 
 def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=None, revision=None,
                 cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
-                seed: int = 0) -> ParallelCausalLM:
+                seed: int = 0, cp_group=None) -> ParallelCausalLM:
     """Make a Hugging Face causal LM tensor-parallel over ``tp_group``.
 
     ``model``: hub id, local directory, PretrainedConfig or PreTrainedModel.
     ``tp_group``: ProcessGroup or 1-D DeviceMesh.
+    ``cp_group``: optional context-parallel ProcessGroup or 1-D DeviceMesh (size > 1: each
+    rank then takes its load-balanced chunks of every sequence and labels already
+    shifted; see ``fxparallel/rewrite/context_parallel.py``).
     Returns an nn.Module holding this rank's shards under the Hugging Face names,
     whose forward matches the single-device model; ``.plan`` is the ShardingPlan.
     """
     timings = {}
     t0 = time.perf_counter()
     group = resolve_tp_group(tp_group)
+    cp = context_parallel.resolve_cp_group(cp_group)
     source = resolve_source(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                             token=token, trust_remote_code=trust_remote_code)
     dtype = dtype or default_dtype(source.config)
     device = torch.device(device) if device is not None else _default_device(group)
     source.config = _for_device(source.config, device)
+    if cp is not None:
+        context_parallel_checks.check_config(source.config)
     meta = _meta_model(source, group.size, dtype, trust_remote_code)
     # resolve (download) the checkpoint before the capture, so a bad checkpoint fails early
     files = None
@@ -121,18 +137,18 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
     timings["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    local, gplan, plan = _plan_training_graph(meta, group, device, dtype)
+    local, gplan, plan = _plan_training_graph(meta, group, device, dtype, cp)
     timings["capture+plan+rewrite"] = time.perf_counter() - t
     fixed = dict(gplan.params)
 
     def graph_factory(module, arguments, input_shape):
         shape = tuple(int(s) for s in input_shape)
-        g, _, _, captured_again = plan_graph(meta, arguments, group, module.device_, shape=shape, fixed=fixed)
+        g, _, _, captured_again = plan_graph(meta, arguments, group, module.device_, shape=shape, fixed=fixed, cp=cp)
         captured_again.release()
         return g
 
     # weights: everything that can fail on input runs before any shard is written
-    module = ParallelCausalLM(source.config, plan, group, device, dtype, graph_factory)
+    module = ParallelCausalLM(source.config, plan, group, device, dtype, graph_factory, cp_group=cp)
     module.set_buffers(meta.fxparallel_buffers)
     module.add_graph(local)
     t = time.perf_counter()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .rewrite import collectives
+from .rewrite import collectives, context_parallel
 
 ARGUMENTS = ("input_ids", "attention_mask", "position_ids", "labels")
 
@@ -60,11 +60,12 @@ def _set_path(root: nn.Module, dotted: str, value, kind: str):
 
 
 class ParallelCausalLM(nn.Module):
-    def __init__(self, config, plan, group, device, dtype, graph_factory):
+    def __init__(self, config, plan, group, device, dtype, graph_factory, cp_group=None):
         super().__init__()
         self.config = config
         self.plan = plan
         self.tp_group = group
+        self.cp_group = cp_group  # context parallelism: inputs are this rank's chunks (rewrite/context_parallel.py)
         self.device_ = torch.device(device)
         self.dtype_ = dtype
         object.__setattr__(self, "_graphs", [])  # not submodules: they share our parameters
@@ -112,6 +113,8 @@ class ParallelCausalLM(nn.Module):
         args = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
                                   ("position_ids", position_ids), ("labels", labels)) if v is not None}
         args = {k: v.to(self.device_) for k, v in args.items()}
+        if self.cp_group is not None:
+            args = context_parallel.prepare_arguments(args, self.cp_group, self.plan.model_type)
         graph = self._graph_for(args)
         results = dict(zip(graph.outputs, graph.forward(self, **args)))
         logits = results["logits"]
@@ -126,5 +129,10 @@ class ParallelCausalLM(nn.Module):
         return ParallelCausalLMOutput(loss=results.get("loss"), logits=logits, local_logits=local_logits,
                                       vocab_range=vocab_range)
 
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.cp_group is None else self.cp_group.size
+
     def extra_repr(self) -> str:
-        return f"tp={self.tp_group.size}, rank={self.tp_group.rank}, model_type={self.plan.model_type}"
+        cp = f", cp={self.cp_size}" if self.cp_group is not None else ""
+        return f"tp={self.tp_group.size}, rank={self.tp_group.rank}{cp}, model_type={self.plan.model_type}"

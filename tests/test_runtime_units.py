@@ -123,14 +123,15 @@ def test_dataset_path_is_lazy_and_optional(monkeypatch):
         dataset_token_stream("fake", Tokenizer(), text_field="content")
 
 
-# ---- context parallelism is refused until the core provides it -----------------------------
-def test_context_parallel_is_refused():
+# ---- context parallelism needs a model parallelized over the mesh's cp group ------------------
+def test_context_parallel_needs_a_cp_model():
     from fxparallel.runtime import check_context_parallel
 
     mesh = types.SimpleNamespace(cp=2)
-    with pytest.raises(NotImplementedError, match=r"context parallelism \(CP_SIZE=2\) is not implemented yet"):
+    with pytest.raises(ValueError, match=r"the mesh has CP_SIZE=2 but the model was parallelized for context-parallel "
+                                         r"size 1"):
         check_context_parallel(object(), mesh)
-    check_context_parallel(types.SimpleNamespace(supports_context_parallel=True), mesh)  # the future hook
+    check_context_parallel(types.SimpleNamespace(cp_size=2), mesh)
     check_context_parallel(object(), types.SimpleNamespace(cp=1))
 
 
@@ -146,7 +147,7 @@ def test_mixed_precision_needs_a_graph_captured_in_bf16():
         apply_data_parallel(model, mesh, mode="ddp")
 
 
-def test_train_3d_refuses_cp_before_starting(monkeypatch, capsys):
+def test_train_3d_refuses_a_sequence_cp_cannot_split_before_starting(monkeypatch, capsys):
     import importlib.util
 
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "train_3d.py")
@@ -155,6 +156,6 @@ def test_train_3d_refuses_cp_before_starting(monkeypatch, capsys):
     spec.loader.exec_module(example)
     monkeypatch.setenv("CP_SIZE", "2")
     with pytest.raises(SystemExit) as exit_info:
-        example.main(["--steps", "1"])
+        example.main(["--steps", "1", "--seq-len", "30"])
     assert exit_info.value.code == 2
-    assert "context parallelism (CP_SIZE=2) is not implemented yet" in capsys.readouterr().err
+    assert "--seq-len 30 must divide by 2 * CP_SIZE = 4" in capsys.readouterr().err

@@ -23,8 +23,10 @@ EXAMPLE_BATCH = 3
 EXAMPLE_SEQ = 13
 
 
-def _forward_fn(model, input_names, output_names):
+def _forward_fn(model, input_names, output_names, labels_shifted=False):
     def run(**kwargs):
+        if labels_shifted:  # context parallelism: the loss takes labels as given (transformers' shift_labels)
+            kwargs["shift_labels"] = kwargs["labels"]
         out = model(**kwargs, use_cache=False, return_dict=True)
         return tuple(getattr(out, name) for name in output_names)
 
@@ -57,11 +59,13 @@ def _dynamo_message(err: Exception) -> str:
 
 
 def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ),
-            device: str = "meta") -> CapturedGraph:
+            device: str = "meta", labels_shifted: bool = False) -> CapturedGraph:
     """Capture ``model(**inputs)`` for the given argument names; returns the graph and its bindings.
 
     Dimensions of ``shape`` larger than 1 are dynamic; a size of 1 is captured as such
     (Dynamo specializes sizes 0 and 1), so decoding with one token gets its own graph.
+    ``labels_shifted``: the labels are already shifted by one (context parallelism), so
+    they are passed to the model as ``shift_labels`` too and its loss does not shift them.
     """
     output_names = ("loss", "logits") if "labels" in input_names else ("logits",)
     example = {}
@@ -83,7 +87,7 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
         seen.append((gm, list(example_inputs)))
         return gm.forward
 
-    fn = _forward_fn(model, input_names, output_names)
+    fn = _forward_fn(model, input_names, output_names, labels_shifted and "labels" in input_names)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
     # Models build small constants with torch.tensor(..., device=x.device); on the meta device
     # those are meta tensors, which the fake-tensor mode must accept as inputs.
@@ -107,6 +111,19 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
 
 def _finite(bound) -> bool:
     return bound is not None and isinstance(bound, sympy.Integer)
+
+
+def _add_replaced_symbols(env, example, symbol_sources) -> None:
+    """Sizes Dynamo replaced by an equal one (position_ids' [b, s] by input_ids') no longer appear
+    in any fake shape, but the guards still name them: bind them to their own argument's size."""
+    for sym, sources in env.var_to_sources.items():
+        if sym in symbol_sources:
+            continue
+        for source in sources:
+            found = re.search(r"\['(\w+)'\]$", str(getattr(getattr(source, "base", None), "name", "")))
+            if found and found.group(1) in example and isinstance(getattr(source, "idx", None), int):
+                symbol_sources[sym] = (found.group(1), source.idx)
+                break
 
 
 def _bind(gm, example_inputs, model, example, output_names) -> CapturedGraph:
@@ -155,6 +172,7 @@ def _bind(gm, example_inputs, model, example, output_names) -> CapturedGraph:
     if fake_mode is not None and fake_mode.shape_env is not None:
         env = fake_mode.shape_env
         guards = [g.expr for g in env.guards]
+        _add_replaced_symbols(env, example, symbol_sources)
         for sym in symbol_sources:
             vr = env.var_to_range.get(sym)
             if vr is not None:

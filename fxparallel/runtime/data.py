@@ -10,8 +10,8 @@ boundaries, and attention is causal over the whole row (plain packing).
 Distribution: the global batch of a step is ``global_batch`` rows chosen by a seeded
 per-epoch permutation; dp rank ``d`` takes rows ``[d*b, (d+1)*b)`` of it
 (``b = global_batch / dp``). The choice depends only on the step and the dp rank, so
-the tensor-parallel ranks of a dp group (and, later, its context-parallel ranks,
-which will each take a slice of the sequence dimension) get the same rows, and
+the tensor-parallel ranks of a dp group and its context-parallel ranks (which each
+keep their chunks of the sequence dimension in ``train_step``) get the same rows, and
 resuming at step s needs no iteration state.
 """
 from __future__ import annotations

@@ -14,6 +14,10 @@ and FSDP SUMS gradients over dp x cp (divide factor 1, ``runtime/fsdp.py``): the
 result is the gradient of the global-batch mean, for every (dp, tp, cp) layout.
 Tensor-parallel ranks of one dp group see the same batch, so they agree on both
 counts; the global count is summed over dp x cp only.
+
+Context parallelism: labels are shifted before the sequence is split
+(``runtime/context_parallel.py``), so every position of a chunk counts
+(``shifted=True``: ``labels != -100``); the cp ranks' counts add up to the row's.
 """
 from __future__ import annotations
 
@@ -23,21 +27,22 @@ import torch.distributed as dist
 IGNORE_INDEX = -100
 
 
-def label_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """Number of tokens the causal LM loss counts (labels are shifted by the loss)."""
-    return (labels[..., 1:] != IGNORE_INDEX).sum()
+def label_tokens(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
+    """Number of tokens the causal LM loss counts (unless ``shifted``, the loss shifts labels itself)."""
+    return ((labels if shifted else labels[..., 1:]) != IGNORE_INDEX).sum()
 
 
-def global_label_tokens(labels: torch.Tensor, mesh) -> int:
+def global_label_tokens(labels: torch.Tensor, mesh, shifted: bool = False) -> int:
     """Tokens counted by the loss over the whole global batch (sum over dp x cp)."""
-    count = label_tokens(labels).to(torch.float64 if mesh.device.type == "cpu" else torch.float32)
+    count = label_tokens(labels, shifted).to(torch.float64 if mesh.device.type == "cpu" else torch.float32)
     count = count.to(mesh.device)
     if mesh.dp_cp_size > 1:
         dist.all_reduce(count, group=mesh.dp_cp_group)
     return int(count.item())
 
 
-def scaled_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, global_tokens: int, **kwargs):
+def scaled_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, global_tokens: int, shifted: bool = False,
+                **kwargs):
     """Forward; returns (loss to backpropagate, this rank's token-loss sum as a detached tensor).
 
     A rank without any label token still runs forward and backward (its collectives
@@ -45,11 +50,11 @@ def scaled_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, global_tok
     """
     if global_tokens <= 0:
         raise ValueError("the global batch has no label tokens (every label is -100)")
-    local = int(label_tokens(labels))
+    local = int(label_tokens(labels, shifted))
     if local == 0:
         # the model's mean would be 0/0; give it one dummy token and weight it by zero
         labels = labels.clone()
-        labels[..., 1] = 0
+        labels[..., 0 if shifted else 1] = 0
     out = model(input_ids=input_ids, labels=labels, **kwargs)
     loss = out.loss * (local / global_tokens)
     return loss, (out.loss.detach() * local).float()

@@ -9,6 +9,8 @@ are adjacent (on one node when tp <= GPUs per node).
 Sub-meshes:
 
 * ``tp_mesh`` (1-D): give it to ``fxparallel.parallelize``.
+* ``cp_mesh`` (1-D): its ``cp_group`` (context parallelism; the ranks of one dp group
+  and tp position that share the sequences).
 * ``dp_cp_mesh`` (1-D, dp x cp flattened): gradients are reduced over it and FSDP
   shards over it. Context-parallel ranks hold the same parameters and see
   different tokens of the same sequences, so for gradients they are data
@@ -102,6 +104,11 @@ class ParallelMesh:
     @property
     def tp_mesh(self):
         return self.mesh["tp"]
+
+    @property
+    def cp_mesh(self):
+        """1-D: give it to ``fxparallel.parallelize(..., cp_group=mesh.cp_mesh)``."""
+        return self.mesh["cp"]
 
     @property
     def world_size(self) -> int:

@@ -1,4 +1,8 @@
-"""One training step over the mesh: global-token loss, backward, clipping, optimizer step."""
+"""One training step over the mesh: global-token loss, backward, clipping, optimizer step.
+
+With cp > 1 the step first keeps this cp rank's chunks of the batch (``runtime/context_parallel.py``):
+the loss is still the mean over every label token of the global batch.
+"""
 from __future__ import annotations
 
 import time
@@ -9,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .clip import clip_grad_norm_, global_grad_norm
+from .context_parallel import split_for_context_parallel
 from .loss import global_label_tokens, scaled_loss
 
 
@@ -25,23 +30,35 @@ class StepMetrics:
 
 
 def check_context_parallel(model, mesh) -> None:
-    """CP needs the model's graph to split sequences (ring attention, position offsets);
-    refuse cp > 1 until the model says it supports it."""
-    if mesh.cp > 1 and not getattr(model, "supports_context_parallel", False):
-        raise NotImplementedError(
-            f"context parallelism (CP_SIZE={mesh.cp}) is not implemented yet: the parallelized graph does not split "
-            "the sequence dimension. Run with CP_SIZE=1 (e.g. put the ranks into DP_SIZE instead)."
+    """With cp > 1 the model must have been parallelized over the mesh's cp group
+    (its attention then spans the cp ranks); refuse a model that was not."""
+    model_cp = getattr(model, "cp_size", 1)
+    if model_cp != mesh.cp:
+        raise ValueError(
+            f"the mesh has CP_SIZE={mesh.cp} but the model was parallelized for context-parallel size {model_cp}: "
+            "call fxparallel.parallelize(..., cp_group=mesh.cp_mesh)"
         )
 
 
 def train_step(model, optimizer, batch: dict, mesh, *, max_norm: Optional[float] = None) -> StepMetrics:
-    """Run one step on this rank's part of the global batch; every rank returns the same metrics."""
+    """Run one step on this rank's part of the global batch; every rank returns the same metrics.
+
+    ``batch``: this dp rank's rows, ``input_ids`` and Hugging Face ``labels`` (aligned with
+    ``input_ids``). With cp > 1 each cp rank keeps its load-balanced chunks of them here
+    (labels shifted first, global position_ids), so the sequence length must divide by 2*cp.
+    """
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
+    extra = {}
+    check_context_parallel(model, mesh)
+    if mesh.cp > 1:
+        batch = split_for_context_parallel(batch, mesh.cp_rank, mesh.cp)
+        extra["position_ids"] = batch["position_ids"].to(mesh.device)
     ids = batch["input_ids"].to(mesh.device)
     labels = batch.get("labels", batch["input_ids"]).to(mesh.device)
-    global_tokens = global_label_tokens(labels, mesh)
-    loss, local_sum = scaled_loss(model, ids, labels, global_tokens)
+    shifted = mesh.cp > 1
+    global_tokens = global_label_tokens(labels, mesh, shifted=shifted)
+    loss, local_sum = scaled_loss(model, ids, labels, global_tokens, shifted=shifted, **extra)
     loss.backward()
     if max_norm is not None and max_norm > 0:
         norm = clip_grad_norm_(model, max_norm, mesh)

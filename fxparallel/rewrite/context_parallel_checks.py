@@ -1,0 +1,123 @@
+"""Refusals for context parallelism: what the rewrite in ``context_parallel.py`` would get wrong.
+
+That rewrite drops the model's own attention mask and runs every other op on the local
+chunks, so it is exact only for plain causal sdpa attention with positions from
+``position_ids``, ops that act token by token elsewhere, and a loss that takes the labels
+as given. ``check_config`` refuses what the config says (before any capture),
+``check_graph`` what the captured graph shows (before solving).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .context_parallel import SDPA, ContextParallelError, _arg
+
+def check_config(config) -> None:
+    """Refuse configs whose attention is more than plain causal attention (before any capture)."""
+    kind = getattr(config, "model_type", type(config).__name__)
+    problems = []
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            problems.append(f"layer_types {other}")
+    elif getattr(config, "sliding_window", None) is not None:
+        problems.append(f"sliding-window attention (config.sliding_window={config.sliding_window})")
+    for field in ("attention_chunk_size", "attn_logit_softcapping"):
+        if getattr(config, field, None) is not None:
+            problems.append(f"config.{field}={getattr(config, field)}")
+    if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
+        problems.append("ALiBi position biases")
+    if problems:
+        raise ContextParallelError(f"{kind}: context parallelism supports plain causal attention only; this model "
+                                   f"has {', '.join(problems)}")
+
+
+def _depends_on(graph: fx.Graph, sources: set) -> set:
+    """Nodes whose value is computed from any of ``sources`` (inclusive)."""
+    found = set(sources)
+    for node in graph.nodes:
+        if node not in found and any(i in found for i in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+# ops that would mix tokens along the sequence outside attention; a chunk cannot compute them
+_SEQUENCE_MIXING = {"cumsum", "cumprod", "roll", "flip", "diff", "conv1d", "conv2d", "conv3d", "cummax", "cummin",
+                    "logcumsumexp"}
+_ACTIVATION_PRODUCTS = {"matmul", "bmm", "baddbmm", "einsum", "mm"}
+_LABEL_VIEWS = {"view", "reshape", "to", "contiguous", "long", "flatten"}
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        if node.target is operator.matmul:
+            return "matmul"
+        return getattr(node.target, "__name__", str(node.target))
+    return ""
+
+
+def check_graph(captured, kind: str) -> None:
+    """Refuse a captured graph that context parallelism would compute wrongly."""
+    graph = captured.gm.graph
+    by_argument = {captured.inputs[n.name]: n for n in graph.nodes
+                   if n.op == "placeholder" and n.name in captured.inputs}
+    sdpa = [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA]
+    if not sdpa:
+        raise ContextParallelError(f"{kind}: context parallelism replaces scaled_dot_product_attention, and this "
+                                   "model's graph has none (eager attention?); load it with attn_implementation='sdpa'")
+    positions = by_argument.get("position_ids")
+    if positions is None:
+        raise ContextParallelError(f"{kind}: the graph does not read position_ids, so its positions cannot be the "
+                                   "global ones under context parallelism")
+    tokens = _depends_on(graph, {by_argument["input_ids"]})
+    positioned = _depends_on(graph, {positions})
+    for node in sdpa:
+        dropout = _arg(node, 4, "dropout_p", 0.0)
+        if dropout not in (0, 0.0):
+            raise ContextParallelError(f"{kind}: attention {node.name} has dropout {dropout}")
+        if _arg(node, 0, "query") not in positioned:
+            raise ContextParallelError(f"{kind}: the queries of {node.name} do not depend on position_ids (no rotary "
+                                       "or learned positions?), so context parallelism cannot place them")
+        mask = _arg(node, 3, "attn_mask")
+        if isinstance(mask, fx.Node) and mask in tokens:
+            raise ContextParallelError(f"{kind}: the mask of {node.name} depends on the tokens (a bias such as "
+                                       "ALiBi or a padding mask); only plain causal attention is supported")
+        if mask is None and not _arg(node, 5, "is_causal", False):
+            raise ContextParallelError(f"{kind}: attention {node.name} is not causal")
+    for node in graph.nodes:
+        name = _op_name(node)
+        if node not in tokens or node.op not in ("call_function", "call_method"):
+            continue
+        if name in _SEQUENCE_MIXING:
+            raise ContextParallelError(f"{kind}: {name} ({node.name}) may mix tokens along the sequence, which a "
+                                       "context-parallel chunk cannot compute")
+        if name in _ACTIVATION_PRODUCTS and sum(i in tokens for i in node.all_input_nodes) >= 2:
+            raise ContextParallelError(f"{kind}: {name} ({node.name}) multiplies two activations (attention outside "
+                                       "scaled_dot_product_attention?); context parallelism cannot split it")
+    labels = by_argument.get("labels")
+    if labels is not None:
+        _check_labels_unshifted(graph, labels, kind)
+
+
+def _check_labels_unshifted(graph: fx.Graph, labels: fx.Node, kind: str) -> None:
+    """The loss must read the labels as given (captured as shift_labels), not shift them itself."""
+    losses = [n for n in graph.nodes if n.op == "call_function" and n.target is F.cross_entropy]
+    if not losses:
+        raise ContextParallelError(f"{kind}: the loss is not a cross_entropy of the labels; context parallelism "
+                                   "cannot check that labels are used unshifted")
+    for loss in losses:
+        node = _arg(loss, 1, "target")
+        while isinstance(node, fx.Node) and node is not labels:
+            if node.op != "call_method" or node.target not in _LABEL_VIEWS:
+                raise ContextParallelError(
+                    f"{kind}: the loss transforms the labels ({_op_name(node) or node.op} at {node.name}) instead of "
+                    "taking transformers' shift_labels; context parallelism needs labels used as given")
+            node = node.args[0]
+        if node is not labels:
+            raise ContextParallelError(f"{kind}: the loss target of {loss.name} does not come from labels")
