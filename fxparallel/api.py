@@ -36,12 +36,13 @@ def _default_device(group: TPGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None):
+def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None,
+               sequence_parallel: bool = False):
     """Capture, solve and rewrite one graph. Returns (LocalGraph, GraphPlan, reduced values, captured)."""
     captured = capture(meta_model, arguments, shape=shape)
     gplan = solve(captured, group.size, fixed=fixed)
     placements = output_placements(captured, gplan)
-    reduced = localize(captured, gplan, group, device)
+    reduced = localize(captured, gplan, group, device, sequence_parallel=sequence_parallel)
     forward, code = generate_forward(captured.gm.graph)
     local = LocalGraph(arguments=arguments, forward=forward, outputs=captured.outputs,
                        output_placements=placements, captured=captured, code=code)
@@ -69,20 +70,22 @@ def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
     return meta
 
 
-def _plan_training_graph(meta, group: TPGroup, device, dtype):
+def _plan_training_graph(meta, group: TPGroup, device, dtype, sequence_parallel: bool = False):
     """Capture, solve and rewrite the training graph; returns (LocalGraph, GraphPlan, ShardingPlan)."""
-    local, gplan, reduced, captured = plan_graph(meta, TRAINING_ARGUMENTS, group, device)
+    local, gplan, reduced, captured = plan_graph(meta, TRAINING_ARGUMENTS, group, device,
+                                                 sequence_parallel=sequence_parallel)
     asymmetric = check_layer_symmetry(gplan.params)
     if asymmetric:
         log.warning("layers with the same structure got different placements: %s", ", ".join(asymmetric))
     plan = build_plan(meta, captured, gplan, captured.gm.graph, reduced, group.size, dtype,
-                      tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
+                      tokens=EXAMPLE_BATCH * EXAMPLE_SEQ, sequence_parallel=captured.sequence_parallel)
     captured.release()
     return local, gplan, plan
 
 
 def plan_model(model, tp: int, *, dtype: Optional[torch.dtype] = None, revision=None, cache_dir=None,
-               local_files_only=None, token=None, trust_remote_code: bool = False):
+               local_files_only=None, token=None, trust_remote_code: bool = False,
+               sequence_parallel: bool = False):
     """Plan only: capture, solve and rewrite for ``tp`` ranks without processes or weights.
 
     Returns (ShardingPlan, LocalGraph of rank 0). Only the config is read.
@@ -91,19 +94,22 @@ def plan_model(model, tp: int, *, dtype: Optional[torch.dtype] = None, revision=
                             token=token, trust_remote_code=trust_remote_code)
     dtype = dtype or default_dtype(source.config)
     meta = _meta_model(source, tp, dtype, trust_remote_code)
-    local, _, plan = _plan_training_graph(meta, fake_group(tp), torch.device("cpu"), dtype)
+    local, _, plan = _plan_training_graph(meta, fake_group(tp), torch.device("cpu"), dtype, sequence_parallel)
     return plan, local
 
 
 def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=None, revision=None,
                 cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
-                seed: int = 0) -> ParallelCausalLM:
+                seed: int = 0, sequence_parallel: bool = False) -> ParallelCausalLM:
     """Make a Hugging Face causal LM tensor-parallel over ``tp_group``.
 
     ``model``: hub id, local directory, PretrainedConfig or PreTrainedModel.
     ``tp_group``: ProcessGroup or 1-D DeviceMesh.
     Returns an nn.Module holding this rank's shards under the Hugging Face names,
     whose forward matches the single-device model; ``.plan`` is the ShardingPlan.
+    ``sequence_parallel``: keep activations outside attention and MLP sharded along the
+    sequence (same communication, less activation memory); the sequence length of every
+    call must then divide by the tp size.
     """
     timings = {}
     t0 = time.perf_counter()
@@ -121,18 +127,20 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
     timings["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    local, gplan, plan = _plan_training_graph(meta, group, device, dtype)
+    local, gplan, plan = _plan_training_graph(meta, group, device, dtype, sequence_parallel)
     timings["capture+plan+rewrite"] = time.perf_counter() - t
     fixed = dict(gplan.params)
 
     def graph_factory(module, arguments, input_shape):
         shape = tuple(int(s) for s in input_shape)
-        g, _, _, captured_again = plan_graph(meta, arguments, group, module.device_, shape=shape, fixed=fixed)
+        g, _, _, captured_again = plan_graph(meta, arguments, group, module.device_, shape=shape, fixed=fixed,
+                                             sequence_parallel=sequence_parallel)
         captured_again.release()
         return g
 
     # weights: everything that can fail on input runs before any shard is written
     module = ParallelCausalLM(source.config, plan, group, device, dtype, graph_factory)
+    module.sequence_parallel = sequence_parallel
     module.set_buffers(meta.fxparallel_buffers)
     module.add_graph(local)
     t = time.perf_counter()

@@ -35,6 +35,7 @@ def _bias_after_reduce(bias_index: int, dense_target=None):
         reduced = ctx.all_reduce_after(node)
         with ctx.graph.inserting_after(reduced):
             added = ctx.graph.call_function(operator.add, (reduced, bias))
+        added.meta["example_value"] = node.meta.get("example_value")  # same shape as the linear's output
         reduced.replace_all_uses_with(added, delete_user_cb=lambda user: user is not added)
 
     return apply
