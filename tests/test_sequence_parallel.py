@@ -67,3 +67,73 @@ def test_sequence_parallel_matches_single_device(sp_checkpoints, tp, names):
             for key in ("loss", "logits", "grad"):
                 assert r[key] < TOL, (name, tp, key, r[key])
             assert r["error"] is not None and f"sequence length 7" in r["error"] and f"tp size {tp}" in r["error"]
+
+
+def _plans(config, tp):
+    import fxparallel
+
+    tp_plan, _ = fxparallel.plan_model(config, tp)
+    sp_plan, graph = fxparallel.plan_model(config, tp, sequence_parallel=True)
+    return tp_plan, sp_plan, graph.code
+
+
+def _calls(code: str, name: str) -> int:
+    return code.count(f"collectives_{name}(")
+
+
+def _norm_params(plan) -> int:
+    return sum(1 for p in plan.params if "norm" in p.name and "sequence shards" in p.reason)
+
+
+@pytest.mark.parametrize("family, layers, tp", [("llama", 2, 2), ("llama", 3, 4), ("qwen3", 2, 2)])
+def test_collectives_counted_from_the_graph(family, layers, tp):
+    """Each forward all-reduce of plain TP becomes a reduce-scatter, each copy_to_tp an all-gather
+    (backward: all-gather and reduce-scatter); only norm weights add fixed-size all-reduces."""
+    from models import tiny_config
+
+    tp_plan, sp, code = _plans(tiny_config(family, num_hidden_layers=layers), tp)
+    L = layers
+    assert sp.sequence_parallel and not tp_plan.sequence_parallel
+    assert sp.count("all_reduce", "forward") == 0
+    assert sp.count("reduce_scatter", "forward") == tp_plan.count("all_reduce", "forward") == 2 * L + 1
+    assert sp.count("all_gather", "forward") == (2 * L + 1) + 1  # before q/k/v, gate/up, lm_head; loss statistics
+    assert sp.count("all_gather", "backward") == sp.count("reduce_scatter", "backward") == 2 * L + 1
+    # backward all-reduces: parameter gradients only, fixed size per step (2L+1 norms on sequence shards,
+    # plus Qwen3's q/k norms, reduced as in plain TP)
+    grads = [c for c in sp.collectives if c.kind == "all_reduce" and c.direction == "backward"]
+    assert all(c.bytes_per_token == 0 and c.bytes_per_call > 0 for c in grads)
+    assert _norm_params(sp) == 2 * L + 1
+    assert sum(c.count for c in grads) == 2 * L + 1 + sum(
+        c.count for c in tp_plan.collectives if c.direction == "backward" and c.bytes_per_call)
+    # plain TP's communication volume, per token and direction (ring algorithms)
+    for direction in ("forward", "backward"):
+        assert sp.wire_bytes_per_token(direction) == pytest.approx(tp_plan.wire_bytes_per_token(direction))
+    # the same counts straight from the generated code
+    assert _calls(code, "reduce_scatter_seq") == _calls(code, "gather_seq_to_tp") == 2 * L + 1
+    assert _calls(code, "all_reduce") == _calls(code, "gather_seq") == 0
+    assert not sp.fallbacks and not sp.sequence_parallel_kept
+    assert fxparallel_plan_round_trip(sp)
+
+
+def fxparallel_plan_round_trip(plan) -> bool:
+    import fxparallel
+
+    return fxparallel.ShardingPlan.from_json(plan.to_json()) == plan
+
+
+def test_layernorm_biases_flattened_tokens_and_a_region_left_plain_tp():
+    """OPT: LayerNorm weights and biases and row-layer biases on shards, a feed-forward on
+    [batch*seq, hidden] rows, and tied logits that feed a cross-entropy the pass does not know
+    as token-wise: that region keeps its all-reduce (recorded with the reason)."""
+    from tiny_configs import tiny_config
+
+    tp_plan, sp, code = _plans(tiny_config("opt"), 2)
+    assert sp.count("all_reduce", "forward") == 1  # the logits
+    assert len(sp.sequence_parallel_kept) == 1
+    assert "cross_entropy is not known to be token-wise" in sp.sequence_parallel_kept[0]
+    assert sp.count("reduce_scatter", "forward") == tp_plan.count("all_reduce", "forward") - 1
+    biases = [p.name for p in sp.params if "sequence shards" in p.reason and p.name.endswith("bias")]
+    assert len(biases) == 2 * 2 + 2 * 2 + 1  # two LayerNorms and two row biases per layer, final LayerNorm
+    # two embeddings summed on shards share one gather: never more than plain TP, in total equal
+    assert sp.wire_bytes_per_token("forward") < tp_plan.wire_bytes_per_token("forward")
+    assert sp.wire_bytes_per_token() == pytest.approx(tp_plan.wire_bytes_per_token())
