@@ -349,8 +349,9 @@ class _Pass:
                 node.replace_all_uses_with(gathered)
                 g.erase_node(node)
             elif _key(node) in SIZES:
+                index = tuple(node.args[1:]) + ((node.kwargs["dim"],) if "dim" in node.kwargs else ())
                 node.target, node.op = full_size, "call_function"
-                node.args = (shard, t.dim, self.tp, t.flat, *node.args[1:])
+                node.args, node.kwargs = (shard, t.dim, self.tp, t.flat, *index), {}
         return self._reduce_partial_gradients(partial)
 
     def _local_view(self, node, t: TokenDim):
