@@ -9,6 +9,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from distributed import run_ranks
 
@@ -18,7 +19,6 @@ TOL = 1e-5
 
 
 def _compare(rank, tp, paths):
-    import torch
     import torch.distributed as dist
 
     import fxparallel
@@ -112,10 +112,10 @@ def test_collectives_counted_from_the_graph(family, layers, tp):
     assert _calls(code, "reduce_scatter_seq") == _calls(code, "gather_seq_to_tp") == 2 * L + 1
     assert _calls(code, "all_reduce") == _calls(code, "gather_seq") == 0
     assert not sp.fallbacks and not sp.sequence_parallel_kept
-    assert fxparallel_plan_round_trip(sp)
+    assert _round_trips(sp)
 
 
-def fxparallel_plan_round_trip(plan) -> bool:
+def _round_trips(plan) -> bool:
     import fxparallel
 
     return fxparallel.ShardingPlan.from_json(plan.to_json()) == plan
@@ -137,3 +137,19 @@ def test_layernorm_biases_flattened_tokens_and_a_region_left_plain_tp():
     # two embeddings summed on shards share one gather: never more than plain TP, in total equal
     assert sp.wire_bytes_per_token("forward") < tp_plan.wire_bytes_per_token("forward")
     assert sp.wire_bytes_per_token() == pytest.approx(tp_plan.wire_bytes_per_token())
+
+
+def test_an_op_not_known_token_wise_keeps_its_region_plain_tp(monkeypatch):
+    """Token-wise-ness is checked op by op: take rsqrt off the list and every norm's region
+    keeps its all-reduces, each listed with the op and the reason."""
+    import fxparallel
+    from fxparallel.rewrite import sequence_parallel
+    from models import tiny_config
+
+    monkeypatch.setattr(sequence_parallel, "ELEMENTWISE", sequence_parallel.ELEMENTWISE - {torch.rsqrt})
+    plan, graph = fxparallel.plan_model(tiny_config("llama"), 2, sequence_parallel=True)
+    assert plan.count("all_reduce", "forward") == 2 * 2 + 1 and plan.count("reduce_scatter", "forward") == 0
+    assert plan.sequence_parallel_kept and all("rsqrt is not known to be token-wise" in k
+                                               for k in plan.sequence_parallel_kept)
+    assert _calls(graph.code, "reduce_scatter_seq") == _calls(graph.code, "gather_seq_to_tp") == 0
+    assert "left plain TP by sequence parallelism" in str(plan)
