@@ -3,7 +3,8 @@
 Activation memory is measured exactly on any device: the bytes of the tensors autograd
 saves for backward during one forward with labels (``torch.autograd.graph.saved_tensors_hooks``),
 counting each storage once and leaving out the parameters. Step time is forward + backward
-(median of repeated runs, both systems alternating in the same processes). Communication
+(median of repeated runs, both systems alternating in the same processes; wall time and
+the process's CPU time, the latter less disturbed by other jobs on a shared machine). Communication
 is read from the plans (bytes each rank sends per token, ring algorithms).
 
     python benchmarks/sequence_parallel.py                 # TP 2 and 4, Llama-style, CPU / gloo
@@ -46,14 +47,16 @@ def saved_activation_bytes(model, ids) -> int:
     return sum(storages.values())
 
 
-def step_seconds(model, ids) -> float:
+def step_seconds(model, ids) -> tuple:
+    """(wall seconds of forward + backward, this process's CPU seconds in it)."""
     import torch.distributed as dist
 
     dist.barrier()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     model(input_ids=ids, labels=ids).loss.backward()
+    cpu = time.process_time() - c
     dist.barrier()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, cpu
 
 
 def _rank(rank, tp, args):
@@ -71,13 +74,15 @@ def _rank(rank, tp, args):
     out = {}
     for mode, model in models.items():
         model.zero_grad(set_to_none=True)
-        out[mode] = {"activations": saved_activation_bytes(model, ids), "times": [],
+        out[mode] = {"activations": saved_activation_bytes(model, ids), "times": [], "cpu": [],
                      "wire": model.plan.wire_bytes_per_token(), "loss": model(input_ids=ids, labels=ids).loss.item()}
         step_seconds(model, ids)  # warm-up
     for _ in range(args.repeats):
         for mode, model in models.items():
             model.zero_grad(set_to_none=True)
-            out[mode]["times"].append(step_seconds(model, ids))
+            wall, cpu = step_seconds(model, ids)
+            out[mode]["times"].append(wall)
+            out[mode]["cpu"].append(cpu)
     return out
 
 
@@ -97,18 +102,23 @@ def main(argv=None):
     for tp in args.tp:
         per_rank = run_ranks(tp, _rank, args, timeout=3600)
         base = per_rank[0]["TP"]
-        base_time = statistics.median(max(r["TP"]["times"][i] for r in per_rank) for i in range(args.repeats))
+        def median(mode, key):  # of the slowest rank per repeat
+            return statistics.median(max(x[mode][key][i] for x in per_rank) for i in range(args.repeats))
+
         for mode in ("TP", "TP+SP"):
             r = per_rank[0][mode]
-            t = statistics.median(max(x[mode]["times"][i] for x in per_rank) for i in range(args.repeats))
+            t, c = median(mode, "times"), median(mode, "cpu")
             rows.append((tp, mode, r["activations"] / 2**20, r["activations"] / base["activations"], t * 1e3,
-                         t / base_time, r["wire"], abs(r["loss"] - base["loss"])))
+                         t / median("TP", "times"), c * 1e3, c / median("TP", "cpu"), r["wire"],
+                         abs(r["loss"] - base["loss"])))
     print(f"Llama-style, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, fp32, "
           f"{args.repeats} repeats (median; step = forward + backward, slowest rank)")
-    print("| tp | mode | saved activations (MiB/rank) | ratio | step (ms) | ratio | sent (B/token/rank) | loss diff |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for tp, mode, mib, mr, ms, tr, wire, diff in rows:
-        print(f"| {tp} | {mode} | {mib:.1f} | {mr:.2f} | {ms:.0f} | {tr:.2f} | {wire:.0f} | {diff:.1e} |")
+    print("| tp | mode | saved activations (MiB/rank) | ratio | step wall (ms) | ratio | step CPU (ms) | ratio "
+          "| sent (B/token/rank) | loss diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for tp, mode, mib, mr, ms, tr, cms, cr, wire, diff in rows:
+        print(f"| {tp} | {mode} | {mib:.1f} | {mr:.2f} | {ms:.0f} | {tr:.2f} | {cms:.0f} | {cr:.2f} | {wire:.0f} "
+              f"| {diff:.1e} |")
 
 
 if __name__ == "__main__":

@@ -72,11 +72,8 @@ class SequenceParallelReport:
 
 
 def _key(node: fx.Node):
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        return node.target
-    return None
+    """What a call node runs: a function, or a method name."""
+    return node.target if node.op in ("call_function", "call_method") else None
 
 
 def _value(node):
