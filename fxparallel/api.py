@@ -38,7 +38,7 @@ def _default_device(group: TPGroup) -> torch.device:
 
 
 def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None,
-               cp=None):
+               cp=None, sequence_parallel: bool = False):
     """Capture, solve and rewrite one graph. Returns (LocalGraph, GraphPlan, reduced values, captured).
 
     ``cp``: the context-parallel group (or None): labels arrive shifted and attention spans the cp ranks."""
@@ -48,7 +48,7 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
         context_parallel_checks.check_graph(captured, kind)
     gplan = solve(captured, group.size, fixed=fixed)
     placements = output_placements(captured, gplan)
-    reduced = localize(captured, gplan, group, device)
+    reduced = localize(captured, gplan, group, device, sequence_parallel=sequence_parallel)
     if cp is not None:
         context_parallel.apply_context_parallel(captured.gm.graph, cp)
     forward, code = generate_forward(captured.gm.graph)
@@ -78,21 +78,23 @@ def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
     return meta
 
 
-def _plan_training_graph(meta, group: TPGroup, device, dtype, cp=None):
+def _plan_training_graph(meta, group: TPGroup, device, dtype, cp=None, sequence_parallel: bool = False):
     """Capture, solve and rewrite the training graph; returns (LocalGraph, GraphPlan, ShardingPlan)."""
     arguments = TRAINING_ARGUMENTS if cp is None else CONTEXT_PARALLEL_TRAINING_ARGUMENTS
-    local, gplan, reduced, captured = plan_graph(meta, arguments, group, device, cp=cp)
+    local, gplan, reduced, captured = plan_graph(meta, arguments, group, device, cp=cp,
+                                                 sequence_parallel=sequence_parallel)
     asymmetric = check_layer_symmetry(gplan.params)
     if asymmetric:
         log.warning("layers with the same structure got different placements: %s", ", ".join(asymmetric))
     plan = build_plan(meta, captured, gplan, captured.gm.graph, reduced, group.size, dtype,
-                      tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
+                      tokens=EXAMPLE_BATCH * EXAMPLE_SEQ, sequence_parallel=captured.sequence_parallel)
     captured.release()
     return local, gplan, plan
 
 
 def plan_model(model, tp: int, *, dtype: Optional[torch.dtype] = None, revision=None, cache_dir=None,
-               local_files_only=None, token=None, trust_remote_code: bool = False):
+               local_files_only=None, token=None, trust_remote_code: bool = False,
+               sequence_parallel: bool = False):
     """Plan only: capture, solve and rewrite for ``tp`` ranks without processes or weights.
 
     Returns (ShardingPlan, LocalGraph of rank 0). Only the config is read.
@@ -101,13 +103,14 @@ def plan_model(model, tp: int, *, dtype: Optional[torch.dtype] = None, revision=
                             token=token, trust_remote_code=trust_remote_code)
     dtype = dtype or default_dtype(source.config)
     meta = _meta_model(source, tp, dtype, trust_remote_code)
-    local, _, plan = _plan_training_graph(meta, fake_group(tp), torch.device("cpu"), dtype)
+    local, _, plan = _plan_training_graph(meta, fake_group(tp), torch.device("cpu"), dtype,
+                                          sequence_parallel=sequence_parallel)
     return plan, local
 
 
 def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=None, revision=None,
                 cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
-                seed: int = 0, cp_group=None) -> ParallelCausalLM:
+                seed: int = 0, cp_group=None, sequence_parallel: bool = False) -> ParallelCausalLM:
     """Make a Hugging Face causal LM tensor-parallel over ``tp_group``.
 
     ``model``: hub id, local directory, PretrainedConfig or PreTrainedModel.
@@ -117,11 +120,17 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
     shifted; see ``fxparallel/rewrite/context_parallel.py``).
     Returns an nn.Module holding this rank's shards under the Hugging Face names,
     whose forward matches the single-device model; ``.plan`` is the ShardingPlan.
+    ``sequence_parallel``: keep activations outside attention and MLP sharded along the
+    sequence (same communication, less activation memory); the sequence length of every
+    call must then divide by the tp size.
     """
     timings = {}
     t0 = time.perf_counter()
     group = resolve_tp_group(tp_group)
     cp = context_parallel.resolve_cp_group(cp_group)
+    if cp is not None and sequence_parallel and group.size > 1:
+        raise NotImplementedError("sequence_parallel together with context parallelism (cp_group) is not supported: "
+                                  "use one of them")
     source = resolve_source(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                             token=token, trust_remote_code=trust_remote_code)
     dtype = dtype or default_dtype(source.config)
@@ -137,18 +146,20 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
     timings["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    local, gplan, plan = _plan_training_graph(meta, group, device, dtype, cp)
+    local, gplan, plan = _plan_training_graph(meta, group, device, dtype, cp, sequence_parallel)
     timings["capture+plan+rewrite"] = time.perf_counter() - t
     fixed = dict(gplan.params)
 
     def graph_factory(module, arguments, input_shape):
         shape = tuple(int(s) for s in input_shape)
-        g, _, _, captured_again = plan_graph(meta, arguments, group, module.device_, shape=shape, fixed=fixed, cp=cp)
+        g, _, _, captured_again = plan_graph(meta, arguments, group, module.device_, shape=shape, fixed=fixed, cp=cp,
+                                             sequence_parallel=sequence_parallel)
         captured_again.release()
         return g
 
     # weights: everything that can fail on input runs before any shard is written
     module = ParallelCausalLM(source.config, plan, group, device, dtype, graph_factory, cp_group=cp)
+    module.sequence_parallel = sequence_parallel
     module.set_buffers(meta.fxparallel_buffers)
     module.add_graph(local)
     t = time.perf_counter()

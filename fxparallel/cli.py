@@ -1,8 +1,8 @@
 """Command line: ``fxparallel plan MODEL --tp N`` prints the sharding plan without any process group.
 
 MODEL is a hub id (only its config is fetched), a local checkpoint directory, or a
-config.json path. Exit codes: 0 done, 1 the library refused the input (message on
-stderr), 2 bad command line (including options not implemented yet).
+config.json path. ``--sp`` plans sequence parallelism on top. Exit codes: 0 done, 1 the
+library refused the input (message on stderr), 2 bad command line.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import time
 from .errors import FxParallelError
 
 DTYPES = ("float32", "bfloat16", "float16")
-NOT_IMPLEMENTED = 2
 
 
 def _positive_int(text: str) -> int:
@@ -38,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "is left replicated and why.")
     plan.add_argument("model", metavar="MODEL", help="hub id, local checkpoint directory, or config.json path")
     plan.add_argument("--tp", type=_positive_int, required=True, help="tensor-parallel size")
-    plan.add_argument("--sp", action="store_true", help="sequence parallelism (not implemented yet)")
+    plan.add_argument("--sp", action="store_true", help="sequence parallelism: activations outside attention and "
+                      "MLP sharded along the sequence (reduce-scatter / all-gather instead of all-reduce)")
     plan.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: the config's, else "
                       "float32)")
     plan.add_argument("--layers", type=_positive_int, default=None, metavar="K",
@@ -72,15 +72,12 @@ def _plan(args):
     if args.layers is not None:
         override_layers(config, args.layers)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    plan, _ = plan_model(config, args.tp, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    plan, _ = plan_model(config, args.tp, dtype=dtype, trust_remote_code=args.trust_remote_code,
+                         sequence_parallel=args.sp)
     return plan
 
 
 def run_plan(args) -> int:
-    if args.sp:
-        print("fxparallel: error: sequence parallelism (--sp) is not implemented yet; run without --sp for a "
-              "tensor-parallel plan", file=sys.stderr)
-        return NOT_IMPLEMENTED
     if "TRANSFORMERS_VERBOSITY" not in os.environ:
         from transformers.utils import logging as hf_logging
 

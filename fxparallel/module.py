@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .errors import ShardingError
 from .rewrite import collectives, context_parallel
 
 ARGUMENTS = ("input_ids", "attention_mask", "position_ids", "labels")
@@ -70,6 +71,7 @@ class ParallelCausalLM(nn.Module):
         self.dtype_ = dtype
         object.__setattr__(self, "_graphs", [])  # not submodules: they share our parameters
         object.__setattr__(self, "_graph_factory", graph_factory)
+        self.sequence_parallel = False  # set by parallelize: sequences must then divide by tp
         for p in plan.params:
             local = torch.empty(p.local_shape(group.size), device=self.device_, dtype=dtype)
             param = nn.Parameter(local)
@@ -113,6 +115,10 @@ class ParallelCausalLM(nn.Module):
         args = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
                                   ("position_ids", position_ids), ("labels", labels)) if v is not None}
         args = {k: v.to(self.device_) for k, v in args.items()}
+        if self.sequence_parallel and input_ids.shape[-1] % self.tp_group.size:
+            raise ShardingError(f"sequence_parallel: the sequence length {input_ids.shape[-1]} of input_ids "
+                                f"{tuple(input_ids.shape)} does not divide by the tp size {self.tp_group.size}; "
+                                f"pad the batch to a multiple of {self.tp_group.size}")
         if self.cp_group is not None:
             args = context_parallel.prepare_arguments(args, self.cp_group, self.plan.model_type)
         graph = self._graph_for(args)

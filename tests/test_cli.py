@@ -58,14 +58,27 @@ def test_config_file_path_layers_and_dtype_overrides(config_dir, tmp_path, capsy
     assert plan == expected
 
 
+def test_sp_prints_the_sequence_parallel_plan(config_dir, capsys):
+    assert main(["plan", config_dir, "--tp", "2", "--sp"]) == 0
+    out = capsys.readouterr().out
+    expected, _ = fxparallel.plan_model(config_dir, 2, sequence_parallel=True)
+    assert out.strip() == str(expected).strip()
+    assert out.startswith("fxparallel plan: llama, tp=2, float32, sequence parallel")
+    # the all-reduces of plain TP become reduce-scatters and all-gathers along the sequence
+    assert f"{LAYERS} x reduce_scatter      256.0 B/token  model.layers.*.mlp.down_proj" in out
+    assert expected.count("reduce_scatter", "forward") == expected.count("all_gather", "backward") == 2 * LAYERS + 1
+    assert expected.count("all_reduce", "forward") == 0
+    assert "gradient all-reduced (used on sequence shards)" in out and "ring:" in out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tp", "3"], r"tp size 3 does not divide num_attention_heads=8"),
-    (["--tp", "2", "--sp"], r"sequence parallelism \(--sp\) is not implemented yet"),
+    (["--tp", "3", "--sp"], r"tp size 3 does not divide num_attention_heads=8"),
 ])
 def test_bad_input_gives_the_library_message_and_exit_code(config_dir, capsys, args, message):
     code = main(["plan", config_dir] + args)
     err = capsys.readouterr().err
-    assert code == (2 if "--sp" in args else 1)
+    assert code == 1
     assert err.startswith("fxparallel: error: ")
     assert "Traceback" not in err
     assert re.search(message, err), err

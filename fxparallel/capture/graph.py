@@ -19,6 +19,7 @@ class CapturedGraph:
     guards: list = field(default_factory=list)
     symbol_sources: dict = field(default_factory=dict)  # sympy Symbol -> (argument, dim)
     attributes: dict = field(default_factory=dict)  # attributes the local graph reads besides parameters/buffers
+    sequence_parallel: object = None  # SequenceParallelReport when the sequence-parallel pass ran
 
     def release(self) -> None:
         """Drop the graph (and the fake tensors in its metadata) once the local code exists;

@@ -26,17 +26,19 @@ def module_path(node) -> str:
     return path or "<top>"
 
 
-def _where(node) -> str:
-    """Name the module whose value a collective acts on, as a layer pattern: for a backward
-    all-reduce the modules that consume the value, otherwise the module that produced it."""
-    if node.target is collectives.copy_to_tp:
+def _where(node, direction: str = "forward") -> str:
+    """Name the module whose value a collective acts on, as a layer pattern: for the backward
+    collective of a value used on shards the modules that consume it, otherwise the module
+    that produced it."""
+    if node.target is collectives.copy_to_tp or (
+            direction == "backward" and node.target in collectives.GRADIENT_OF_CONSUMERS):
         if node.args[0].op in ("placeholder", "get_attr"):
             return f"gradient of parameter {layer_pattern(str(node.args[0].target))}"
         users = sorted({layer_pattern(module_path(u)) for u in node.users})
         return "gradient of the input of " + ", ".join(users)
     source = node.args[0] if node.args and hasattr(node.args[0], "meta") else node
     while source is not None and source.op == "call_function" and source.target in (
-        collectives.all_reduce, collectives.copy_to_tp, collectives.all_gather, collectives.local_chunk
+        collectives.COLLECTIVE_OPS + (collectives.local_chunk,)
     ):
         source = source.args[0]
     if source is not None and source.op in ("placeholder", "get_attr"):
@@ -64,19 +66,22 @@ def collect_collectives(graph, tokens: int, tp: int) -> list:
             per_token, per_call = bytes_per_token(source, tokens), 0.0
         for direction, kind in (("forward", fn.FORWARD), ("backward", fn.BACKWARD)):
             if kind:
-                key = (kind, direction, _where(node), per_token, per_call)
+                key = (kind, direction, _where(node, direction), per_token, per_call)
                 counts[key] = counts.get(key, 0) + 1
     return [CollectivePlan(kind=k[0], direction=k[1], where=k[2], bytes_per_token=k[3], count=n, bytes_per_call=k[4])
             for k, n in counts.items()]
 
 
 def build_plan(model, captured, gplan: GraphPlan, graph, reduced_values, tp: int, dtype: torch.dtype,
-               tokens: int) -> ShardingPlan:
+               tokens: int, sequence_parallel=None) -> ShardingPlan:
+    """``sequence_parallel``: the SequenceParallelReport when that pass ran."""
     aliases = OrderedDict()
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     node_of_param = {captured.params[n.name]: n for n in captured.placeholders() if n.name in captured.params}
     reduced_names = {captured.params.get(v.name) for v in reduced_values if v.op == "placeholder"}
+    on_sequence = {captured.params.get(v.name) for v in getattr(sequence_parallel, "reduced", [])
+                   if v.op == "placeholder"}
     params = []
     for names in aliases.values():
         canonical = next((n for n in names if n in node_of_param), names[0])
@@ -89,7 +94,9 @@ def build_plan(model, captured, gplan: GraphPlan, graph, reduced_values, tp: int
             reason = gplan.reasons.get(canonical, "replicated")
             if placement == "R" and reason.startswith(("column", "row", "vocab", "hidden")):
                 reason = "replicated"
-            if canonical in reduced_names:
+            if canonical in on_sequence:
+                reason += "; gradient all-reduced (used on sequence shards)"
+            elif canonical in reduced_names:
                 reason += "; gradient all-reduced (used on sharded activations)"
         params.append(ParamPlan(canonical, shape, placement, reason, others))
     fallbacks = [f"{op}: {why}" for op, why in gplan.fallbacks]
@@ -101,4 +108,6 @@ def build_plan(model, captured, gplan: GraphPlan, graph, reduced_values, tp: int
         collectives=collect_collectives(graph, tokens, tp) if tp > 1 else [],
         fallbacks=fallbacks,
         dtype=str(dtype).replace("torch.", ""),
+        sequence_parallel=sequence_parallel is not None,
+        sequence_parallel_kept=list(getattr(sequence_parallel, "kept", [])),
     )

@@ -68,7 +68,7 @@ class ParamPlan:
 
 @dataclass(frozen=True)
 class CollectivePlan:
-    kind: str  # all_reduce, all_gather
+    kind: str  # all_reduce, all_gather, reduce_scatter
     direction: str  # forward or backward
     where: str  # the module (layer pattern) whose output it acts on
     bytes_per_token: float  # payload of one call, per token (collectives of activations)
@@ -84,6 +84,8 @@ class ShardingPlan:
     collectives: list = field(default_factory=list)  # [CollectivePlan]
     fallbacks: list = field(default_factory=list)  # ["op (where): reason"]
     dtype: str = "float32"
+    sequence_parallel: bool = False  # activations outside attention/MLP sharded along the sequence
+    sequence_parallel_kept: list = field(default_factory=list)  # ["where: reason"] regions left plain TP
 
     # ---- queries -------------------------------------------------------------
     def param(self, name: str) -> ParamPlan:
@@ -97,6 +99,14 @@ class ShardingPlan:
 
     def bytes_per_token(self, direction: Optional[str] = None) -> float:
         return sum(c.bytes_per_token * c.count for c in self.collectives if direction in (None, c.direction))
+
+    def wire_bytes_per_token(self, direction: Optional[str] = None) -> float:
+        """Bytes each rank sends per token with ring algorithms: an all-reduce sends 2(tp-1)/tp of
+        its payload, a reduce-scatter or an all-gather (tp-1)/tp (so one of each = one all-reduce)."""
+        share = (self.tp - 1) / self.tp if self.tp > 1 else 0.0
+        factor = {"all_reduce": 2 * share, "reduce_scatter": share, "all_gather": share}
+        return sum(factor.get(c.kind, 0.0) * c.bytes_per_token * c.count for c in self.collectives
+                   if direction in (None, c.direction))
 
     def param_bytes_per_rank(self, itemsize: int = 4) -> int:
         total = 0
@@ -116,6 +126,8 @@ class ShardingPlan:
             "params": [asdict(p) for p in self.params],
             "collectives": [asdict(c) for c in self.collectives],
             "fallbacks": list(self.fallbacks),
+            "sequence_parallel": self.sequence_parallel,
+            "sequence_parallel_kept": list(self.sequence_parallel_kept),
         }
 
     @classmethod
@@ -128,6 +140,8 @@ class ShardingPlan:
                     for p in d["params"]],
             collectives=[CollectivePlan(**c) for c in d["collectives"]],
             fallbacks=list(d.get("fallbacks", [])),
+            sequence_parallel=d.get("sequence_parallel", False),
+            sequence_parallel_kept=list(d.get("sequence_parallel_kept", [])),
         )
 
     def to_json(self) -> str:
@@ -158,7 +172,8 @@ class ShardingPlan:
             count = f"x{len(members)}" if len(members) > 1 else ""
             rows.append((name, count, "x".join(map(str, p.shape)), p.placement, p.reason))
         widths = [max(len(r[i]) for r in rows + [("parameter", "", "shape", "placement", "why")]) for i in range(5)]
-        out = [f"fxparallel plan: {self.model_type}, tp={self.tp}, {self.dtype}"]
+        out = [f"fxparallel plan: {self.model_type}, tp={self.tp}, {self.dtype}"
+               + (", sequence parallel" if self.sequence_parallel else "")]
         header = ("parameter", "", "shape", "placement", "why")
         out.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
         out.append("  ".join("-" * w for w in widths))
@@ -171,12 +186,17 @@ class ShardingPlan:
             total = sum(c.count for c in calls)
             fixed = sum(c.count * c.bytes_per_call for c in calls)
             out.append(f"  {direction}: {total} calls, {sum(c.count * c.bytes_per_token for c in calls):.0f} bytes/token"
-                       + (f" + {fixed:.0f} bytes/step" if fixed else ""))
+                       + (f" + {fixed:.0f} bytes/step" if fixed else "")
+                       + (f" (ring: {self.wire_bytes_per_token(direction):.0f} bytes/token sent per rank)"
+                          if self.sequence_parallel else ""))
             for c in calls:
                 size = f"{c.bytes_per_call:>10.0f} B/call " if c.bytes_per_call else f"{c.bytes_per_token:>10.1f} B/token"
-                out.append(f"    {c.count:>4} x {c.kind:<10} {size}  {c.where}")
+                out.append(f"    {c.count:>4} x {c.kind:<14} {size}  {c.where}")
         mb = self.param_bytes_per_rank(_itemsize(self.dtype)) / 2**20
         out.append(f"parameter memory per rank: {mb:.2f} MiB")
+        if self.sequence_parallel_kept:
+            out.append("left plain TP by sequence parallelism (a consumer is not token-wise):")
+            out.extend(f"  {k}" for k in self.sequence_parallel_kept)
         if self.fallbacks:
             out.append("replicated by fallback (gathered):")
             out.extend(f"  {f}" for f in self.fallbacks)

@@ -8,6 +8,14 @@ Each op states which collective it runs in the forward and in the backward pass
 * ``all_gather``:   forward all-gather,  backward local slice (shard -> replicated)
 * ``local_chunk``:  forward local slice, backward zero-padding (replicated -> shard, no communication)
 
+Sequence parallelism (``fxparallel.rewrite.sequence_parallel``) adds three ops on the
+token dimension of activations (``dim``; with ``batch`` given, ``dim`` merges batch and
+sequence, batch outermost, and the op acts on the sequence inside it):
+
+* ``reduce_scatter_seq``:  forward reduce-scatter, backward all-gather  (partial -> sequence shard)
+* ``gather_seq_to_tp``:    forward all-gather,     backward reduce-scatter (shard -> value used on tp shards)
+* ``gather_seq``:          forward all-gather,     backward local slice  (shard -> replicated value)
+
 With a group of size 1 every op is the identity and runs no collective.
 """
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..errors import ShardingError
 from ..group import group_by_handle
 
 
@@ -55,6 +64,84 @@ def _chunk(x: torch.Tensor, dim: int, handle: int, segments=None) -> torch.Tenso
         pieces.append(x.narrow(dim, offset + group.rank * size, size))
         offset += seg
     return torch.cat(pieces, dim=dim)
+
+
+def _token_view(x: torch.Tensor, dim: int, batch):
+    """(view, seq dim): with ``batch``, split the merged (batch, sequence) dim ``dim`` in two."""
+    if batch is None:
+        return x, dim
+    return x.unflatten(dim, (int(batch), -1)), dim + 1
+
+
+def _token_merge(x: torch.Tensor, dim: int, batch) -> torch.Tensor:
+    return x if batch is None else x.flatten(dim, dim + 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, dim: int, handle: int, batch=None) -> torch.Tensor:
+    group = group_by_handle(handle)
+    if group.size == 1:
+        return x
+    view, d = _token_view(x, dim, batch)
+    if view.shape[d] % group.size:
+        raise ShardingError(f"sequence parallelism: sequence length {view.shape[d]} does not divide by tp size "
+                            f"{group.size}")
+    parts = [p.contiguous() for p in view.chunk(group.size, dim=d)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group.process_group)
+    return _token_merge(out, dim, batch)
+
+
+def _all_gather_seq(x: torch.Tensor, dim: int, handle: int, batch=None) -> torch.Tensor:
+    group = group_by_handle(handle)
+    if group.size == 1:
+        return x
+    view, d = _token_view(x, dim, batch)
+    view = view.contiguous()
+    parts = [torch.empty_like(view) for _ in range(group.size)]
+    dist.all_gather(parts, view, group=group.process_group)
+    return _token_merge(torch.cat(parts, dim=d), dim, batch)
+
+
+def _chunk_seq(x: torch.Tensor, dim: int, handle: int, batch=None) -> torch.Tensor:
+    group = group_by_handle(handle)
+    if group.size == 1:
+        return x
+    view, d = _token_view(x, dim, batch)
+    size = view.shape[d] // group.size
+    return _token_merge(view.narrow(d, group.rank * size, size).contiguous(), dim, batch)
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, handle, batch):
+        ctx.args = (dim, handle, batch)
+        return _reduce_scatter_seq(x, dim, handle, batch)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, *ctx.args), None, None, None
+
+
+class _GatherSeqToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, handle, batch):
+        ctx.args = (dim, handle, batch)
+        return _all_gather_seq(x, dim, handle, batch)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, *ctx.args), None, None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, handle, batch):
+        ctx.args = (dim, handle, batch)
+        return _all_gather_seq(x, dim, handle, batch)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _chunk_seq(grad, *ctx.args), None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -105,9 +192,26 @@ def local_chunk(x, dim, handle, segments=None):
     return _chunk(x, dim, handle, segments)
 
 
+def reduce_scatter_seq(x, dim, handle, batch=None):
+    return _ReduceScatterSeq.apply(x, dim, handle, batch)
+
+
+def gather_seq_to_tp(x, dim, handle, batch=None):
+    return _GatherSeqToTP.apply(x, dim, handle, batch)
+
+
+def gather_seq(x, dim, handle, batch=None):
+    return _GatherSeq.apply(x, dim, handle, batch)
+
+
 all_reduce.FORWARD, all_reduce.BACKWARD = "all_reduce", None
 copy_to_tp.FORWARD, copy_to_tp.BACKWARD = None, "all_reduce"
 all_gather.FORWARD, all_gather.BACKWARD = "all_gather", None
 local_chunk.FORWARD, local_chunk.BACKWARD = None, None
+reduce_scatter_seq.FORWARD, reduce_scatter_seq.BACKWARD = "reduce_scatter", "all_gather"
+gather_seq_to_tp.FORWARD, gather_seq_to_tp.BACKWARD = "all_gather", "reduce_scatter"
+gather_seq.FORWARD, gather_seq.BACKWARD = "all_gather", None
 
-COLLECTIVE_OPS = (all_reduce, copy_to_tp, all_gather)
+COLLECTIVE_OPS = (all_reduce, copy_to_tp, all_gather, reduce_scatter_seq, gather_seq_to_tp, gather_seq)
+GRADIENT_OF_CONSUMERS = (copy_to_tp, gather_seq_to_tp)
+"""Ops whose backward collective acts on the gradient their (sharded) consumers send back."""

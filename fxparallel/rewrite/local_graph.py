@@ -257,11 +257,19 @@ def generate_forward(graph: fx.Graph):
     return _forward_from_src(code.src, dict(code.globals)), code.src
 
 
-def localize(captured, gplan: GraphPlan, group: TPGroup, device: torch.device):
-    """Run the three passes on the captured graph (in place). Returns the values with reduced grads."""
+def localize(captured, gplan: GraphPlan, group: TPGroup, device: torch.device, sequence_parallel: bool = False):
+    """Run the three passes on the captured graph (in place). Returns the values with reduced grads.
+
+    With ``sequence_parallel`` the sequence-parallel pass runs before inputs are bound; its
+    report is kept as ``captured.sequence_parallel``."""
     graph = captured.gm.graph
     sharded_consumers = insert_redistributions(graph, gplan, group)
     reduced = insert_gradient_reductions(graph, sharded_consumers, group.handle, gplan)
+    if sequence_parallel and group.size > 1:  # with one rank there is nothing to shard
+        from .sequence_parallel import apply_sequence_parallel
+
+        captured.sequence_parallel = apply_sequence_parallel(graph, captured, group)
+        reduced = reduced + captured.sequence_parallel.reduced
     bind_inputs(graph, captured, device)
     return reduced
 
