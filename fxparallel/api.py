@@ -19,10 +19,11 @@ from .load import (default_dtype, initialize, load_from_files, load_from_state_d
                    resolve_source)
 from .module import LocalGraph, ParallelCausalLM
 from .plan.build import build_plan
+from .plan.layout import ShardLayout
 from .plan.solver import check_layer_symmetry, solve
 from .plan.validate import check_divisible
 from .rewrite import localize, output_placements
-from .rewrite.local_graph import generate_forward
+from .rewrite.local_graph import generate_forward, output_split_sizes
 
 log = logging.getLogger("fxparallel")
 
@@ -39,12 +40,14 @@ def _default_device(group: TPGroup) -> torch.device:
 def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None):
     """Capture, solve and rewrite one graph. Returns (LocalGraph, GraphPlan, reduced values, captured)."""
     captured = capture(meta_model, arguments, shape=shape)
-    gplan = solve(captured, group.size, fixed=fixed)
+    layout = ShardLayout.for_config(meta_model.config, group.size)  # uneven splits by whole heads / columns / rows
+    gplan = solve(captured, group.size, fixed=fixed, layout=layout)
     placements = output_placements(captured, gplan)
+    sizes = output_split_sizes(captured, gplan)
     reduced = localize(captured, gplan, group, device)
     forward, code = generate_forward(captured.gm.graph)
     local = LocalGraph(arguments=arguments, forward=forward, outputs=captured.outputs,
-                       output_placements=placements, captured=captured, code=code)
+                       output_placements=placements, captured=captured, code=code, output_sizes=sizes)
     return local, gplan, reduced, captured
 
 

@@ -59,7 +59,7 @@ def test_config_file_path_layers_and_dtype_overrides(config_dir, tmp_path, capsy
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tp", "3"], r"tp size 3 does not divide num_attention_heads=8"),
+    (["--tp", "6"], r"tp size 6 does not divide num_key_value_heads=4"),
     (["--tp", "2", "--sp"], r"sequence parallelism \(--sp\) is not implemented yet"),
 ])
 def test_bad_input_gives_the_library_message_and_exit_code(config_dir, capsys, args, message):

@@ -27,6 +27,13 @@ def tp_placement(plan_param):
             f"{plan_param.name} is a segmented shard {plan_param.placement} (fused projection); distributed "
             "checkpoints and export of fused weights are not supported yet"
         )
+    if getattr(plan_param, "split", ()):
+        # DTensor's Shard gives rank r torch.chunk's r-th piece: not whole heads / the layout's sizes
+        raise NotImplementedError(
+            f"{plan_param.name} is an uneven shard {plan_param.placement} {plan_param.split_text()} (tp does not "
+            "divide it); distributed checkpoints and export need even shards (DTensor's Shard uses torch.chunk "
+            "sizes): choose a tp size that divides the heads, MLP width and vocabulary"
+        )
     return Shard(p.dim) if p.is_shard else Replicate()
 
 
@@ -50,11 +57,12 @@ def global_view(tensor, plan_param, mesh) -> DTensor:
     """``tensor`` (this rank's TP shard, maybe an FSDP DTensor over dp x cp) as a DTensor of
     the full model shape ``plan_param.shape`` on ``mesh.tp_dp_mesh``."""
     full = tuple(plan_param.shape)
+    tp = tp_placement(plan_param)  # refuses what DTensor cannot describe (fused, uneven) first
     tp_shard = tuple(plan_param.local_shape(mesh.tp))
     if tuple(tensor.shape) != tp_shard:  # a DTensor's shape is its shape over dp x cp: the TP shard
         raise ValueError(f"{plan_param.name}: tensor of shape {tuple(tensor.shape)} is not its tp={mesh.tp} "
                          f"shard {tp_shard}")
-    placements = (tp_placement(plan_param), dp_placement(tensor))
+    placements = (tp, dp_placement(tensor))
     return DTensor.from_local(local_part(tensor), mesh.tp_dp_mesh, placements, run_check=False,
                               shape=torch.Size(full), stride=_contiguous_stride(full))
 
