@@ -37,9 +37,9 @@ class RewriteContext:
         self.graph = graph
         self.group = group
         self.tp = group.size
+        self.layout = layout or ShardLayout(group.size)  # each rank's part of a sharded size (may be uneven)
         self.rank = group.rank
         self.group_handle = group.handle
-        self.layout = layout or ShardLayout(group.size)
 
     def local_size(self, full: int) -> int:
         """This rank's part of a sharded dimension of ``full`` (ranks may differ: uneven splits)."""
