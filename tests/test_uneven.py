@@ -81,10 +81,11 @@ def test_plan_records_uneven_splits_in_print_and_json():
 
 @pytest.mark.parametrize("overrides, tp, message", [
     (dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4), 6,
-     r"tp size 6 does not divide num_key_value_heads=4 and is larger than it without being a multiple of it.*"
+     r"tp size 6 does not divide num_key_value_heads=4 \(key/value heads\) and is larger than it without being a "
+     r"multiple of it.*"
      r"k_proj.weight \(dim 0\)"),
     (dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=64), 4,
-     r"tp size 4 is larger than num_attention_heads=2: a rank would hold none"),
+     r"tp size 4 is larger than num_attention_heads=2 \(attention heads\): a rank would hold none"),
 ])
 def test_what_stays_impossible_is_refused_before_capture(overrides, tp, message):
     import fxparallel

@@ -29,16 +29,16 @@ def _head_dim(config) -> int:
     return int(config.hidden_size) // int(config.num_attention_heads)
 
 
-def _problem(field_name: str, value: int, tp: int):
+def _problem(field_name: str, what: str, value: int, tp: int):
     """Why ``value`` of ``field_name`` cannot be split over ``tp`` ranks, or None if it can."""
     if field_name == "num_key_value_heads":
         if tp > value and tp % value:
-            return (f"tp size {tp} does not divide {field_name}={value} and is larger than it without being a "
-                    f"multiple of it, so ranks cannot share whole key/value heads (use tp <= {value} or a multiple "
-                    f"of {value})")
+            return (f"tp size {tp} does not divide {field_name}={value} ({what}) and is larger than it without "
+                    f"being a multiple of it, so ranks cannot share whole key/value heads: use tp <= {value} or a "
+                    f"multiple of {value}")
         return None
     if tp > value:
-        return f"tp size {tp} is larger than {field_name}={value}: a rank would hold none"
+        return f"tp size {tp} is larger than {field_name}={value} ({what}): a rank would hold none"
     return None
 
 
@@ -50,7 +50,7 @@ def check_divisible(config, tp: int, meta_model=None) -> None:
         value = getattr(config, field_name, None)
         if not isinstance(value, int) or value < 1:
             continue
-        why = _problem(field_name, value, tp)
+        why = _problem(field_name, what, value, tp)
         if why is None:
             continue
         extent = value
@@ -66,7 +66,7 @@ def check_divisible(config, tp: int, meta_model=None) -> None:
             if hits:
                 shown = hits[:3] + ([f"... {len(hits) - 3} more"] if len(hits) > 3 else [])
                 where = "; it is the size of " + ", ".join(shown)
-        problems.append(f"{why} ({what}){where}")
+        problems.append(why + where)
     if problems:
         raise ShardingError(
             f"cannot split the model over tp={tp} ranks: " + "; ".join(problems)
