@@ -39,10 +39,10 @@ import torch.fx as fx
 
 from ..capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
 from ..capture.graph import CapturedGraph
-from .layout import ShardLayout
 from .placement import R, Placement, is_sharded
 from .rules import RuleContext, Strategy, rule_for, tensor_inputs
 from .rules.base import requires_grad
+from .layout import ShardLayout  # noqa: I001 (kept apart from the imports above to keep merges clean)
 
 INFEASIBLE = float("inf")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")

@@ -23,10 +23,10 @@ import torch.fx as fx
 
 from ..errors import ShardingError
 from ..group import TPGroup
-from ..plan.layout import ShardLayout
 from ..plan.placement import R, Placement, is_sharded
 from ..plan.rules.base import requires_grad
 from ..plan.solver import GraphPlan
+from ..plan.layout import ShardLayout  # noqa: I001
 from . import collectives
 
 
