@@ -28,10 +28,6 @@ class ParamPlan:
     def layout(self) -> Placement:
         return Placement.parse(self.placement)
 
-    @property
-    def is_uneven(self) -> bool:
-        return bool(self.split)
-
     def local_shape(self, tp: int, rank: Optional[int] = None) -> tuple:
         """Shape of a rank's shard; an uneven shard differs by rank, so it needs ``rank``."""
         p = self.layout
