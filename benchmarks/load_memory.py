@@ -131,7 +131,7 @@ def measure_fxparallel(path: str, dtype) -> dict:
     finally:
         api.load_from_files = original
     tp, rank = model.tp_group.size, model.tp_group.rank
-    pieces = [p_.local_shape(tp) for p_ in model.plan.params]
+    pieces = [p_.local_shape(tp, rank) for p_ in model.plan.params]
     result = dict(system="fxparallel", loaded=loaded, growth=p.growth, rchar=p.read, bytes_read=model.bytes_read,
                   shard=sum(q.numel() * q.element_size() for q in model.parameters()),
                   largest_piece=max(4 * _numel(s) for s in pieces), **stage)  # stored fp32

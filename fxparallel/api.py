@@ -19,10 +19,11 @@ from .load import (default_dtype, initialize, load_from_files, load_from_state_d
                    resolve_source)
 from .module import LocalGraph, ParallelCausalLM
 from .plan.build import build_plan
+from .plan.layout import ShardLayout
 from .plan.solver import check_layer_symmetry, solve
 from .plan.validate import check_divisible
 from .rewrite import context_parallel, context_parallel_checks, localize, output_placements
-from .rewrite.local_graph import generate_forward
+from .rewrite.local_graph import generate_forward, output_split_sizes
 
 log = logging.getLogger("fxparallel")
 
@@ -46,14 +47,16 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     if cp is not None:
         kind = getattr(meta_model.config, "model_type", type(meta_model).__name__)
         context_parallel_checks.check_graph(captured, kind)
-    gplan = solve(captured, group.size, fixed=fixed)
+    layout = ShardLayout.for_config(meta_model.config, group.size)  # uneven splits by whole heads / columns / rows
+    gplan = solve(captured, group.size, fixed=fixed, layout=layout)
     placements = output_placements(captured, gplan)
+    sizes = output_split_sizes(captured, gplan)
     reduced = localize(captured, gplan, group, device, sequence_parallel=sequence_parallel)
     if cp is not None:
         context_parallel.apply_context_parallel(captured.gm.graph, cp)
     forward, code = generate_forward(captured.gm.graph)
     local = LocalGraph(arguments=arguments, forward=forward, outputs=captured.outputs,
-                       output_placements=placements, captured=captured, code=code)
+                       output_placements=placements, captured=captured, code=code, output_sizes=sizes)
     return local, gplan, reduced, captured
 
 

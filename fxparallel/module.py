@@ -9,7 +9,7 @@ re-materialized.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -43,6 +43,7 @@ class LocalGraph:
     output_placements: dict  # name -> Placement
     captured: object  # CapturedGraph (guards)
     code: str
+    output_sizes: dict = field(default_factory=dict)  # name -> per-rank sizes along its sharded dim
 
 
 def _set_path(root: nn.Module, dotted: str, value, kind: str):
@@ -73,7 +74,7 @@ class ParallelCausalLM(nn.Module):
         object.__setattr__(self, "_graph_factory", graph_factory)
         self.sequence_parallel = False  # set by parallelize: sequences must then divide by tp
         for p in plan.params:
-            local = torch.empty(p.local_shape(group.size), device=self.device_, dtype=dtype)
+            local = torch.empty(p.local_shape(group.size, group.rank), device=self.device_, dtype=dtype)
             param = nn.Parameter(local)
             param._fxparallel = p  # type: ignore[attr-defined]
             for name in (p.name,) + tuple(p.aliases):
@@ -128,10 +129,13 @@ class ParallelCausalLM(nn.Module):
         gather = (labels is None) if gather_logits is None else gather_logits
         local_logits, vocab_range = None, None
         if placement is not None and placement.is_shard:
-            local = logits.shape[placement.dim]
-            vocab_range = (self.tp_group.rank * local, (self.tp_group.rank + 1) * local)
+            local, rank = logits.shape[placement.dim], self.tp_group.rank
+            sizes = graph.output_sizes.get("logits")  # per-rank vocabulary sizes (uneven when tp does not divide it)
+            start = sum(sizes[:rank]) if sizes else rank * local
+            vocab_range = (start, start + local)
+            uneven = (tuple(sizes),) if sizes and len(set(sizes)) > 1 else None
             local_logits = logits
-            logits = collectives.all_gather(logits, placement.dim, self.tp_group.handle) if gather else None
+            logits = collectives.all_gather(logits, placement.dim, self.tp_group.handle, None, uneven) if gather else None
         return ParallelCausalLMOutput(loss=results.get("loss"), logits=logits, local_logits=local_logits,
                                       vocab_range=vocab_range)
 

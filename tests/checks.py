@@ -9,16 +9,19 @@ def batch(vocab: int, b: int = 2, s: int = 9, seed: int = 1):
     return torch.randint(0, vocab, (b, s), generator=g)
 
 
-def compare(model, reference, rank: int, tp: int, ids=None, **kwargs) -> dict:
-    """Loss, complete logits and every parameter gradient vs the reference; returns max abs errors."""
+def compare(model, reference, rank: int, tp: int, ids=None, gather_logits: bool = False, **kwargs) -> dict:
+    """Loss, complete logits and every parameter gradient vs the reference; returns max abs errors.
+
+    ``gather_logits``: take the complete logits from the labelled call (``gather_logits=True``)
+    instead of a second call without labels (one graph instead of two)."""
     ids = batch(model.config.vocab_size) if ids is None else ids
     for p in list(model.parameters()) + list(reference.parameters()):
         p.grad = None
-    out = model(input_ids=ids, labels=ids, **kwargs)
+    out = model(input_ids=ids, labels=ids, **({"gather_logits": True} if gather_logits else {}), **kwargs)
     ref = reference(input_ids=ids, labels=ids, **kwargs)
     out.loss.backward()
     ref.loss.backward()
-    logits = model(input_ids=ids, **kwargs).logits
+    logits = out.logits if gather_logits else model(input_ids=ids, **kwargs).logits
     ref_params = dict(reference.named_parameters())
     grad_err, checked = 0.0, 0
     for name, p in model.named_parameters():

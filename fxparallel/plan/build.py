@@ -8,6 +8,7 @@ import torch
 
 from ..rewrite import collectives
 from ..rewrite.functional import vocab_parallel_cross_entropy
+from .placement import Placement
 from .plan import CollectivePlan, ParamPlan, ShardingPlan
 from .rules.base import bytes_per_token
 from .solver import GraphPlan, layer_pattern
@@ -98,7 +99,7 @@ def build_plan(model, captured, gplan: GraphPlan, graph, reduced_values, tp: int
                 reason += "; gradient all-reduced (used on sequence shards)"
             elif canonical in reduced_names:
                 reason += "; gradient all-reduced (used on sharded activations)"
-        params.append(ParamPlan(canonical, shape, placement, reason, others))
+        params.append(ParamPlan(canonical, shape, placement, reason, others, _split(placement, shape, gplan.layout)))
     fallbacks = [f"{op}: {why}" for op, why in gplan.fallbacks]
     return ShardingPlan(
         model_type=getattr(model.config, "model_type", type(model).__name__),
@@ -110,4 +111,16 @@ def build_plan(model, captured, gplan: GraphPlan, graph, reduced_values, tp: int
         dtype=str(dtype).replace("torch.", ""),
         sequence_parallel=sequence_parallel is not None,
         sequence_parallel_kept=list(getattr(sequence_parallel, "kept", [])),
+        uneven=dict(gplan.layout.uneven) if gplan.layout is not None else {},
     )
+
+
+def _split(placement: str, shape: tuple, layout) -> tuple:
+    """Per segment, each rank's size along the sharded dim if the split is uneven; () if even."""
+    p = Placement.parse(placement)
+    if layout is None or not p.is_shard:
+        return ()
+    parts = p.segments or (shape[p.dim],)
+    if all(layout.is_even(s) for s in parts):
+        return ()
+    return tuple(layout.sizes(s) for s in parts)

@@ -76,12 +76,16 @@ def S(dim: int, segments: Optional[tuple] = None) -> Placement:
     return Placement("S", dim, tuple(segments) if segments else None)
 
 
-def shard_pieces(size: int, rank: int, tp: int, segments: Optional[tuple] = None) -> list:
-    """[(start, stop) in the full dimension] that rank holds, in local order."""
+def shard_pieces(size: int, rank: int, tp: int, segments: Optional[tuple] = None, split: Optional[tuple] = None) -> list:
+    """[(start, stop) in the full dimension] that rank holds, in local order.
+
+    ``split``: per segment (one for a plain shard), the per-rank sizes of an uneven split
+    (``layout.ShardLayout``); without it every rank holds ``segment // tp``."""
     pieces, offset = [], 0
-    for seg in segments or (size,):
-        chunk = seg // tp
-        pieces.append((offset + rank * chunk, offset + (rank + 1) * chunk))
+    for i, seg in enumerate(segments or (size,)):
+        sizes = split[i] if split else (seg // tp,) * tp
+        start = offset + sum(sizes[:rank])
+        pieces.append((start, start + sizes[rank]))
         offset += seg
     return pieces
 

@@ -21,18 +21,30 @@ class ParamPlan:
     placement: str  # "R", "S(0)", ...
     reason: str
     aliases: tuple = ()  # other names of the same (tied) parameter
+    # uneven shard: per segment (one for a plain shard), each rank's size along the sharded dim; () if even
+    split: tuple = ()
 
     @property
     def layout(self) -> Placement:
         return Placement.parse(self.placement)
 
-    def local_shape(self, tp: int) -> tuple:
+    def local_shape(self, tp: int, rank: Optional[int] = None) -> tuple:
+        """Shape of a rank's shard; an uneven shard differs by rank, so it needs ``rank``."""
         p = self.layout
         if not p.is_shard:
             return tuple(self.shape)
         shape = list(self.shape)
-        shape[p.dim] //= tp
+        if self.split:
+            if rank is None:
+                raise ValueError(f"{self.name} is split unevenly ({self.split_text()}): its shape depends on the rank")
+            shape[p.dim] = sum(sizes[rank] for sizes in self.split)
+        else:
+            shape[p.dim] //= tp
         return tuple(shape)
+
+    def split_text(self) -> str:
+        """Per-rank sizes of an uneven shard, e.g. ``48/24`` (``|`` between the parts of a fused weight)."""
+        return "|".join("/".join(map(str, sizes)) for sizes in self.split)
 
     def local_slices(self, rank: int, tp: int) -> tuple:
         """Index of this rank's shard in the full tensor (one slice per dimension).
@@ -51,7 +63,7 @@ class ParamPlan:
         if not p.is_shard:
             return [(tuple(full), tuple(full))]
         out, offset = [], 0
-        for start, stop in shard_pieces(self.shape[p.dim], rank, tp, p.segments):
+        for start, stop in shard_pieces(self.shape[p.dim], rank, tp, p.segments, self.split or None):
             src, dst = list(full), list(full)
             src[p.dim] = slice(start, stop)
             dst[p.dim] = slice(offset, offset + stop - start)
@@ -86,6 +98,7 @@ class ShardingPlan:
     dtype: str = "float32"
     sequence_parallel: bool = False  # activations outside attention/MLP sharded along the sequence
     sequence_parallel_kept: list = field(default_factory=list)  # ["where: reason"] regions left plain TP
+    uneven: dict = field(default_factory=dict)  # full size -> per-rank sizes of the uneven splits (ShardLayout)
 
     # ---- queries -------------------------------------------------------------
     def param(self, name: str) -> ParamPlan:
@@ -108,11 +121,14 @@ class ShardingPlan:
         return sum(factor.get(c.kind, 0.0) * c.bytes_per_token * c.count for c in self.collectives
                    if direction in (None, c.direction))
 
-    def param_bytes_per_rank(self, itemsize: int = 4) -> int:
+    def param_bytes_per_rank(self, itemsize: int = 4, rank: Optional[int] = None) -> int:
+        """Parameter bytes of ``rank``; without a rank, of the rank that holds the most (uneven splits)."""
+        if rank is None:
+            return max(self.param_bytes_per_rank(itemsize, r) for r in range(self.tp))
         total = 0
         for p in self.params:
             n = 1
-            for s in p.local_shape(self.tp):
+            for s in p.local_shape(self.tp, rank):
                 n *= s
             total += n * itemsize
         return total
@@ -128,6 +144,7 @@ class ShardingPlan:
             "fallbacks": list(self.fallbacks),
             "sequence_parallel": self.sequence_parallel,
             "sequence_parallel_kept": list(self.sequence_parallel_kept),
+            "uneven": {str(k): list(v) for k, v in sorted(self.uneven.items())},
         }
 
     @classmethod
@@ -136,12 +153,14 @@ class ShardingPlan:
             model_type=d["model_type"],
             tp=d["tp"],
             dtype=d.get("dtype", "float32"),
-            params=[ParamPlan(p["name"], tuple(p["shape"]), p["placement"], p["reason"], tuple(p.get("aliases", ())))
+            params=[ParamPlan(p["name"], tuple(p["shape"]), p["placement"], p["reason"], tuple(p.get("aliases", ())),
+                              tuple(tuple(s) for s in p.get("split", ())))
                     for p in d["params"]],
             collectives=[CollectivePlan(**c) for c in d["collectives"]],
             fallbacks=list(d.get("fallbacks", [])),
             sequence_parallel=d.get("sequence_parallel", False),
             sequence_parallel_kept=list(d.get("sequence_parallel_kept", [])),
+            uneven={int(k): tuple(v) for k, v in d.get("uneven", {}).items()},
         )
 
     def to_json(self) -> str:
@@ -170,7 +189,8 @@ class ShardingPlan:
             p = members[0]
             name = pattern + (f" (= {', '.join(p.aliases)})" if p.aliases else "")
             count = f"x{len(members)}" if len(members) > 1 else ""
-            rows.append((name, count, "x".join(map(str, p.shape)), p.placement, p.reason))
+            placement = p.placement + (f" {p.split_text()}" if p.split else "")
+            rows.append((name, count, "x".join(map(str, p.shape)), placement, p.reason))
         widths = [max(len(r[i]) for r in rows + [("parameter", "", "shape", "placement", "why")]) for i in range(5)]
         out = [f"fxparallel plan: {self.model_type}, tp={self.tp}, {self.dtype}"
                + (", sequence parallel" if self.sequence_parallel else "")]
@@ -192,8 +212,14 @@ class ShardingPlan:
             for c in calls:
                 size = f"{c.bytes_per_call:>10.0f} B/call " if c.bytes_per_call else f"{c.bytes_per_token:>10.1f} B/token"
                 out.append(f"    {c.count:>4} x {c.kind:<14} {size}  {c.where}")
-        mb = self.param_bytes_per_rank(_itemsize(self.dtype)) / 2**20
-        out.append(f"parameter memory per rank: {mb:.2f} MiB")
+        if self.uneven:
+            out.append("uneven splits (size: per-rank sizes, whole heads / columns / rows): "
+                       + ", ".join(f"{k}: {'/'.join(map(str, v))}" for k, v in sorted(self.uneven.items())))
+            per_rank = [self.param_bytes_per_rank(_itemsize(self.dtype), r) / 2**20 for r in range(self.tp)]
+            out.append("parameter memory per rank: " + ", ".join(f"{mb:.2f}" for mb in per_rank) + " MiB")
+        else:
+            mb = self.param_bytes_per_rank(_itemsize(self.dtype)) / 2**20
+            out.append(f"parameter memory per rank: {mb:.2f} MiB")
         if self.sequence_parallel_kept:
             out.append("left plain TP by sequence parallelism (a consumer is not token-wise):")
             out.extend(f"  {k}" for k in self.sequence_parallel_kept)

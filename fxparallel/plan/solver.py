@@ -43,6 +43,7 @@ from .grad_reduction import reduction_point
 from .placement import R, Placement, is_sharded
 from .rules import RuleContext, Strategy, rule_for, tensor_inputs
 from .rules.base import requires_grad
+from .layout import ShardLayout  # noqa: I001 (kept apart from the imports above to keep merges clean)
 
 INFEASIBLE = float("inf")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -81,6 +82,7 @@ class GraphPlan:
     replicated_bytes: float = 0.0
     comm_bytes: float = 0.0
     explored: int = 0  # complete plans evaluated
+    layout: Optional[ShardLayout] = None  # how sharded sizes divide among ranks (set by solve)
 
     @property
     def cost(self):
@@ -93,11 +95,13 @@ class GraphPlan:
 
 
 class Solver:
-    def __init__(self, captured: CapturedGraph, tp: int, fixed: Optional[dict] = None):
+    def __init__(self, captured: CapturedGraph, tp: int, fixed: Optional[dict] = None,
+                 layout: Optional[ShardLayout] = None):
         self.captured = captured
         self.tp = tp
         self.fixed = dict(fixed or {})
-        self.ctx = RuleContext(tp=tp, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
+        self.layout = layout or ShardLayout(tp)
+        self.ctx = RuleContext(tp=tp, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ, layout=self.layout)
         self.nodes = [n for n in captured.gm.graph.nodes if n.op != "output"]
         self.param_nodes = {}
         for n in self.nodes:
@@ -119,6 +123,7 @@ class Solver:
                 plan.params[name] = plan.patterns.get(layer_pattern(name), R)
             plan.placements[node] = plan.params[name]
         plan.explored = self.explored
+        plan.layout = self.layout
         return plan
 
     def _walk(self, i: int, plan: GraphPlan) -> None:
@@ -317,5 +322,6 @@ def check_layer_symmetry(params: dict) -> list:
     return sorted(set(broken))
 
 
-def solve(captured: CapturedGraph, tp: int, fixed: Optional[dict] = None) -> GraphPlan:
-    return Solver(captured, tp, fixed).solve()
+def solve(captured: CapturedGraph, tp: int, fixed: Optional[dict] = None,
+          layout: Optional[ShardLayout] = None) -> GraphPlan:
+    return Solver(captured, tp, fixed, layout).solve()

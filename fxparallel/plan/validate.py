@@ -1,8 +1,14 @@
 """Checks that run before anything is captured or read: can the model be split over tp ranks?
 
-For now each split must be even: tp must divide the attention heads, the key/value
-heads, the MLP width and the vocabulary. The error names the config field and the
-parameters whose dimension it is.
+tp need not divide the heads, the MLP width or the vocabulary: those split unevenly in
+whole units (``layout.py``). What stays impossible, each refused here naming the config
+field and the parameters whose dimension it is:
+
+* fewer attention heads, MLP columns or vocabulary rows than ranks (a rank would hold nothing);
+* more ranks than key/value heads when tp is not a multiple of them: with tp <= kv heads
+  each rank holds whole kv heads with their query heads; with tp a multiple of them every
+  kv head is shared by tp / kv ranks (computed replicated); in between, ranks could not
+  share whole kv heads.
 """
 from __future__ import annotations
 
@@ -14,8 +20,6 @@ _FIELDS = (
     ("intermediate_size", "MLP intermediate size"),
     ("vocab_size", "vocabulary"),
 )
-# Fewer key/value heads than ranks is fine when tp is a multiple of them: every rank then
-# needs whole kv heads that other ranks need too, and the planner computes them replicated.
 
 
 def _head_dim(config) -> int:
@@ -25,15 +29,29 @@ def _head_dim(config) -> int:
     return int(config.hidden_size) // int(config.num_attention_heads)
 
 
+def _problem(field_name: str, what: str, value: int, tp: int):
+    """Why ``value`` of ``field_name`` cannot be split over ``tp`` ranks, or None if it can."""
+    if field_name == "num_key_value_heads":
+        if tp > value and tp % value:
+            return (f"tp size {tp} does not divide {field_name}={value} ({what}) and is larger than it without "
+                    f"being a multiple of it, so ranks cannot share whole key/value heads: use tp <= {value} or a "
+                    f"multiple of {value}")
+        return None
+    if tp > value:
+        return f"tp size {tp} is larger than {field_name}={value} ({what}): a rank would hold none"
+    return None
+
+
 def check_divisible(config, tp: int, meta_model=None) -> None:
     if tp < 1:
         raise ShardingError(f"tp size must be >= 1, got {tp}")
     problems = []
     for field_name, what in _FIELDS:
         value = getattr(config, field_name, None)
-        if not isinstance(value, int) or value % tp == 0:
+        if not isinstance(value, int) or value < 1:
             continue
-        if field_name == "num_key_value_heads" and tp % value == 0:
+        why = _problem(field_name, what, value, tp)
+        if why is None:
             continue
         extent = value
         if field_name in ("num_attention_heads", "num_key_value_heads"):
@@ -48,9 +66,9 @@ def check_divisible(config, tp: int, meta_model=None) -> None:
             if hits:
                 shown = hits[:3] + ([f"... {len(hits) - 3} more"] if len(hits) > 3 else [])
                 where = "; it is the size of " + ", ".join(shown)
-        problems.append(f"tp size {tp} does not divide {field_name}={value} ({what}){where}")
+        problems.append(why + where)
     if problems:
         raise ShardingError(
-            "cannot split the model evenly: " + "; ".join(problems)
-            + ". Choose a tp size that divides these (uneven splits are not supported yet)."
+            f"cannot split the model over tp={tp} ranks: " + "; ".join(problems)
+            + ". Uneven splits are supported (whole heads, columns, rows), but not these."
         )

@@ -17,6 +17,10 @@ sequence, batch outermost, and the op acts on the sequence inside it):
 * ``gather_seq``:          forward all-gather,     backward local slice  (shard -> replicated value)
 
 With a group of size 1 every op is the identity and runs no collective.
+
+A shard may be uneven (``sizes``: per segment, each rank's size along ``dim``; see
+``plan/layout.py``). The all-gather then pads every rank's piece to the largest, since
+gloo's all_gather needs equal sizes, and trims after.
 """
 from __future__ import annotations
 
@@ -36,34 +40,50 @@ def _all_reduce(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x
 
 
-def _all_gather(x: torch.Tensor, dim: int, handle: int, segments=None) -> torch.Tensor:
+def _split_sizes(full_parts, tp: int, sizes=None) -> list:
+    """Per segment, each rank's size: ``sizes`` when uneven, else ``segment // tp``."""
+    return [list(s) for s in sizes] if sizes else [[seg // tp] * tp for seg in full_parts]
+
+
+def _all_gather(x: torch.Tensor, dim: int, handle: int, segments=None, sizes=None) -> torch.Tensor:
     group = group_by_handle(handle)
     if group.size == 1:
         return x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(group.size)]
-    dist.all_gather(parts, x, group=group.process_group)
-    if not segments:
+    dim = dim % x.dim()
+    if sizes:
+        # uneven: each rank's local size, padded to the largest for the collective
+        local = [sum(s[r] for s in sizes) for r in range(group.size)]
+        longest = max(local)
+        if x.shape[dim] < longest:
+            pad = list(x.shape)
+            pad[dim] = longest - x.shape[dim]
+            x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+        parts = [torch.empty_like(x) for _ in range(group.size)]
+        dist.all_gather(parts, x, group=group.process_group)
+        parts = [p.narrow(dim, 0, n) for p, n in zip(parts, local)]
+    else:
+        parts = [torch.empty_like(x) for _ in range(group.size)]
+        dist.all_gather(parts, x, group=group.process_group)
+    if not segments and not sizes:
         return torch.cat(parts, dim=dim)
-    # each rank holds its chunk of every segment: regroup segment by segment
-    local = [seg // group.size for seg in segments]
-    split = [p.split(local, dim=dim) for p in parts]
-    return torch.cat([split[r][i] for i in range(len(segments)) for r in range(group.size)], dim=dim)
+    # each rank holds its part of every segment: regroup segment by segment
+    per_segment = _split_sizes(segments or (None,), group.size, sizes)
+    split = [p.split([s[r] for s in per_segment], dim=dim) for r, p in enumerate(parts)]
+    return torch.cat([split[r][i] for i in range(len(per_segment)) for r in range(group.size)], dim=dim)
 
 
-def _chunk(x: torch.Tensor, dim: int, handle: int, segments=None) -> torch.Tensor:
+def _chunk(x: torch.Tensor, dim: int, handle: int, segments=None, sizes=None) -> torch.Tensor:
     group = group_by_handle(handle)
     if group.size == 1:
         return x
-    if not segments:
-        size = x.shape[dim] // group.size
-        return x.narrow(dim, group.rank * size, size)
+    dim = dim % x.dim()
+    per_segment = _split_sizes(segments or (x.shape[dim],), group.size, sizes)
     pieces, offset = [], 0
-    for seg in segments:
-        size = seg // group.size
-        pieces.append(x.narrow(dim, offset + group.rank * size, size))
-        offset += seg
-    return torch.cat(pieces, dim=dim)
+    for s in per_segment:
+        pieces.append(x.narrow(dim, offset + sum(s[:group.rank]), s[group.rank]))
+        offset += sum(s)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
 def _token_view(x: torch.Tensor, dim: int, batch):
@@ -167,13 +187,13 @@ class _CopyToTP(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, handle, segments):
-        ctx.dim, ctx.handle, ctx.segments = dim, handle, segments
-        return _all_gather(x, dim, handle, segments)
+    def forward(ctx, x, dim, handle, segments, sizes):
+        ctx.dim, ctx.handle, ctx.segments, ctx.sizes = dim, handle, segments, sizes
+        return _all_gather(x, dim, handle, segments, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return _chunk(grad, ctx.dim, ctx.handle, ctx.segments).contiguous(), None, None, None
+        return _chunk(grad, ctx.dim, ctx.handle, ctx.segments, ctx.sizes).contiguous(), None, None, None, None
 
 
 def all_reduce(x, handle):
@@ -184,12 +204,12 @@ def copy_to_tp(x, handle):
     return _CopyToTP.apply(x, handle)
 
 
-def all_gather(x, dim, handle, segments=None):
-    return _AllGather.apply(x, dim, handle, segments)
+def all_gather(x, dim, handle, segments=None, sizes=None):
+    return _AllGather.apply(x, dim, handle, segments, sizes)
 
 
-def local_chunk(x, dim, handle, segments=None):
-    return _chunk(x, dim, handle, segments)
+def local_chunk(x, dim, handle, segments=None, sizes=None):
+    return _chunk(x, dim, handle, segments, sizes)
 
 
 def reduce_scatter_seq(x, dim, handle, batch=None):

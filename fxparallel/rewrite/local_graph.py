@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -27,16 +28,18 @@ from ..plan.grad_reduction import reduction_point
 from ..plan.placement import R, Placement, is_sharded
 from ..plan.rules.base import requires_grad
 from ..plan.solver import GraphPlan
+from ..plan.layout import ShardLayout  # noqa: I001
 from . import collectives
 
 
 class RewriteContext:
     """What a rule's rewrite may use: local sizes, this rank's offsets, collective insertion."""
 
-    def __init__(self, graph: fx.Graph, group: TPGroup):
+    def __init__(self, graph: fx.Graph, group: TPGroup, layout: Optional[ShardLayout] = None):
         self.graph = graph
         self.group = group
         self.tp = group.size
+        self.layout = layout or ShardLayout(group.size)  # each rank's part of a sharded size (may be uneven)
         self.rank = group.rank
         self.group_handle = group.handle
         self._replaced = {}  # node -> the node that took over its uses (e.g. linear -> all_reduce -> + bias)
@@ -55,12 +58,14 @@ class RewriteContext:
         return node
 
     def local_size(self, full: int) -> int:
-        if full % self.tp:
-            raise ShardingError(f"size {full} does not divide by tp size {self.tp}")
-        return full // self.tp
+        """This rank's part of a sharded dimension of ``full`` (ranks may differ: uneven splits)."""
+        if not self.layout.can_split(full):
+            raise ShardingError(f"size {full} does not divide by tp size {self.tp} and has no uneven split")
+        return self.layout.local(full, self.rank)
 
     def shard_start(self, full: int) -> int:
-        return self.rank * self.local_size(full)
+        self.local_size(full)
+        return self.layout.start(full, self.rank)
 
     @staticmethod
     def full_size(node: fx.Node, dim: int) -> int:
@@ -74,7 +79,19 @@ class RewriteContext:
         return reduced
 
 
-def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: int, before: fx.Node) -> list:
+def uneven_sizes(node: fx.Node, p: Placement, layout) -> Optional[tuple]:
+    """Per-rank sizes of ``node``'s shard ``p``, one tuple per segment, if uneven; None if even."""
+    value = node.meta.get("example_value")
+    if layout is None or not p.is_shard or not isinstance(value, torch.Tensor):
+        return None
+    parts = p.segments or (int(value.shape[p.dim]),)
+    if all(layout.is_even(s) for s in parts):
+        return None
+    return tuple(layout.sizes(s) for s in parts)
+
+
+def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: int, before: fx.Node,
+                  layout=None) -> list:
     """Insert the ops that turn ``node`` from ``src`` into ``dst``; returns the new nodes, last one last."""
     steps = []
     value = node
@@ -83,10 +100,12 @@ def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: 
             value = graph.call_function(collectives.all_reduce, (value, handle))
             steps.append(value)
         elif src.is_shard and dst != src:
-            value = graph.call_function(collectives.all_gather, (value, src.dim, handle, src.segments))
+            value = graph.call_function(collectives.all_gather, (value, src.dim, handle, src.segments,
+                                                                 uneven_sizes(node, src, layout)))
             steps.append(value)
         if dst.is_shard:
-            value = graph.call_function(collectives.local_chunk, (value, dst.dim, handle, dst.segments))
+            value = graph.call_function(collectives.local_chunk, (value, dst.dim, handle, dst.segments,
+                                                                  uneven_sizes(node, dst, layout)))
             steps.append(value)
     for s in steps:
         s.meta["example_value"] = node.meta.get("example_value")
@@ -95,7 +114,7 @@ def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: 
 
 def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) -> dict:
     """Pass 1. Returns, per replicated value, the consumers that use it on shards."""
-    ctx = RewriteContext(graph, group)
+    ctx = RewriteContext(graph, group, gplan.layout)
     cache = {}
     sharded_consumers = defaultdict(list)
     for node in list(graph.nodes):
@@ -114,7 +133,7 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) ->
                 continue
             key = (inp, req)
             if key not in cache:
-                steps = _redistribute(graph, inp, cur, req, group.handle, node)
+                steps = _redistribute(graph, inp, cur, req, group.handle, node, gplan.layout)
                 cache[key] = steps[-1]
                 for step in steps:
                     if step.target is collectives.local_chunk:
@@ -278,3 +297,16 @@ def output_placements(captured, gplan: GraphPlan) -> dict:
     """Placement of each named graph output (before binding)."""
     out = next(n for n in captured.gm.graph.nodes if n.op == "output")
     return {name: gplan.placements.get(v) for name, v in zip(captured.outputs, out.args[0])}
+
+
+def output_split_sizes(captured, gplan: GraphPlan) -> dict:
+    """Per-rank sizes along the sharded dim of each sharded graph output (before binding): what
+    gathering it or naming this rank's range (``vocab_range``) needs when the split is uneven."""
+    out = next(n for n in captured.gm.graph.nodes if n.op == "output")
+    sizes = {}
+    for name, value in zip(captured.outputs, out.args[0]):
+        p = gplan.placements.get(value) if isinstance(value, fx.Node) else None
+        if isinstance(p, Placement) and p.is_shard and not p.segments:
+            full = int(value.meta["example_value"].shape[p.dim])
+            sizes[name] = gplan.layout.sizes(full) if gplan.layout else None
+    return sizes

@@ -25,7 +25,18 @@ def tp_placement(plan_param):
         # a fused weight's shard is one chunk of each of its parts: no single DTensor placement says
         # that; callers go through ``segment_views`` / ``full_tensor`` instead
         raise NotImplementedError(f"{plan_param.name} is a segmented shard {plan_param.placement}")
+    refuse_uneven(plan_param)
     return Shard(p.dim) if p.is_shard else Replicate()
+
+
+def refuse_uneven(plan_param) -> None:
+    """DTensor's Shard gives rank r torch.chunk's r-th piece: not whole heads / the layout's sizes."""
+    if getattr(plan_param, "split", ()):
+        raise NotImplementedError(
+            f"{plan_param.name} is an uneven shard {plan_param.placement} {plan_param.split_text()} (tp does not "
+            "divide it); distributed checkpoints and export need even shards (DTensor's Shard uses torch.chunk "
+            "sizes): choose a tp size that divides the heads, MLP width and vocabulary"
+        )
 
 
 def segments_of(plan_param):
@@ -53,11 +64,12 @@ def global_view(tensor, plan_param, mesh) -> DTensor:
     """``tensor`` (this rank's TP shard, maybe an FSDP DTensor over dp x cp) as a DTensor of
     the full model shape ``plan_param.shape`` on ``mesh.tp_dp_mesh``."""
     full = tuple(plan_param.shape)
+    tp = tp_placement(plan_param)  # refuses what DTensor cannot describe (fused, uneven) first
     tp_shard = tuple(plan_param.local_shape(mesh.tp))
     if tuple(tensor.shape) != tp_shard:  # a DTensor's shape is its shape over dp x cp: the TP shard
         raise ValueError(f"{plan_param.name}: tensor of shape {tuple(tensor.shape)} is not its tp={mesh.tp} "
                          f"shard {tp_shard}")
-    placements = (tp_placement(plan_param), dp_placement(tensor))
+    placements = (tp, dp_placement(tensor))
     return DTensor.from_local(local_part(tensor), mesh.tp_dp_mesh, placements, run_check=False,
                               shape=torch.Size(full), stride=_contiguous_stride(full))
 
@@ -69,6 +81,7 @@ def segment_views(tensor, plan_param, mesh):
     FSDP's dim-0 chunk of the TP shard can straddle segments, so the views are built on the
     whole TP shard (gathered over dp x cp, as FSDP does for every forward) and replicated over
     dp x cp; ``write_back()`` copies a loaded TP shard into this rank's FSDP chunk."""
+    refuse_uneven(plan_param)
     p = Placement.parse(plan_param.placement)
     tp_shard = tensor.detach()
     if isinstance(tp_shard, DTensor):
@@ -99,6 +112,7 @@ def full_tensor(tensor, plan_param, mesh) -> torch.Tensor:
     tensor = tensor.detach()
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()  # this rank's whole TP shard
+    refuse_uneven(plan_param)
     segments = segments_of(plan_param)
     if segments:
         dim = Placement.parse(plan_param.placement).dim

@@ -18,7 +18,9 @@ def _sdpa(node, placements, ctx):
         return [Strategy({i: R for i in inputs}, R)]
     strategies = []
     for dim in (1, 0):  # heads, then batch
-        if not all(isinstance(ctx.size(t, dim), int) and ctx.size(t, dim) % ctx.tp == 0 for t in (q, k, v)):
+        if not all(ctx.can_split(ctx.size(t, dim)) for t in (q, k, v)):
+            continue
+        if not _same_groups([ctx.size(t, dim) for t in (q, k, v)], ctx):
             continue
         req = {q: S(dim), k: S(dim), v: S(dim)}
         if isinstance(mask, fx.Node):
@@ -28,6 +30,12 @@ def _sdpa(node, placements, ctx):
         strategies.append(Strategy(req, S(dim), note="attention on local heads" if dim == 1 else "attention on local batch"))
     strategies.append(Strategy({i: R for i in inputs}, R))
     return strategies
+
+
+def _same_groups(sizes, ctx) -> bool:
+    """Does every rank hold the same fraction of q's and k/v's heads (GQA: its kv heads' query heads)?"""
+    parts = [ctx.split_sizes(s) for s in sizes]
+    return all(part[r] * sizes[0] == parts[0][r] * s for s, part in zip(sizes, parts) for r in range(ctx.tp))
 
 
 register(F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)(_sdpa)

@@ -13,6 +13,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.fx as fx
 
+from ..layout import ShardLayout
 from ..placement import Placement
 
 PlacementOut = Union[Placement, tuple]
@@ -41,6 +42,14 @@ class RuleContext:
 
     tp: int
     tokens: int = 1  # batch x sequence of the example used at capture
+    layout: Optional[ShardLayout] = None  # uneven splits (whole heads, columns, rows); None: even only
+
+    def split_sizes(self, size) -> Optional[tuple]:
+        """Each rank's part of a dimension of ``size`` (evenly or in whole units), or None if it cannot be split."""
+        return (self.layout or ShardLayout(self.tp)).sizes(size)
+
+    def can_split(self, size) -> bool:
+        return self.split_sizes(size) is not None
 
     def fake(self, node) -> Optional[torch.Tensor]:
         if isinstance(node, fx.Node):

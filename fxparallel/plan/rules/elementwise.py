@@ -55,7 +55,7 @@ def pointwise_strategies(node, placements, ctx, inputs=None):
     strategies = []
     for d, segments in dims.items():
         size = out.shape[d]
-        if not isinstance(size, int) or size % ctx.tp:
+        if not (all(ctx.can_split(s) for s in segments) if segments else ctx.can_split(size)):
             continue
         req = {}
         for x in inputs:

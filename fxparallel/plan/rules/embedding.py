@@ -29,10 +29,10 @@ def _embedding(node, placements, ctx):
     vocab, hidden = ctx.fake(w).shape
     last = ctx.fake(node).dim() - 1
     strategies = []
-    if vocab % ctx.tp == 0:
+    if ctx.can_split(vocab):
         strategies.append(Strategy({ids: R, w: S(0)}, P, note="vocab-parallel embedding", name="vocab",
                                    own_bytes=ctx.bytes_per_token(node), rewrite=_vocab_parallel))
-    if hidden % ctx.tp == 0:
+    if ctx.can_split(hidden):
         strategies.append(Strategy({ids: R, w: S(1)}, S(last), note="hidden-parallel embedding", name="hidden"))
     strategies.append(Strategy({ids: R, w: R}, R, note="replicated embedding", name="replicate"))
     return strategies

@@ -56,8 +56,10 @@ def _cuts(node: fx.Node, size: int) -> Optional[set]:
     return None
 
 
-def output_segments(node: fx.Node, tp: int) -> Optional[tuple]:
-    """Segment sizes of a matmul's output features if it is fused, else None (cached on the node)."""
+def output_segments(node: fx.Node, tp: int, can_split=None) -> Optional[tuple]:
+    """Segment sizes of a matmul's output features if it is fused, else None (cached on the node).
+
+    ``can_split(size)``: can one segment be split over the ranks (default: tp divides it)."""
     if "fxparallel_segments" in node.meta:
         return node.meta["fxparallel_segments"]
     size = _last_dim_size(node)
@@ -80,7 +82,7 @@ def output_segments(node: fx.Node, tp: int) -> Optional[tuple]:
     if cuts:
         bounds = [0] + sorted(cuts) + [size]
         segments = tuple(b - a for a, b in zip(bounds, bounds[1:]))
-        if any(s % tp for s in segments):
+        if not all(can_split(s) if can_split else s % tp == 0 for s in segments):
             segments = None
     node.meta["fxparallel_segments"] = segments
     return segments

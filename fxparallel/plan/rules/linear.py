@@ -53,12 +53,12 @@ def _linear(node, placements, ctx):
     bias = {b: None} if isinstance(b, fx.Node) else {}
     strategies = []
     nbytes = ctx.bytes_per_token(node)
-    segments = output_segments(node, ctx.tp)
-    if out_features % ctx.tp == 0:
+    segments = output_segments(node, ctx.tp, ctx.can_split)
+    if segments or ctx.can_split(out_features):
         note = "column-parallel linear" + (f" (fused: {len(segments)} parts split alike)" if segments else "")
         strategies.append(Strategy({x: R, w: S(0, segments), **{k: S(0, segments) for k in bias}},
                                    S(last, segments), note=note, name="column"))
-    if in_features % ctx.tp == 0:
+    if ctx.can_split(in_features):
         if bias:
             strategies.append(Strategy({x: S(ctx.ndim(x) - 1), w: S(1), **{k: R for k in bias}}, R,
                                        note="row-parallel linear (bias added after the all-reduce)",
@@ -82,12 +82,12 @@ def _addmm(node, placements, ctx):
     in_features, out_features = ctx.fake(w).shape
     nbytes = ctx.bytes_per_token(node)
     strategies = []
-    segments = output_segments(node, ctx.tp)
-    if out_features % ctx.tp == 0:
+    segments = output_segments(node, ctx.tp, ctx.can_split)
+    if segments or ctx.can_split(out_features):
         note = "column-parallel (Conv1D)" + (f" (fused: {len(segments)} parts split alike)" if segments else "")
         strategies.append(Strategy({b: S(ctx.ndim(b) - 1, segments), x: R, w: S(1, segments)}, S(1, segments),
                                    note=note, name="column"))
-    if in_features % ctx.tp == 0:
+    if ctx.can_split(in_features):
         strategies.append(Strategy({b: R, x: S(1), w: S(0)}, R, own_bytes=nbytes,
                                    rewrite=_bias_after_reduce(0, torch.mm),
                                    note="row-parallel (Conv1D, bias added after the all-reduce)", name="row"))
@@ -109,13 +109,13 @@ def _matmul(node, placements, ctx):
     na, nb, no = fa.dim(), fb.dim(), out.dim()
     strategies = []
     # contraction dim sharded on both sides -> partial sum
-    if isinstance(fa.shape[-1], int) and fa.shape[-1] % ctx.tp == 0:
+    if ctx.can_split(fa.shape[-1]):
         strategies.append(Strategy({a: S(na - 1), b: S(nb - 2)}, P, own_bytes=ctx.bytes_per_token(node), name="row"))
     # rows of a
-    if isinstance(out.shape[-2], int) and out.shape[-2] % ctx.tp == 0 and placements[a].is_shard and placements[a].dim == na - 2:
+    if ctx.can_split(out.shape[-2]) and placements[a].is_shard and placements[a].dim == na - 2:
         strategies.append(Strategy({a: S(na - 2), b: R}, S(no - 2)))
     # columns of b
-    if isinstance(out.shape[-1], int) and out.shape[-1] % ctx.tp == 0:
+    if ctx.can_split(out.shape[-1]):
         strategies.append(Strategy({a: R, b: S(nb - 1)}, S(no - 1), name="column"))
     # batch dims (aligned from the right)
     for x in (a, b):
@@ -123,7 +123,7 @@ def _matmul(node, placements, ctx):
         nx = ctx.ndim(x)
         if p.is_shard and p.dim < nx - 2:
             d = p.dim + no - nx
-            if isinstance(out.shape[d], int) and out.shape[d] % ctx.tp == 0:
+            if ctx.can_split(out.shape[d]):
                 req = {}
                 for y in (a, b):
                     yd = d - (no - ctx.ndim(y))

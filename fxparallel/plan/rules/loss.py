@@ -33,8 +33,7 @@ def _cross_entropy(node, placements, ctx):
         and arg(node, 2, "weight") is None
         and arg(node, 7, "label_smoothing", 0.0) in (0, 0.0)
         and arg(node, 6, "reduction", "mean") in ("mean", "sum", "none")
-        and isinstance(ctx.size(logits, 1), int)
-        and ctx.size(logits, 1) % ctx.tp == 0
+        and ctx.can_split(ctx.size(logits, 1))
     )
     if simple:
         strategies.append(Strategy({logits: S(1), target: R}, R, note="vocab-parallel cross-entropy",

@@ -28,25 +28,24 @@ def _along(node, placements, ctx, dim_index, dim_name, default_dim, n_out, keeps
     elif p.is_shard and p.segments and node.target in ("split", "chunk", torch.split, torch.chunk):
         sizes = tuple(int(v.shape[dim]) for v in value)
         if sizes == tuple(p.segments):
-            strategies.append(Strategy({x: p}, tuple(S(dim) for _ in range(n)), rewrite=_local_split_sizes(ctx.tp),
+            strategies.append(Strategy({x: p}, tuple(S(dim) for _ in range(n)), rewrite=_local_split_sizes(sizes),
                                        note="split of a fused projection into its segments"))
     strategies.append(Strategy({i: R for i in tensor_inputs(node)}, tuple(R for _ in range(n))))
     return strategies
 
 
-def _local_split_sizes(tp):
+def _local_split_sizes(segments):
     def apply(node, rctx):
         args = list(node.args)
         if node.target in ("split", torch.split):
-            sizes = args[1] if len(args) > 1 else node.kwargs.get("split_size_or_sections", node.kwargs.get("split_size"))
-            local = [v // tp for v in sizes] if isinstance(sizes, (list, tuple)) else sizes // tp
+            local = [rctx.local_size(v) for v in segments]  # this rank's part of each segment (may be uneven)
             if len(args) > 1:
                 args[1] = local
                 node.args = tuple(args)
             else:
                 key = "split_size_or_sections" if "split_size_or_sections" in node.kwargs else "split_size"
                 node.kwargs = {**node.kwargs, key: local}
-        # chunk(k): equal segments stay equal locally
+        # chunk(k): equal segments have equal local parts (same size, same split)
 
     return apply
 

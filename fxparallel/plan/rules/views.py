@@ -72,8 +72,13 @@ def dim_groups(in_shape, out_shape) -> Optional[list]:
     return groups
 
 
-def reshape_shard_dim(in_shape, out_shape, dim: int, tp: int) -> Optional[int]:
-    """Output dim that carries input shard ``dim`` through a reshape, or None if it cannot."""
+def reshape_shard_dim(in_shape, out_shape, dim: int, tp: int, split_sizes=None) -> Optional[int]:
+    """Output dim that carries input shard ``dim`` through a reshape, or None if it cannot.
+
+    ``split_sizes(size)``: each rank's part of a dimension (default: even); the input's and the
+    output's parts must be proportional, so every rank's block stays the same elements."""
+    if split_sizes is None:
+        split_sizes = lambda n: (n // tp,) * tp if isinstance(n, int) and n % tp == 0 else None  # noqa: E731
     groups = dim_groups(in_shape, out_shape)
     if groups is None:
         return None
@@ -84,9 +89,14 @@ def reshape_shard_dim(in_shape, out_shape, dim: int, tp: int) -> Optional[int]:
             if not outer_in or outer_in[0] != dim or not outer_out:
                 return None
             o = outer_out[0]
-            size = out_shape[o]
-            if not isinstance(size, int) or size % tp:
+            size, full = out_shape[o], in_shape[dim]
+            if isinstance(size, int) and _same(size, full):
+                return o  # the sharded dim passes unchanged, and so does its split
+            out_parts, in_parts = split_sizes(size), split_sizes(full)
+            if out_parts is None or in_parts is None:
                 return None
+            if any(i * size != j * full for i, j in zip(in_parts, out_parts)):
+                return None  # e.g. whole heads on one side, whole columns on the other
             return o
     return None
 
@@ -117,8 +127,9 @@ def _size_args(node: fx.Node):
     return sizes, rebuild
 
 
-def rewrite_size(out_dim: int, full: int):
-    """A rewrite that replaces the literal size ``full`` at ``out_dim`` with its local size."""
+def rewrite_size(out_dim: int, full: int, segments=None):
+    """A rewrite that replaces the literal size ``full`` at ``out_dim`` with its local size
+    (this rank's part of each segment, for a segmented shard)."""
 
     def apply(node, ctx):
         sizes, rebuild = _size_args(node)
@@ -132,7 +143,7 @@ def rewrite_size(out_dim: int, full: int):
         if isinstance(value, int) and value != -1:
             if value != full:
                 raise ShardingError(f"{node.format_node()}: size {value} at dim {out_dim} is not the expected {full}")
-            sizes[out_dim] = ctx.local_size(full)
+            sizes[out_dim] = sum(ctx.local_size(s) for s in segments) if segments else ctx.local_size(full)
             rebuild(sizes)
 
     return apply
@@ -165,11 +176,11 @@ def _reshape(node, placements, ctx):
     out = ctx.fake(node)
     strategies = []
     if p.is_shard and out is not None:
-        o = reshape_shard_dim(ctx.fake(x).shape, out.shape, p.dim, ctx.tp)
+        o = reshape_shard_dim(ctx.fake(x).shape, out.shape, p.dim, ctx.tp, ctx.split_sizes)
         if o is not None and p.segments and not _same(ctx.fake(x).shape[p.dim], out.shape[o]):
             o = None  # a segmented dim survives a reshape only unchanged
         if o is not None:
-            rw = rewrite_size(o, int(out.shape[o])) if node.target in ("view", "reshape", torch.reshape) else None
+            rw = rewrite_size(o, int(out.shape[o]), p.segments) if node.target in ("view", "reshape", torch.reshape) else None
             strategies.append(Strategy({x: p}, p.with_dim(o), rewrite=rw))
     strategies.append(Strategy({x: R}, R))
     return strategies
@@ -186,8 +197,8 @@ def _expand(node, placements, ctx):
     strategies = []
     if p.is_shard:
         o = p.dim + out.dim() - ctx.ndim(x)
-        if isinstance(out.shape[o], int) and out.shape[o] % ctx.tp == 0:
-            strategies.append(Strategy({x: p}, p.with_dim(o), rewrite=rewrite_size(o, int(out.shape[o]))))
+        if p.segments or ctx.can_split(out.shape[o]):
+            strategies.append(Strategy({x: p}, p.with_dim(o), rewrite=rewrite_size(o, int(out.shape[o]), p.segments)))
     strategies.append(Strategy({x: R}, R))
     return strategies
 
@@ -328,7 +339,7 @@ def _join(node, placements, ctx, new_dim: bool):
         if not p.is_shard or (not new_dim and p.dim == join_dim):
             continue
         o = p.dim + 1 if new_dim and p.dim >= join_dim else p.dim
-        if isinstance(out.shape[o], int) and out.shape[o] % ctx.tp == 0:
+        if ctx.can_split(out.shape[o]):
             s = Strategy({u: p for u in tensors}, p.with_dim(o))
             if all(s.output != other.output for other in strategies):
                 strategies.append(s)
@@ -394,13 +405,13 @@ def segment_slice_strategy(node, x, p, index, ctx) -> list:
     if (start, stop) not in bounds:
         return []
     i = bounds.index((start, stop))
-    local_start = sum(seg // ctx.tp for seg in p.segments[:i])
-    local_stop = local_start + p.segments[i] // ctx.tp
     out_dim = index_shard_dim(tuple(slice(None) if k == position else it for k, it in enumerate(items)), ndim, p.dim)
     if out_dim is None:
         return []
 
     def rewrite(node, rctx):
+        local_start = sum(rctx.local_size(seg) for seg in p.segments[:i])  # this rank's parts (may be uneven)
+        local_stop = local_start + rctx.local_size(p.segments[i])
         new = list(items)
         new[position] = slice(local_start, local_stop)
         node.args = (node.args[0], tuple(new) if isinstance(index, tuple) else new[0])

@@ -1,0 +1,118 @@
+"""How a sharded dimension is divided among the tp ranks: evenly, or unevenly in whole units.
+
+An even split gives every rank ``size // tp``. When tp does not divide a size the model
+fixes (attention heads, MLP width, vocabulary), the dimension is split in whole units,
+the first ranks taking one unit more:
+
+* attention: a unit is one key/value head with its query heads (``n_heads / n_kv``
+  query heads, ``head_dim`` rows each), so every kv head stays with its query heads:
+  9 query / 3 kv heads at tp=2 give kv heads 2/1 and query heads 6/3;
+* MLP width and vocabulary: a unit is one column (one row): 100 at tp=3 gives 34/33/33.
+
+The layout is a table ``full size -> per-rank sizes`` holding only the uneven sizes;
+every dimension of that size is split that way, so values that meet in an op (q and
+the o_proj input, logits and the lm_head rows) agree by construction, and the rules
+check that a reshape keeps each rank's block whole. A size not in the table splits
+evenly when tp divides it, and cannot be split otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def balanced(units: int, parts: int) -> tuple:
+    """``units`` whole units over ``parts`` ranks, the first ``units % parts`` taking one more."""
+    base, extra = divmod(units, parts)
+    return tuple(base + (1 if r < extra else 0) for r in range(parts))
+
+
+@dataclass
+class ShardLayout:
+    tp: int
+    uneven: dict = field(default_factory=dict)  # full size -> per-rank sizes (only sizes tp does not split evenly)
+
+    def sizes(self, full) -> Optional[tuple]:
+        """Per-rank sizes of a dimension of ``full`` elements, or None if it cannot be split."""
+        if not isinstance(full, int):
+            return None
+        if full in self.uneven:
+            return self.uneven[full]
+        if full % self.tp == 0:
+            return (full // self.tp,) * self.tp
+        return None
+
+    def can_split(self, full) -> bool:
+        return self.sizes(full) is not None
+
+    def is_even(self, full) -> bool:
+        return full not in self.uneven
+
+    def local(self, full: int, rank: int) -> int:
+        sizes = self.sizes(full)
+        if sizes is None:
+            raise ValueError(f"size {full} cannot be split over tp size {self.tp} (not divisible, no uneven split)")
+        return sizes[rank]
+
+    def start(self, full: int, rank: int) -> int:
+        self.local(full, rank)
+        return sum(self.sizes(full)[:rank])
+
+    # ---- from a config ------------------------------------------------------
+    @classmethod
+    def for_config(cls, config, tp: int) -> "ShardLayout":
+        """The uneven splits of ``config``'s heads, MLP width and vocabulary over ``tp`` ranks
+        (what validate.py allows; sizes it refuses are left out)."""
+        layout = cls(tp)
+        if tp <= 1:
+            return layout
+        heads = _int(config, "num_attention_heads")
+        kv = _int(config, "num_key_value_heads") or heads
+        head_dim = _head_dim(config)
+        if heads and kv and head_dim and heads % kv == 0:
+            group = heads // kv
+            q = None
+            if tp <= kv and kv % tp:  # whole kv heads with their query heads
+                kv_heads = balanced(kv, tp)
+                layout._add(kv * head_dim, tuple(k * head_dim for k in kv_heads))
+                layout._add(kv, kv_heads)
+                q = tuple(k * group for k in kv_heads)
+            elif tp > kv and tp % kv == 0 and heads % tp and group >= tp // kv:
+                # kv heads replicated: each kv head's query heads over its tp // kv ranks
+                q = balanced(group, tp // kv) * kv
+            if q is not None:
+                layout._add(heads * head_dim, tuple(h * head_dim for h in q))
+                layout._add(heads, q)
+        for name in ("intermediate_size", "vocab_size"):
+            size = _int(config, name)
+            if size and size % tp and size >= tp:
+                layout._add(size, balanced(size, tp))
+        return layout
+
+    def _add(self, full: int, sizes: tuple) -> None:
+        # the first claim of a size wins: attention's head units also serve an MLP of the same width
+        if len(set(sizes)) > 1 and full not in self.uneven:
+            self.uneven[full] = tuple(sizes)
+
+    # ---- persistence --------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {str(k): list(v) for k, v in sorted(self.uneven.items())}
+
+    @classmethod
+    def from_dict(cls, tp: int, d: dict) -> "ShardLayout":
+        return cls(tp, {int(k): tuple(v) for k, v in (d or {}).items()})
+
+
+def _int(config, name) -> Optional[int]:
+    value = getattr(config, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _head_dim(config) -> Optional[int]:
+    hd = _int(config, "head_dim")
+    if hd:
+        return hd
+    hidden, heads = _int(config, "hidden_size"), _int(config, "num_attention_heads")
+    if hidden and heads and hidden % heads == 0:
+        return hidden // heads
+    return None

@@ -1,0 +1,170 @@
+"""Uneven splits: tp need not divide the heads, the MLP width or the vocabulary.
+
+Heads split in whole kv groups (each kv head with its query heads), the MLP by columns,
+the vocabulary by rows, the first ranks taking one more; every rank's local graph uses its
+own sizes. Loss, gathered logits and the gradient of every parameter equal the
+single-device model (fp32, 1e-5).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from fxparallel.errors import ShardingError
+from fxparallel.plan.layout import ShardLayout
+from fxparallel.plan.placement import shard_pieces
+from fxparallel.plan.plan import ParamPlan, ShardingPlan
+from models import tiny_config
+
+TOL = 1e-5
+# 9 query heads in 3 kv groups (head_dim 8), MLP width 100, vocabulary 1001: none divides by 2, two by 3
+UNEVEN = dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, intermediate_size=100, vocab_size=1001)
+LAYERS = 2
+
+
+def _config(family: str):
+    if family == "llama":
+        return tiny_config("llama", **UNEVEN)
+    if family == "llama-mqa":  # one kv head, shared by both ranks (replicated); 3 query heads split 2/1
+        return tiny_config("llama", hidden_size=48, num_attention_heads=3, num_key_value_heads=1,
+                           intermediate_size=100, vocab_size=1001)
+    if family == "qwen3-tied":  # q/k norms over head_dim, embedding tied to lm_head
+        return tiny_config("qwen3", head_dim=8, tie_word_embeddings=True, **UNEVEN)
+    if family == "phi3":  # fused qkv_proj and gate_up_proj: segmented and uneven
+        from transformers import Phi3Config
+
+        return Phi3Config(num_hidden_layers=LAYERS, max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+                          bos_token_id=1, **UNEVEN)
+    raise KeyError(family)
+
+
+# ---- the layout, the plan's record of it, and what stays impossible (no processes) ----------
+
+def test_layout_splits_whole_kv_groups_columns_and_rows():
+    two = ShardLayout.for_config(_config("llama"), 2)
+    assert two.sizes(3) == (2, 1) and two.sizes(3 * 8) == (16, 8)  # kv heads, k/v rows
+    assert two.sizes(9) == (6, 3) and two.sizes(9 * 8) == (48, 24)  # query heads stay with their kv head
+    assert two.sizes(1001) == (501, 500) and two.sizes(100) == (50, 50)
+    three = ShardLayout.for_config(_config("llama"), 3)
+    assert three.sizes(100) == (34, 33, 33) and three.sizes(1001) == (334, 334, 333) and three.sizes(9) == (3, 3, 3)
+    assert [three.start(100, r) for r in range(3)] == [0, 34, 67]
+    # kv heads replicated (tp a multiple of them): each kv head's query heads over its ranks
+    mqa = ShardLayout.for_config(tiny_config("llama", hidden_size=144, num_attention_heads=9, num_key_value_heads=3), 6)
+    assert mqa.sizes(9) == (2, 1, 2, 1, 2, 1) and mqa.sizes(3) is None
+    assert ShardLayout.from_dict(2, two.to_dict()) == two
+
+
+def test_uneven_shard_pieces_cover_every_row_once():
+    # a fused q/k/v weight of 9 + 3 + 3 heads (head_dim 2) split 2/1 kv groups over 2 ranks
+    split = ((12, 6), (4, 2), (4, 2))
+    p = ParamPlan("qkv.weight", (30, 3), "S(0)[18,6,6]", "fused", (), split)
+    full = torch.arange(90).view(30, 3)
+    assert shard_pieces(30, 1, 2, (18, 6, 6), split) == [(12, 18), (22, 24), (28, 30)]
+    assert [p.local_shape(2, r) for r in range(2)] == [(20, 3), (10, 3)]
+    with pytest.raises(ValueError, match="split unevenly .*12/6\\|4/2\\|4/2.*depends on the rank"):
+        p.local_shape(2)
+    rows = torch.cat([p.shard_of(full, r, 2) for r in range(2)])
+    assert sorted(rows[:, 0].tolist()) == full[:, 0].tolist()
+
+
+def test_plan_records_uneven_splits_in_print_and_json():
+    plan = ShardingPlan("llama", 2, params=[ParamPlan("q.weight", (72, 72), "S(0)", "column", (), ((48, 24),)),
+                                            ParamPlan("n.weight", (72,), "R", "replicated")],
+                        uneven={9: (6, 3), 72: (48, 24)})
+    assert ShardingPlan.from_json(plan.to_json()) == plan
+    text = str(plan)
+    assert "S(0) 48/24" in text and "9: 6/3, 72: 48/24" in text
+    assert "parameter memory per rank: 0.01, 0.01 MiB" in text
+    assert plan.param_bytes_per_rank(4, 0) == (48 * 72 + 72) * 4 and plan.param_bytes_per_rank(4) == (48 * 72 + 72) * 4
+
+
+@pytest.mark.parametrize("overrides, tp, message", [
+    (dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4), 6,
+     r"tp size 6 does not divide num_key_value_heads=4 \(key/value heads\) and is larger than it without being a "
+     r"multiple of it.*"
+     r"k_proj.weight \(dim 0\)"),
+    (dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=64), 4,
+     r"tp size 4 is larger than num_attention_heads=2 \(attention heads\): a rank would hold none"),
+])
+def test_what_stays_impossible_is_refused_before_capture(overrides, tp, message):
+    import fxparallel
+
+    with pytest.raises(ShardingError, match=message):
+        fxparallel.plan_model(tiny_config("llama", **overrides), tp)
+
+
+def test_dtensor_checkpoints_refuse_uneven_shards():
+    from fxparallel.runtime.dtensor import tp_placement
+
+    with pytest.raises(NotImplementedError, match="uneven shard.*48/24.*torch.chunk"):
+        tp_placement(ParamPlan("q.weight", (72, 72), "S(0)", "column", (), ((48, 24),)))
+
+
+# ---- numerics on real gloo ranks ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def uneven_checkpoints(tmp_path_factory):
+    from models import save_checkpoint
+
+    root = tmp_path_factory.mktemp("uneven")
+    return {f: save_checkpoint(_config(f), str(root / f)) for f in ("llama", "llama-mqa", "qwen3-tied", "phi3")}
+
+
+def _compare(rank, tp, paths):
+    import torch.distributed as dist
+
+    import fxparallel
+    from checks import batch, compare
+    from models import reference
+
+    results = {}
+    for family, path in paths.items():
+        model, ref = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32), reference(path)
+        r = compare(model, ref, rank, tp, gather_logits=True)
+        # a loss on the gathered logits: the uneven all-gather's backward hands each rank its rows
+        ids = batch(1001, seed=2)
+        for m in (model, ref):
+            m.zero_grad()
+        out = model(input_ids=ids, labels=ids, gather_logits=True)
+        out.logits.pow(2).mean().backward()
+        ref(input_ids=ids).logits.pow(2).mean().backward()
+        ref_params = dict(ref.named_parameters())
+        r["gathered_grad"] = max((p.grad - model.plan.param(n).shard_of(ref_params[n].grad, rank, tp)).abs().max().item()
+                                 for n, p in model.named_parameters())
+        r["vocab_range"], r["local_vocab"] = out.vocab_range, out.local_logits.shape[-1]
+        r["shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        r["plan"] = model.plan.to_dict()
+        results[family] = r
+    return results
+
+
+@pytest.mark.parametrize("tp, families", [(2, ("qwen3-tied", "phi3", "llama-mqa")), (3, ("llama",))])
+def test_uneven_models_match_single_device(uneven_checkpoints, tp, families):
+    per_rank = run_ranks(tp, _compare, {f: uneven_checkpoints[f] for f in families})
+    for family in families:
+        for rank, results in enumerate(per_rank):
+            r = results[family]
+            assert max(r["loss"], r["logits"], r["grad"], r["gathered_grad"]) < TOL, (family, rank, r)
+        ranges = [results[family]["vocab_range"] for results in per_rank]
+        assert ranges == {2: [(0, 501), (501, 1001)], 3: [(0, 334), (334, 668), (668, 1001)]}[tp]
+        assert [results[family]["local_vocab"] for results in per_rank] == [b - a for a, b in ranges]
+        plan = ShardingPlan.from_dict(per_rank[0][family]["plan"])
+        assert all(results[family]["plan"] == per_rank[0][family]["plan"] for results in per_rank)
+        assert plan.fallbacks == [], plan.fallbacks
+        if family != "llama-mqa":  # Megatron's 2L+1 all-reduces of activations each way, uneven or not
+            for direction in ("forward", "backward"):
+                assert sum(c.count for c in plan.collectives if c.kind == "all_reduce" and c.direction == direction
+                           and not c.bytes_per_call) == 2 * LAYERS + 1, (family, direction)
+        # every rank's parameters have that rank's sizes
+        for rank, results in enumerate(per_rank):
+            for p in plan.params:
+                assert results[family]["shapes"][p.name] == p.local_shape(tp, rank), (family, p.name, rank)
+    shapes = [results[families[0]]["shapes"] for results in per_rank]
+    if tp == 2:  # qwen3: 6 + 3 query heads and 2 + 1 kv heads of head_dim 8
+        assert [s["model.layers.0.self_attn.q_proj.weight"] for s in shapes] == [(48, 72), (24, 72)]
+        assert [s["model.layers.0.self_attn.k_proj.weight"] for s in shapes] == [(16, 72), (8, 72)]
+        phi3 = ShardingPlan.from_dict(per_rank[0]["phi3"]["plan"]).param("model.layers.0.self_attn.qkv_proj.weight")
+        assert (phi3.placement, phi3.split) == ("S(0)[72,24,24]", ((48, 24), (16, 8), (16, 8)))
+    else:  # llama: MLP 34/33/33
+        assert [s["model.layers.0.mlp.down_proj.weight"] for s in shapes] == [(72, 34), (72, 33), (72, 33)]
