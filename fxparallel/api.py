@@ -22,7 +22,7 @@ from .plan.build import build_plan
 from .plan.solver import check_layer_symmetry, solve
 from .plan.validate import check_divisible
 from .rewrite import localize, output_placements
-from .rewrite.local_graph import generate_forward
+from .rewrite.layer_units import generate_layered_forward
 
 log = logging.getLogger("fxparallel")
 
@@ -42,9 +42,9 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     gplan = solve(captured, group.size, fixed=fixed)
     placements = output_placements(captured, gplan)
     reduced = localize(captured, gplan, group, device)
-    forward, code = generate_forward(captured.gm.graph)
+    forward, code, pieces = generate_layered_forward(captured.gm.graph, captured.params.values())
     local = LocalGraph(arguments=arguments, forward=forward, outputs=captured.outputs,
-                       output_placements=placements, captured=captured, code=code)
+                       output_placements=placements, captured=captured, code=code, pieces=pieces)
     return local, gplan, reduced, captured
 
 

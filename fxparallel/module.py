@@ -16,7 +16,9 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .errors import ShardingError
 from .rewrite import collectives
+from .rewrite.layer_units import LayerPieces, install_layer_units
 
 ARGUMENTS = ("input_ids", "attention_mask", "position_ids", "labels")
 
@@ -42,6 +44,7 @@ class LocalGraph:
     output_placements: dict  # name -> Placement
     captured: object  # CapturedGraph (guards)
     code: str
+    pieces: Optional[LayerPieces] = None  # per-layer pieces the root code calls (rewrite/layer_units.py)
 
 
 def _set_path(root: nn.Module, dotted: str, value, kind: str):
@@ -69,6 +72,8 @@ class ParallelCausalLM(nn.Module):
         self.dtype_ = dtype
         object.__setattr__(self, "_graphs", [])  # not submodules: they share our parameters
         object.__setattr__(self, "_graph_factory", graph_factory)
+        # decoder layers as modules the graphs call, so FSDP can make each one a unit
+        self._layer_paths = install_layer_units(self, [(p.name,) + tuple(p.aliases) for p in plan.params])
         for p in plan.params:
             local = torch.empty(p.local_shape(group.size), device=self.device_, dtype=dtype)
             param = nn.Parameter(local)
@@ -78,8 +83,33 @@ class ParallelCausalLM(nn.Module):
 
     # ---- graphs --------------------------------------------------------------
     def add_graph(self, graph: LocalGraph) -> None:
+        self._check_pieces(graph)
         self._register_attributes(graph)
+        if graph.pieces is not None:
+            for path, forward in graph.pieces.forward.items():
+                self.get_submodule(path).add_piece(graph.pieces.key, forward)
         self._graphs.append(graph)
+
+    def _check_pieces(self, graph: LocalGraph) -> None:
+        if graph.pieces is None:
+            from torch.distributed.fsdp import FSDPModule
+
+            wrapped = [p for p in self._layer_paths if isinstance(self.get_submodule(p), FSDPModule)]
+            if wrapped:
+                raise ShardingError(
+                    f"a new graph for arguments {graph.arguments} could not be split by decoder layer, but the "
+                    f"layers ({wrapped[0]}, ...) are FSDP units that only its per-layer pieces can run")
+            return
+        unknown = sorted(set(graph.pieces.forward) - set(self._layer_paths))
+        if unknown:
+            raise ShardingError(f"graph pieces for {unknown} have no layer module (layers: {self._layer_paths})")
+
+    def fsdp_units(self) -> list:
+        """The decoder-layer modules FSDP wraps one by one (runtime/fsdp.py); [] when a graph is
+        not split by layer (then only the root is a unit)."""
+        if not self._graphs or any(g.pieces is None for g in self._graphs):
+            return []
+        return [self.get_submodule(p) for p in self._layer_paths]
 
     def _register_attributes(self, graph: LocalGraph) -> None:
         for name, value in graph.captured.attributes.items():

@@ -1,0 +1,217 @@
+"""Split a local graph into one piece per decoder layer, so each layer is a module that is called.
+
+Why: FSDP2 all-gathers a unit's parameters in that module's forward pre-hook and frees
+them in its post-hook. The unsplit graph reads every parameter as an attribute of the
+root, so only a root unit is possible and the whole model is unsharded at once. Here the
+root graph calls ``model.layers.{i}`` (through ``nn.Module.__call__``: hooks run) and that
+module runs its layer's piece, reading its parameters from itself.
+
+How: the layer container is found from the parameter names (the dotted prefix followed by
+a numeric index that covers the most parameters: ``model.layers`` for Llama,
+``transformer.h`` for GPT-2). A node that reads parameters of layer i belongs to layer i;
+nodes without parameters between two layers go with the next layer; nodes before the first
+layer (embedding, rotary, masks) and after the last (final norm, head, loss) stay in the
+root. Pieces are contiguous runs of the original node order, so execution order, and
+therefore every result, is exactly that of the unsplit graph. Values crossing a boundary
+become piece arguments and outputs.
+
+A graph that does not split this way (a node reads two layers' parameters, or layers
+interleave) stays whole with a warning; the model then has no per-layer units.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch.fx as fx
+from torch import nn
+
+log = logging.getLogger("fxparallel")
+
+SPLIT = True  # switch for tests and benchmarks that compare with the unsplit graph
+_keys = itertools.count()
+
+
+class SplitError(Exception):
+    """The graph cannot be cut into per-layer pieces."""
+
+
+@dataclass
+class LayerPieces:
+    key: str  # the root graph passes this to each layer module: which graph's piece to run
+    forward: dict  # layer module path -> generated ``forward(self, *inputs)``, self = that module
+    code: dict  # layer module path -> its source
+
+
+class LayerUnit(nn.Module):
+    """A decoder layer: owns its parameters and runs its piece of whichever graph is executing."""
+
+    def __init__(self):
+        super().__init__()
+        self._pieces: dict = {}
+
+    def add_piece(self, key: str, forward: Callable) -> None:
+        self._pieces[key] = forward
+
+    def forward(self, key: str, *inputs):
+        return self._pieces[key](self, *inputs)
+
+
+def layer_container(names: Iterable[str]) -> Optional[str]:
+    """The module path whose numbered children are the decoder layers, or None."""
+    counts = Counter()
+    for name in names:
+        parts = name.split(".")
+        for i in range(1, len(parts) - 1):
+            if parts[i].isdigit():
+                counts[".".join(parts[:i])] += 1
+    if not counts:
+        return None
+    # most parameters; on a tie the outermost (shortest) prefix
+    return max(counts, key=lambda prefix: (counts[prefix], -len(prefix)))
+
+
+def layer_of(name: str, container: Optional[str]) -> Optional[str]:
+    """``model.layers.3`` for ``model.layers.3.mlp.up_proj.weight``; None outside the layers."""
+    if container is None or not name.startswith(container + "."):
+        return None
+    index = name[len(container) + 1:].split(".", 1)[0]
+    return f"{container}.{index}" if index.isdigit() else None
+
+
+def install_layer_units(root: nn.Module, param_names: list) -> list:
+    """Create a LayerUnit at each layer path of ``param_names`` (before parameters are registered
+    under them). Returns the layer paths, or [] when the parameters cannot be grouped by layer
+    (one parameter object under names of two units, e.g. a weight shared across layers)."""
+    container = layer_container(n for names in param_names for n in names)
+    if container is None:
+        return []
+    for names in param_names:
+        owners = {layer_of(n, container) for n in names}
+        if len(owners) > 1:
+            log.warning("no per-layer units: parameter %s is shared by %s", names[0], sorted(map(str, owners)))
+            return []
+    paths = sorted({layer_of(names[0], container) for names in param_names} - {None},
+                   key=lambda p: int(p.rsplit(".", 1)[1]))
+    for path in paths:
+        *parents, leaf = path.split(".")
+        module = root
+        for part in parents:
+            if part not in module._modules:
+                module.add_module(part, nn.Module())
+            module = module._modules[part]
+        module.add_module(leaf, LayerUnit())
+    return paths
+
+
+# ---- partition -------------------------------------------------------------------------
+def _assign(graph: fx.Graph, container: str) -> tuple:
+    """Piece (layer path or None = root) of every node, and the layer paths in execution order."""
+    body = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    attr_layer = {n: layer_of(str(n.target), container) for n in graph.nodes if n.op == "get_attr"}
+    first, last = {}, {}
+    for i, node in enumerate(body):
+        layers = {attr_layer[a] for a in node.all_input_nodes if attr_layer.get(a)}
+        if len(layers) > 1:
+            raise SplitError(f"node {node.name} reads parameters of {sorted(layers)}")
+        if layers:
+            layer = layers.pop()
+            first.setdefault(layer, i)
+            last[layer] = i
+    order = sorted(first, key=first.get)
+    for a, b in zip(order, order[1:]):
+        if first[b] <= last[a]:
+            raise SplitError(f"{a} and {b} interleave in the graph")
+    piece = {n: attr_layer[n] for n in attr_layer}
+    start = first[order[0]] if order else len(body)
+    for layer in order:  # a layer's piece runs from the end of the previous one to its last node
+        for node in body[start:last[layer] + 1]:
+            piece[node] = layer
+        start = last[layer] + 1
+    for node in body:
+        piece.setdefault(node, None)
+    for node, owner in piece.items():  # a layer's parameters are read only inside its piece
+        if node.op == "get_attr" and owner and any(piece.get(u) != owner for u in node.users):
+            raise SplitError(f"{node.target} is read outside {owner}")
+    return piece, order
+
+
+def split_by_layer(graph: fx.Graph, container: str) -> tuple:
+    """Returns (root graph, {layer path: piece graph}, key); raises SplitError."""
+    piece, order = _assign(graph, container)
+    if not order:
+        raise SplitError("no node reads a layer's parameters")
+    key = f"graph{next(_keys)}"
+    members = {layer: [n for n in graph.nodes if piece.get(n) == layer] for layer in order}
+    root = fx.Graph()
+    env = {}
+    pieces = {}
+    emitted = set()
+    for node in graph.nodes:
+        owner = piece.get(node)
+        if owner is None:
+            env[node] = root.node_copy(node, lambda n: env[n])
+            continue
+        if owner in emitted or node.op == "get_attr":  # parameters go in with the piece; hoisted reads come first
+            continue
+        emitted.add(owner)
+        inside = set(members[owner])
+        inputs = []
+        for n in members[owner]:
+            for a in n.all_input_nodes:
+                if a not in inside and a not in inputs:
+                    inputs.append(a)
+        outputs = [n for n in members[owner] if any(u not in inside for u in n.users)]
+        pieces[owner] = _piece_graph(members[owner], inputs, outputs, owner)
+        call = root.call_module(owner, (key, *(env[a] for a in inputs)))
+        for i, out in enumerate(outputs):
+            env[out] = root.call_function(operator.getitem, (call, i))
+            env[out].meta = dict(out.meta)
+    root.lint()
+    return root, pieces, key
+
+
+def _piece_graph(nodes: list, inputs: list, outputs: list, owner: str) -> fx.Graph:
+    g = fx.Graph()
+    env = {}
+    for a in inputs:
+        env[a] = g.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in nodes:
+        copy = g.node_copy(n, lambda x: env[x])
+        if n.op == "get_attr":
+            copy.target = str(n.target)[len(owner) + 1:]  # read from the layer module itself
+        env[n] = copy
+    g.output(tuple(env[o] for o in outputs))
+    g.lint()
+    return g
+
+
+def generate_layered_forward(graph: fx.Graph, param_names: Iterable[str]):
+    """(root forward, code, LayerPieces or None). Falls back to the whole graph (pieces None),
+    with a warning, when the graph does not split by layer."""
+    from .local_graph import generate_forward
+
+    container = layer_container(param_names)
+    if not SPLIT or container is None:
+        forward, code = generate_forward(graph)
+        return forward, code, None
+    try:
+        root, pieces, key = split_by_layer(graph, container)
+    except SplitError as err:
+        log.warning("graph kept whole (no per-layer FSDP units): %s", err)
+        forward, code = generate_forward(graph)
+        return forward, code, None
+    forward, code = generate_forward(root)
+    fns, codes = {}, {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for path, piece in pieces.items():
+            fns[path], codes[path] = generate_forward(piece)
+    full = code + "".join(f"\n# {path}\n{src}" for path, src in codes.items())
+    return forward, full, LayerPieces(key, fns, codes)
