@@ -2,10 +2,11 @@
 
     python benchmarks/fsdp_memory.py [--layers 8] [--dp 2] [--tp 1] [--repeats 5]
 
-What is counted: FSDP2 turns a unit's sharded parameters into full (unsharded) ones when it
-all-gathers them and frees them when it reshards. The benchmark follows every such
-transition of every unit's parameter group and keeps the largest total of unsharded
-parameter bytes alive at once during a training step (forward, backward, optimizer step):
+What is counted: FSDP2 all-gathers a unit's sharded parameters into full (unsharded) ones
+(also ahead of time: backward prefetch) and frees them when it reshards. The benchmark
+follows every such transition of every unit's parameter group, from the all-gather to the
+reshard, and keeps the largest total of unsharded parameter bytes alive at once during a
+training step (forward, backward, optimizer step):
 the memory FSDP needs on top of the sharded state. This is exact and deterministic, unlike
 RSS on CPU (allocator caching, other processes). Reported per rank, the median over
 ``--repeats`` steps (identical here; the median guards against a first-step outlier), with
@@ -35,7 +36,7 @@ class UnshardedBytes:
         self.cls = FSDPParamGroup
         self.alive = {}  # param group -> bytes while unsharded
         self.peak = 0
-        self.originals = {n: getattr(FSDPParamGroup, n) for n in ("_to_unsharded", "_to_sharded",
+        self.originals = {n: getattr(FSDPParamGroup, n) for n in ("unshard", "_to_unsharded", "_to_sharded",
                                                                    "_to_sharded_post_forward")}
 
     @staticmethod
@@ -45,10 +46,18 @@ class UnshardedBytes:
     def __enter__(self):
         tracker, originals = self, self.originals
 
-        def to_unsharded(group):
-            originals["_to_unsharded"](group)
+        def alive(group):
             tracker.alive[group] = tracker._bytes(group)
             tracker.peak = max(tracker.peak, sum(tracker.alive.values()))
+
+        def unshard(group, *args, **kwargs):  # the all-gather output exists from here (prefetches too)
+            originals["unshard"](group, *args, **kwargs)
+            if group._all_gather_result is not None:
+                alive(group)
+
+        def to_unsharded(group):
+            originals["_to_unsharded"](group)
+            alive(group)
 
         def to_sharded(name):
             def patched(group):
@@ -56,6 +65,7 @@ class UnshardedBytes:
                 tracker.alive.pop(group, None)
             return patched
 
+        self.cls.unshard = unshard
         self.cls._to_unsharded = to_unsharded
         self.cls._to_sharded = to_sharded("_to_sharded")
         self.cls._to_sharded_post_forward = to_sharded("_to_sharded_post_forward")
