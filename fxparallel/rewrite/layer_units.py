@@ -12,8 +12,10 @@ a numeric index that covers the most parameters: ``model.layers`` for Llama,
 nodes without parameters between two layers go with the next layer; nodes before the first
 layer (embedding, rotary, masks) and after the last (final norm, head, loss) stay in the
 root. Pieces are contiguous runs of the original node order, so execution order, and
-therefore every result, is exactly that of the unsplit graph. Values crossing a boundary
-become piece arguments and outputs.
+therefore every result, is that of the unsplit graph; the one exception is computations
+on a layer's parameters alone (parameter reads, a ``copy_to_tp`` of a norm weight), which
+the rewrite hoists to the top and which run at the start of their layer's piece instead.
+Values crossing a boundary become piece arguments and outputs.
 
 A graph that does not split this way (a node reads two layers' parameters, or layers
 interleave) stays whole with a warning; the model then has no per-layer units.
@@ -110,13 +112,54 @@ def install_layer_units(root: nn.Module, param_names: list) -> list:
 
 
 # ---- partition -------------------------------------------------------------------------
+def _global_states(graph: fx.Graph) -> dict:
+    """Grad mode and autocast state each node runs under. Dynamo records a grad-mode switch only
+    where the mode changes, so before the first switch the mode is the opposite of it."""
+    import torch
+
+    enter = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
+    leave = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
+    switches = [n for n in graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    grad = (not bool(switches[0].args[0])) if switches else None
+    autocast, states = (), {}
+    for node in graph.nodes:
+        states[node] = (grad, autocast)
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._set_grad_enabled:
+            grad = bool(node.args[0])
+        elif enter is not None and node.target is enter:
+            autocast = autocast + (node,)
+        elif leave is not None and node.target is leave:
+            autocast = autocast[:-1]
+    return states
+
+
+def _parameter_nodes(graph: fx.Graph, container: str) -> dict:
+    """Layer of each node computed from one layer's parameters alone: the parameter reads and,
+    e.g., the ``copy_to_tp`` the rewrite puts right after the inputs for a q/k norm weight. They run
+    at the start of their layer's piece (the parameters exist only there)."""
+    derived = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            layer = layer_of(str(node.target), container)
+            if layer:
+                derived[node] = layer
+        elif node.op.startswith("call") and node.all_input_nodes:
+            layers = {derived.get(a) for a in node.all_input_nodes}
+            if len(layers) == 1 and None not in layers:
+                derived[node] = layers.pop()
+    return derived
+
+
 def _assign(graph: fx.Graph, container: str) -> tuple:
-    """Piece (layer path or None = root) of every node, and the layer paths in execution order."""
-    body = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
-    attr_layer = {n: layer_of(str(n.target), container) for n in graph.nodes if n.op == "get_attr"}
+    """Piece (layer path or None = root) of every node, the layer paths in execution order, and the
+    first node each layer's piece runs in the original order."""
+    derived = _parameter_nodes(graph, container)
+    body = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output") and n not in derived]
     first, last = {}, {}
     for i, node in enumerate(body):
-        layers = {attr_layer[a] for a in node.all_input_nodes if attr_layer.get(a)}
+        layers = {derived[a] for a in node.all_input_nodes if a in derived}
         if len(layers) > 1:
             raise SplitError(f"node {node.name} reads parameters of {sorted(layers)}")
         if layers:
@@ -127,51 +170,67 @@ def _assign(graph: fx.Graph, container: str) -> tuple:
     for a, b in zip(order, order[1:]):
         if first[b] <= last[a]:
             raise SplitError(f"{a} and {b} interleave in the graph")
-    piece = {n: attr_layer[n] for n in attr_layer}
+    piece = dict(derived)
+    begins = {}
     start = first[order[0]] if order else len(body)
     for layer in order:  # a layer's piece runs from the end of the previous one to its last node
+        begins[layer] = body[start]
         for node in body[start:last[layer] + 1]:
             piece[node] = layer
         start = last[layer] + 1
     for node in body:
         piece.setdefault(node, None)
-    for node, owner in piece.items():  # a layer's parameters are read only inside its piece
-        if node.op == "get_attr" and owner and any(piece.get(u) != owner for u in node.users):
-            raise SplitError(f"{node.target} is read outside {owner}")
-    return piece, order
+    for node, owner in derived.items():  # a layer's parameters are read only inside its piece
+        if any(piece.get(u) != owner for u in node.users):
+            raise SplitError(f"{node.name} (from the parameters of {owner}) is used outside {owner}")
+    _check_moves(graph, derived, begins)
+    return piece, order, begins
+
+
+def _check_moves(graph: fx.Graph, derived: dict, begins: dict) -> None:
+    """Parameter computations move from their place to the start of their piece: refuse if they
+    would run under another grad mode or autocast state there."""
+    states = _global_states(graph)
+    for node, layer in derived.items():
+        if node.op != "get_attr" and layer in begins and states[node] != states[begins[layer]]:
+            raise SplitError(f"{node.name} would move into another grad-mode/autocast state")
 
 
 def split_by_layer(graph: fx.Graph, container: str) -> tuple:
     """Returns (root graph, {layer path: piece graph}, key); raises SplitError."""
-    piece, order = _assign(graph, container)
+    piece, order, begins = _assign(graph, container)
     if not order:
         raise SplitError("no node reads a layer's parameters")
     key = f"graph{next(_keys)}"
     members = {layer: [n for n in graph.nodes if piece.get(n) == layer] for layer in order}
+    starts = {node: layer for layer, node in begins.items()}
     root = fx.Graph()
     env = {}
     pieces = {}
-    emitted = set()
+    # inputs and root attributes first (the graph's own attributes, e.g. autograd bodies, can sit
+    # inside a layer's range and feed it)
     for node in graph.nodes:
-        owner = piece.get(node)
-        if owner is None:
+        if node.op in ("placeholder", "get_attr") and piece.get(node) is None:
             env[node] = root.node_copy(node, lambda n: env[n])
+    for node in graph.nodes:
+        if node in env or node.op in ("placeholder", "get_attr"):
             continue
-        if owner in emitted or node.op == "get_attr":  # parameters go in with the piece; hoisted reads come first
-            continue
-        emitted.add(owner)
-        inside = set(members[owner])
-        inputs = []
-        for n in members[owner]:
-            for a in n.all_input_nodes:
-                if a not in inside and a not in inputs:
-                    inputs.append(a)
-        outputs = [n for n in members[owner] if any(u not in inside for u in n.users)]
-        pieces[owner] = _piece_graph(members[owner], inputs, outputs, owner)
-        call = root.call_module(owner, (key, *(env[a] for a in inputs)))
-        for i, out in enumerate(outputs):
-            env[out] = root.call_function(operator.getitem, (call, i))
-            env[out].meta = dict(out.meta)
+        if node in starts:
+            owner = starts[node]
+            inside = set(members[owner])
+            inputs = []
+            for n in members[owner]:
+                for a in n.all_input_nodes:
+                    if a not in inside and a not in inputs:
+                        inputs.append(a)
+            outputs = [n for n in members[owner] if any(u not in inside for u in n.users)]
+            pieces[owner] = _piece_graph(members[owner], inputs, outputs, owner)
+            call = root.call_module(owner, (key, *(env[a] for a in inputs)))
+            for i, out in enumerate(outputs):
+                env[out] = root.call_function(operator.getitem, (call, i))
+                env[out].meta = dict(out.meta)
+        if piece.get(node) is None:
+            env[node] = root.node_copy(node, lambda n: env[n])
     root.lint()
     return root, pieces, key
 
