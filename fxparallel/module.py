@@ -9,6 +9,7 @@ re-materialized.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -19,6 +20,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .errors import ShardingError
 from .rewrite import collectives
 from .rewrite.layer_units import LayerPieces, install_layer_units
+
+log = logging.getLogger("fxparallel")
 
 ARGUMENTS = ("input_ids", "attention_mask", "position_ids", "labels")
 
@@ -73,7 +76,8 @@ class ParallelCausalLM(nn.Module):
         object.__setattr__(self, "_graphs", [])  # not submodules: they share our parameters
         object.__setattr__(self, "_graph_factory", graph_factory)
         # decoder layers as modules the graphs call, so FSDP can make each one a unit
-        self._layer_paths = install_layer_units(self, [(p.name,) + tuple(p.aliases) for p in plan.params])
+        self._layer_paths, self._no_layer_units = install_layer_units(
+            self, [(p.name,) + tuple(p.aliases) for p in plan.params])
         for p in plan.params:
             local = torch.empty(p.local_shape(group.size), device=self.device_, dtype=dtype)
             param = nn.Parameter(local)
@@ -107,6 +111,9 @@ class ParallelCausalLM(nn.Module):
     def fsdp_units(self) -> list:
         """The decoder-layer modules FSDP wraps one by one (runtime/fsdp.py); [] when a graph is
         not split by layer (then only the root is a unit)."""
+        if self._no_layer_units:
+            log.warning("FSDP: root unit only: %s", self._no_layer_units)
+            return []
         if not self._graphs or any(g.pieces is None for g in self._graphs):
             return []
         return [self.get_submodule(p) for p in self._layer_paths]

@@ -86,18 +86,14 @@ def layer_of(name: str, container: Optional[str]) -> Optional[str]:
     return f"{container}.{index}" if index.isdigit() else None
 
 
-def install_layer_units(root: nn.Module, param_names: list) -> list:
-    """Create a LayerUnit at each layer path of ``param_names`` (before parameters are registered
-    under them). Returns the layer paths, or [] when the parameters cannot be grouped by layer
-    (one parameter object under names of two units, e.g. a weight shared across layers)."""
-    container = layer_container(n for names in param_names for n in names)
+def install_layer_units(root: nn.Module, param_names: list) -> tuple:
+    """Create a LayerUnit at each layer path of ``param_names`` (tuples: canonical name, then
+    aliases), before the parameters are registered under them. Returns (layer paths, None), or
+    (layer paths, why they cannot be FSDP units: one parameter object under names of two units,
+    e.g. a weight shared by several layers)."""
+    container = layer_container(names[0] for names in param_names)
     if container is None:
-        return []
-    for names in param_names:
-        owners = {layer_of(n, container) for n in names}
-        if len(owners) > 1:
-            log.warning("no per-layer units: parameter %s is shared by %s", names[0], sorted(map(str, owners)))
-            return []
+        return [], None
     paths = sorted({layer_of(names[0], container) for names in param_names} - {None},
                    key=lambda p: int(p.rsplit(".", 1)[1]))
     for path in paths:
@@ -108,7 +104,11 @@ def install_layer_units(root: nn.Module, param_names: list) -> list:
                 module.add_module(part, nn.Module())
             module = module._modules[part]
         module.add_module(leaf, LayerUnit())
-    return paths
+    for names in param_names:
+        owners = {layer_of(n, container) for n in names}
+        if len(owners) > 1:
+            return paths, f"parameter {names[0]} is shared by {sorted(map(str, owners))}"
+    return paths, None
 
 
 # ---- partition -------------------------------------------------------------------------
