@@ -361,3 +361,16 @@ def test_weight_computation_is_not_moved_across_a_grad_mode_switch():
 
     with pytest.raises(SplitError, match="relu would move into another grad-mode/autocast state"):
         split_by_layer(_graph_with_hoisted_weight_op(True), "layers")
+
+
+def test_a_weight_shared_by_two_layers_rules_out_layer_units():
+    from torch import nn
+
+    from fxparallel.rewrite.layer_units import LayerUnit, install_layer_units
+
+    root = nn.Module()
+    paths, why = install_layer_units(root, [("model.layers.0.w", "model.layers.1.w"), ("model.layers.1.v",),
+                                            ("model.norm.weight",)])
+    assert paths == ["model.layers.0", "model.layers.1"]  # the split still runs through them
+    assert isinstance(root.get_submodule("model.layers.1"), LayerUnit)
+    assert why == "parameter model.layers.0.w is shared by ['model.layers.0', 'model.layers.1']"
