@@ -83,8 +83,14 @@ def _rank(rank, world, path, tp, dp, repeats):
     import torch
 
     import fxparallel
-    from fxparallel.runtime import StepBatches, apply_data_parallel, init_mesh, pack_tokens, synthetic_token_stream
-    from fxparallel.runtime import train_step
+    from fxparallel.runtime import (
+        StepBatches,
+        apply_data_parallel,
+        init_mesh,
+        pack_tokens,
+        synthetic_token_stream,
+        train_step,
+    )
 
     mesh = init_mesh(tp=tp, dp=dp, cp=1)
     rows = pack_tokens(synthetic_token_stream(4096, 64 * 128, seed=0), 128)
