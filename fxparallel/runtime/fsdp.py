@@ -10,8 +10,9 @@ graph by decoder layer (``rewrite/layer_units.py``): the root code calls the mod
 ``model.layers.{i}`` and that module runs its layer's piece, reading its parameters from
 itself. ``fully_shard`` goes on each module ``model.fsdp_units()`` lists, then on the root
 (embeddings, tied head, final norm). So a layer's parameters are all-gathered in its
-forward pre-hook and freed after it (and again around its backward): at most about one
-layer is unsharded at a time instead of the whole model. ``per_layer=False``, or a graph
+forward pre-hook and freed after it (and again around its backward): one layer is
+unsharded at a time in forward, two in backward (FSDP prefetches the next one), plus the
+root, instead of the whole model (``benchmarks/fsdp_memory.py``). ``per_layer=False``, or a graph
 that could not be split by layer (a warning says why), gives the root unit alone.
 Layer units do not cast their inputs under mixed precision: the values crossing layers
 are exactly those of the unsplit graph, already in the dtype it was captured in.
