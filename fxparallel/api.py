@@ -23,7 +23,8 @@ from .plan.layout import ShardLayout
 from .plan.solver import check_layer_symmetry, solve
 from .plan.validate import check_divisible
 from .rewrite import context_parallel, context_parallel_checks, localize, output_placements
-from .rewrite.local_graph import generate_forward, output_split_sizes
+from .rewrite.layer_units import generate_layered_forward
+from .rewrite.local_graph import output_split_sizes
 
 log = logging.getLogger("fxparallel")
 
@@ -54,9 +55,10 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     reduced = localize(captured, gplan, group, device, sequence_parallel=sequence_parallel)
     if cp is not None:
         context_parallel.apply_context_parallel(captured.gm.graph, cp)
-    forward, code = generate_forward(captured.gm.graph)
+    forward, code, pieces = generate_layered_forward(captured.gm.graph, captured.params.values())
     local = LocalGraph(arguments=arguments, forward=forward, outputs=captured.outputs,
-                       output_placements=placements, captured=captured, code=code, output_sizes=sizes)
+                       output_placements=placements, captured=captured, code=code, output_sizes=sizes,
+                       pieces=pieces)
     return local, gplan, reduced, captured
 
 

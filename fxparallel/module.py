@@ -9,6 +9,7 @@ re-materialized.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -18,6 +19,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .errors import ShardingError
 from .rewrite import collectives, context_parallel
+from .rewrite.layer_units import LayerPieces, install_layer_units
+
+log = logging.getLogger("fxparallel")
 
 ARGUMENTS = ("input_ids", "attention_mask", "position_ids", "labels")
 
@@ -44,6 +48,7 @@ class LocalGraph:
     captured: object  # CapturedGraph (guards)
     code: str
     output_sizes: dict = field(default_factory=dict)  # name -> per-rank sizes along its sharded dim
+    pieces: Optional[LayerPieces] = None  # per-layer pieces the root code calls (rewrite/layer_units.py)
 
 
 def _set_path(root: nn.Module, dotted: str, value, kind: str):
@@ -73,6 +78,9 @@ class ParallelCausalLM(nn.Module):
         object.__setattr__(self, "_graphs", [])  # not submodules: they share our parameters
         object.__setattr__(self, "_graph_factory", graph_factory)
         self.sequence_parallel = False  # set by parallelize: sequences must then divide by tp
+        # decoder layers as modules the graphs call, so FSDP can make each one a unit
+        self._layer_paths, self._no_layer_units = install_layer_units(
+            self, [(p.name,) + tuple(p.aliases) for p in plan.params])
         for p in plan.params:
             local = torch.empty(p.local_shape(group.size, group.rank), device=self.device_, dtype=dtype)
             param = nn.Parameter(local)
@@ -82,8 +90,36 @@ class ParallelCausalLM(nn.Module):
 
     # ---- graphs --------------------------------------------------------------
     def add_graph(self, graph: LocalGraph) -> None:
+        self._check_pieces(graph)
         self._register_attributes(graph)
+        if graph.pieces is not None:
+            for path, forward in graph.pieces.forward.items():
+                self.get_submodule(path).add_piece(graph.pieces.key, forward)
         self._graphs.append(graph)
+
+    def _check_pieces(self, graph: LocalGraph) -> None:
+        if graph.pieces is None:
+            from torch.distributed.fsdp import FSDPModule
+
+            wrapped = [p for p in self._layer_paths if isinstance(self.get_submodule(p), FSDPModule)]
+            if wrapped:
+                raise ShardingError(
+                    f"a new graph for arguments {graph.arguments} could not be split by decoder layer, but the "
+                    f"layers ({wrapped[0]}, ...) are FSDP units that only its per-layer pieces can run")
+            return
+        unknown = sorted(set(graph.pieces.forward) - set(self._layer_paths))
+        if unknown:
+            raise ShardingError(f"graph pieces for {unknown} have no layer module (layers: {self._layer_paths})")
+
+    def fsdp_units(self) -> list:
+        """The decoder-layer modules FSDP wraps one by one (runtime/fsdp.py); [] when a graph is
+        not split by layer (then only the root is a unit)."""
+        if self._no_layer_units:
+            log.warning("FSDP: root unit only: %s", self._no_layer_units)
+            return []
+        if not self._graphs or any(g.pieces is None for g in self._graphs):
+            return []
+        return [self.get_submodule(p) for p in self._layer_paths]
 
     def _register_attributes(self, graph: LocalGraph) -> None:
         for name, value in graph.captured.attributes.items():

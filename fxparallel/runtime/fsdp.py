@@ -5,11 +5,17 @@ tensor), then ``apply_data_parallel`` (FSDP2 shards each TP shard over the dp x 
 ranks of its tp position along dim 0). Every rank of a dp x cp group holds the same
 TP position, so the shards FSDP splits have the same shape on all of them.
 
-FSDP units: the parallel model's forward is one generated graph that reads
-parameters as attributes; it never calls the per-layer submodules, so FSDP hooks
-on them would never fire. ``fully_shard`` therefore goes on each module the model
-lists in ``model.fsdp_units()`` (none today) and then on the root, whose
-pre-forward hook all-gathers every parameter before the graph reads them.
+FSDP units: one per decoder layer, plus the root. ``parallelize`` splits each local
+graph by decoder layer (``rewrite/layer_units.py``): the root code calls the module at
+``model.layers.{i}`` and that module runs its layer's piece, reading its parameters from
+itself. ``fully_shard`` goes on each module ``model.fsdp_units()`` lists, then on the root
+(embeddings, tied head, final norm). So a layer's parameters are all-gathered in its
+forward pre-hook and freed after it (and again around its backward): one layer is
+unsharded at a time in forward, two in backward (FSDP prefetches the next one), plus the
+root, instead of the whole model (``benchmarks/fsdp_memory.py``). ``per_layer=False``, or a graph
+that could not be split by layer (a warning says why), gives the root unit alone.
+Layer units do not cast their inputs under mixed precision: the values crossing layers
+are exactly those of the unsplit graph, already in the dtype it was captured in.
 
 Gradient reduction: FSDP reduces with a plain SUM over dp x cp (divide factor 1).
 The loss convention that makes the sum right is in ``runtime/loss.py``: each rank
@@ -59,7 +65,7 @@ def _prepare_mixed_precision(model, param_dtype) -> None:
 
 
 def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Optional[str] = None,
-                        reshard_after_forward: Optional[bool] = None):
+                        reshard_after_forward: Optional[bool] = None, per_layer: bool = True):
     """Wrap ``model`` (a ParallelCausalLM) with FSDP2 over ``mesh.dp_cp_mesh``; returns it.
 
     ``mode``: "shard" (FSDP: parameters, gradients and optimizer states split over
@@ -68,6 +74,7 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
     compute and all-gathers, fp32 gradient reduction and master weights; the model
     must come from ``parallelize(..., dtype=torch.bfloat16)``, see
     ``_prepare_mixed_precision``).
+    ``per_layer``: one FSDP unit per decoder layer plus the root (default), or the root only.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -82,13 +89,14 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
     param_dtype = MIXED_PRECISION[mixed_precision]
     if param_dtype is not None:
         _prepare_mixed_precision(model, param_dtype)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    reduce_dtype = torch.float32 if param_dtype else None
+    root_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    unit_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     dp_mesh = mesh.dp_cp_mesh if mode == "shard" else _replicate_mesh(mesh)
-    kwargs = dict(mesh=dp_mesh, mp_policy=policy)
-    units = list(getattr(model, "fsdp_units", lambda: [])())
+    units = list(getattr(model, "fsdp_units", lambda: [])()) if per_layer else []
     for unit in units:
-        fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+        fully_shard(unit, mesh=dp_mesh, mp_policy=unit_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward)
     for module in units + [model]:
         # SUM over dp x cp: the loss is already divided by the global token count (runtime/loss.py).
         module.set_gradient_divide_factor(1.0)

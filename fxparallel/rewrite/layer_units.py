@@ -1,0 +1,276 @@
+"""Split a local graph into one piece per decoder layer, so each layer is a module that is called.
+
+Why: FSDP2 all-gathers a unit's parameters in that module's forward pre-hook and frees
+them in its post-hook. The unsplit graph reads every parameter as an attribute of the
+root, so only a root unit is possible and the whole model is unsharded at once. Here the
+root graph calls ``model.layers.{i}`` (through ``nn.Module.__call__``: hooks run) and that
+module runs its layer's piece, reading its parameters from itself.
+
+How: the layer container is found from the parameter names (the dotted prefix followed by
+a numeric index that covers the most parameters: ``model.layers`` for Llama,
+``transformer.h`` for GPT-2). A node that reads parameters of layer i belongs to layer i;
+nodes without parameters between two layers go with the next layer; nodes before the first
+layer (embedding, rotary, masks) and after the last (final norm, head, loss) stay in the
+root. Pieces are contiguous runs of the original node order, so execution order, and
+therefore every result, is that of the unsplit graph; the one exception is computations
+on a layer's parameters alone (parameter reads, a ``copy_to_tp`` of a norm weight), which
+the rewrite hoists to the top and which run at the start of their layer's piece instead.
+Values crossing a boundary become piece arguments and outputs.
+
+A graph that does not split this way (a node reads two layers' parameters, or layers
+interleave) stays whole with a warning; the model then has no per-layer units.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch.fx as fx
+from torch import nn
+
+log = logging.getLogger("fxparallel")
+
+SPLIT = True  # switch for tests and benchmarks that compare with the unsplit graph
+_keys = itertools.count()
+
+
+class SplitError(Exception):
+    """The graph cannot be cut into per-layer pieces."""
+
+
+@dataclass
+class LayerPieces:
+    key: str  # the root graph passes this to each layer module: which graph's piece to run
+    forward: dict  # layer module path -> generated ``forward(self, *inputs)``, self = that module
+    code: dict  # layer module path -> its source
+
+
+class LayerUnit(nn.Module):
+    """A decoder layer: owns its parameters and runs its piece of whichever graph is executing."""
+
+    def __init__(self):
+        super().__init__()
+        self._pieces: dict = {}
+
+    def add_piece(self, key: str, forward: Callable) -> None:
+        self._pieces[key] = forward
+
+    def forward(self, key: str, *inputs):
+        return self._pieces[key](self, *inputs)
+
+
+def layer_container(names: Iterable[str]) -> Optional[str]:
+    """The module path whose numbered children are the decoder layers, or None."""
+    counts = Counter()
+    for name in names:
+        parts = name.split(".")
+        for i in range(1, len(parts) - 1):
+            if parts[i].isdigit():
+                counts[".".join(parts[:i])] += 1
+    if not counts:
+        return None
+    # most parameters; on a tie the outermost (shortest) prefix
+    return max(counts, key=lambda prefix: (counts[prefix], -len(prefix)))
+
+
+def layer_of(name: str, container: Optional[str]) -> Optional[str]:
+    """``model.layers.3`` for ``model.layers.3.mlp.up_proj.weight``; None outside the layers."""
+    if container is None or not name.startswith(container + "."):
+        return None
+    index = name[len(container) + 1:].split(".", 1)[0]
+    return f"{container}.{index}" if index.isdigit() else None
+
+
+def install_layer_units(root: nn.Module, param_names: list) -> tuple:
+    """Create a LayerUnit at each layer path of ``param_names`` (tuples: canonical name, then
+    aliases), before the parameters are registered under them. Returns (layer paths, None), or
+    (layer paths, why they cannot be FSDP units: one parameter object under names of two units,
+    e.g. a weight shared by several layers)."""
+    container = layer_container(names[0] for names in param_names)
+    if container is None:
+        return [], None
+    paths = sorted({layer_of(names[0], container) for names in param_names} - {None},
+                   key=lambda p: int(p.rsplit(".", 1)[1]))
+    for path in paths:
+        *parents, leaf = path.split(".")
+        module = root
+        for part in parents:
+            if part not in module._modules:
+                module.add_module(part, nn.Module())
+            module = module._modules[part]
+        module.add_module(leaf, LayerUnit())
+    for names in param_names:
+        owners = {layer_of(n, container) for n in names}
+        if len(owners) > 1:
+            return paths, f"parameter {names[0]} is shared by {sorted(map(str, owners))}"
+    return paths, None
+
+
+# ---- partition -------------------------------------------------------------------------
+def _global_states(graph: fx.Graph) -> dict:
+    """Grad mode and autocast state each node runs under. Dynamo records a grad-mode switch only
+    where the mode changes, so before the first switch the mode is the opposite of it."""
+    import torch
+
+    enter = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
+    leave = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
+    switches = [n for n in graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    grad = (not bool(switches[0].args[0])) if switches else None
+    autocast, states = (), {}
+    for node in graph.nodes:
+        states[node] = (grad, autocast)
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._set_grad_enabled:
+            grad = bool(node.args[0])
+        elif enter is not None and node.target is enter:
+            autocast = autocast + (node,)
+        elif leave is not None and node.target is leave:
+            autocast = autocast[:-1]
+    return states
+
+
+def _parameter_nodes(graph: fx.Graph, container: str) -> dict:
+    """Layer of each node computed from one layer's parameters alone: the parameter reads and,
+    e.g., the ``copy_to_tp`` the rewrite puts right after the inputs for a q/k norm weight. They run
+    at the start of their layer's piece (the parameters exist only there)."""
+    derived = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            layer = layer_of(str(node.target), container)
+            if layer:
+                derived[node] = layer
+        elif node.op.startswith("call") and node.all_input_nodes:
+            layers = {derived.get(a) for a in node.all_input_nodes}
+            if len(layers) == 1 and None not in layers:
+                derived[node] = layers.pop()
+    return derived
+
+
+def _assign(graph: fx.Graph, container: str) -> tuple:
+    """Piece (layer path or None = root) of every node, the layer paths in execution order, and the
+    first node each layer's piece runs in the original order."""
+    derived = _parameter_nodes(graph, container)
+    body = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr", "output") and n not in derived]
+    first, last = {}, {}
+    for i, node in enumerate(body):
+        layers = {derived[a] for a in node.all_input_nodes if a in derived}
+        if len(layers) > 1:
+            raise SplitError(f"node {node.name} reads parameters of {sorted(layers)}")
+        if layers:
+            layer = layers.pop()
+            first.setdefault(layer, i)
+            last[layer] = i
+    order = sorted(first, key=first.get)
+    for a, b in zip(order, order[1:]):
+        if first[b] <= last[a]:
+            raise SplitError(f"{a} and {b} interleave in the graph")
+    piece = dict(derived)
+    begins = {}
+    start = first[order[0]] if order else len(body)
+    for layer in order:  # a layer's piece runs from the end of the previous one to its last node
+        begins[layer] = body[start]
+        for node in body[start:last[layer] + 1]:
+            piece[node] = layer
+        start = last[layer] + 1
+    for node in body:
+        piece.setdefault(node, None)
+    for node, owner in derived.items():  # a layer's parameters are read only inside its piece
+        if any(piece.get(u) != owner for u in node.users):
+            raise SplitError(f"{node.name} (from the parameters of {owner}) is used outside {owner}")
+    _check_moves(graph, derived, begins)
+    return piece, order, begins
+
+
+def _check_moves(graph: fx.Graph, derived: dict, begins: dict) -> None:
+    """Parameter computations move from their place to the start of their piece: refuse if they
+    would run under another grad mode or autocast state there."""
+    states = _global_states(graph)
+    for node, layer in derived.items():
+        if node.op != "get_attr" and layer in begins and states[node] != states[begins[layer]]:
+            raise SplitError(f"{node.name} would move into another grad-mode/autocast state")
+
+
+def split_by_layer(graph: fx.Graph, container: str) -> tuple:
+    """Returns (root graph, {layer path: piece graph}, key); raises SplitError."""
+    piece, order, begins = _assign(graph, container)
+    if not order:
+        raise SplitError("no node reads a layer's parameters")
+    key = f"graph{next(_keys)}"
+    members = {layer: [n for n in graph.nodes if piece.get(n) == layer] for layer in order}
+    starts = {node: layer for layer, node in begins.items()}
+    root = fx.Graph()
+    env = {}
+    pieces = {}
+    # inputs and root attributes first (the graph's own attributes, e.g. autograd bodies, can sit
+    # inside a layer's range and feed it)
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr") and piece.get(node) is None:
+            env[node] = root.node_copy(node, lambda n: env[n])
+    for node in graph.nodes:
+        if node in env or node.op in ("placeholder", "get_attr"):
+            continue
+        if node in starts:
+            owner = starts[node]
+            inside = set(members[owner])
+            inputs = []
+            for n in members[owner]:
+                for a in n.all_input_nodes:
+                    if a not in inside and a not in inputs:
+                        inputs.append(a)
+            outputs = [n for n in members[owner] if any(u not in inside for u in n.users)]
+            pieces[owner] = _piece_graph(members[owner], inputs, outputs, owner)
+            call = root.call_module(owner, (key, *(env[a] for a in inputs)))
+            for i, out in enumerate(outputs):
+                env[out] = root.call_function(operator.getitem, (call, i))
+                env[out].meta = dict(out.meta)
+        if piece.get(node) is None:
+            env[node] = root.node_copy(node, lambda n: env[n])
+    root.lint()
+    return root, pieces, key
+
+
+def _piece_graph(nodes: list, inputs: list, outputs: list, owner: str) -> fx.Graph:
+    g = fx.Graph()
+    env = {}
+    for a in inputs:
+        env[a] = g.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in nodes:
+        copy = g.node_copy(n, lambda x: env[x])
+        if n.op == "get_attr":
+            copy.target = str(n.target)[len(owner) + 1:]  # read from the layer module itself
+        env[n] = copy
+    g.output(tuple(env[o] for o in outputs))
+    g.lint()
+    return g
+
+
+def generate_layered_forward(graph: fx.Graph, param_names: Iterable[str]):
+    """(root forward, code, LayerPieces or None). Falls back to the whole graph (pieces None),
+    with a warning, when the graph does not split by layer."""
+    from .local_graph import generate_forward
+
+    container = layer_container(param_names)
+    if not SPLIT or container is None:
+        forward, code = generate_forward(graph)
+        return forward, code, None
+    try:
+        root, pieces, key = split_by_layer(graph, container)
+    except SplitError as err:
+        log.warning("graph kept whole (no per-layer FSDP units): %s", err)
+        forward, code = generate_forward(graph)
+        return forward, code, None
+    forward, code = generate_forward(root)
+    fns, codes = {}, {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for path, piece in pieces.items():
+            fns[path], codes[path] = generate_forward(piece)
+    full = code + "".join(f"\n# {path}\n{src}" for path, src in codes.items())
+    return forward, full, LayerPieces(key, fns, codes)

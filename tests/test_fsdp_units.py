@@ -1,0 +1,376 @@
+"""Per-decoder-layer FSDP2 units: each layer is all-gathered only while it runs.
+
+Two spawns: world 4 (tp=2 x dp=2, Qwen3) and world 2 (tp=1 x dp=2, Llama), both with tied
+embeddings. Against the single-process
+transformers model: the number of units (layers + root), that inside a layer's forward no
+other layer is unsharded (the same probe sees every layer unsharded with root-only
+wrapping), loss and every gradient (1e-5), a few AdamW steps, a graph captured after
+wrapping (no labels), bf16 mixed precision; replicate mode, root-only wrapping and bf16
+root-only (bit-identical to bf16 per-layer) at tp=1 only, to keep the test short; and that
+the graph split alone (no FSDP) gives bit-identical numbers to the unsplit graph.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+LAYERS = 2
+GLOBAL_BATCH, SEQ = 4, 16
+STEPS = 3
+LR = 1e-3
+TOL = 1e-5
+PARAM_TOL = 3e-5  # parameters after AdamW steps: Adam's normalization amplifies 1e-7 gradient noise
+# bf16 vs the fp32 reference: bf16 keeps 8 significant bits (relative rounding up to 2^-9 = 2e-3 per
+# value); the loss (about 4.8) is a mean of such rounded terms, so 2^-9 relative of it (1e-2) bounds it
+BF16_LOSS_TOL = 1e-2
+
+
+# ---- inside ranks ----------------------------------------------------------------------
+def _batches(mesh):
+    from fxparallel.runtime import StepBatches, pack_tokens, synthetic_token_stream
+
+    rows = pack_tokens(synthetic_token_stream(128, 20 * SEQ, seed=5, mean_doc_len=12), SEQ)
+    return StepBatches(rows, GLOBAL_BATCH, mesh.dp_rank, mesh.dp)
+
+
+def _probe(model):
+    """After each layer's FSDP pre-forward: the layers whose parameters are not sharded DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    from fxparallel.rewrite.layer_units import LayerUnit
+
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LayerUnit)}
+    seen = []
+
+    def hook(name):
+        def record(module, args):
+            seen.append((name, sorted(n for n, m in layers.items()
+                                      if any(not isinstance(p, DTensor) for p in m.parameters()))))
+        return record
+
+    for name, m in layers.items():
+        m.register_forward_pre_hook(hook(name))  # FSDP's own pre-hook is prepended: it ran already
+    return seen
+
+
+def _full(model, mesh, grads=False):
+    from fxparallel.runtime.dtensor import full_tensor
+    from fxparallel.runtime.fsdp import reshard
+
+    reshard(model)
+    return {model.plan.param(n).name: full_tensor(p.grad if grads else p, model.plan.param(n), mesh).clone()
+            for n, p in model.named_parameters()}
+
+
+def _numpy(tensors: dict) -> dict:
+    return {k: v.float().numpy() for k, v in tensors.items()}
+
+
+def _fsdp_run(path, mesh, mode="shard", mixed=None, per_layer=True, later_graph=False):
+    """Wrap, step once (grads), step twice more (AdamW); with ``later_graph`` then a forward without
+    labels (a graph captured after wrapping)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    import fxparallel
+    from fxparallel.runtime import apply_data_parallel, train_step
+
+    dtype = torch.bfloat16 if mixed else torch.float32
+    model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=dtype)
+    model = apply_data_parallel(model, mesh, mode=mode, mixed_precision=mixed, per_layer=per_layer)
+    seen = _probe(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    data = _batches(mesh)
+    out = {"units": model._fxparallel_data_parallel.units,
+           "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules()), "losses": []}
+    for step in range(STEPS):
+        out["losses"].append(train_step(model, opt, data.batch(step), mesh).loss)
+        if step == 0:
+            out["grads"] = _numpy(_full(model, mesh, grads=True))
+            out["seen_train"] = list(seen)
+    out["params"] = _numpy(_full(model, mesh))
+    if not later_graph:
+        return out
+    seen.clear()
+    graphs = len(model.graphs())
+    out["logits"] = model(input_ids=data.global_batch_at(STEPS)["input_ids"]).logits.detach().float().numpy()
+    out["new_graphs"] = len(model.graphs()) - graphs
+    out["seen_logits"] = list(seen)
+    return out
+
+
+def _split_vs_whole(path, mesh):
+    """Plain parallelize (no FSDP), graph split by layer or kept whole: logits, loss, every gradient.
+    Returns the differences and the split model."""
+    import fxparallel
+    from fxparallel.rewrite import layer_units
+
+    ids = _batches(mesh).global_batch_at(0)["input_ids"]
+    results = {}
+    for split in (True, False):
+        layer_units.SPLIT = split
+        try:
+            model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32)
+        finally:
+            layer_units.SPLIT = True
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results[split] = {"model": model, "loss": out.loss.detach(), "logits": model(input_ids=ids).logits.detach(),
+                          "grads": {n: p.grad for n, p in model.named_parameters()},
+                          "units": len(model.fsdp_units()), "pieces": model.graphs()[0].pieces is not None}
+    a, b = results[True], results[False]
+    return {"units": (a["units"], b["units"]), "pieces": (a["pieces"], b["pieces"]),
+            "loss": (a["loss"] - b["loss"]).abs().item(), "logits": (a["logits"] - b["logits"]).abs().max().item(),
+            "grads": max((a["grads"][n] - b["grads"][n]).abs().max().item() for n in a["grads"])}, a["model"]
+
+
+def _unsplit_graph_is_refused(model, mesh):
+    """A later graph that could not be split cannot run on FSDP layer units: clear error."""
+    from fxparallel.errors import ShardingError
+    from fxparallel.rewrite import layer_units
+    from fxparallel.runtime import apply_data_parallel
+
+    for p in model.parameters():
+        p.grad = None
+    model = apply_data_parallel(model, mesh)
+    layer_units.SPLIT = False
+    try:
+        model(input_ids=torch.zeros(2, 8, dtype=torch.long), attention_mask=torch.ones(2, 8, dtype=torch.long))
+    except ShardingError as err:
+        return str(err)
+    finally:
+        layer_units.SPLIT = True
+    return None
+
+
+def _world4(rank, world, paths):
+    from fxparallel.runtime import init_mesh
+
+    path = paths["qwen3"]
+    mesh = init_mesh(tp=2, dp=2, cp=1)
+    return {"layers": _fsdp_run(path, mesh, later_graph=True), "bf16": _fsdp_run(path, mesh, mixed="bf16"),
+            "split": _split_vs_whole(path, mesh)[0]}
+
+
+def _world2(rank, world, paths):
+    from fxparallel.runtime import init_mesh
+
+    path = paths["llama"]
+    mesh = init_mesh(tp=1, dp=2, cp=1)
+    split, model = _split_vs_whole(path, mesh)
+    return {"layers": _fsdp_run(path, mesh, later_graph=True), "replicate": _fsdp_run(path, mesh, mode="replicate"),
+            "root_only": _fsdp_run(path, mesh, per_layer=False), "bf16": _fsdp_run(path, mesh, mixed="bf16"),
+            "bf16_root_only": _fsdp_run(path, mesh, mixed="bf16", per_layer=False),
+            "split": split, "refused": _unsplit_graph_is_refused(model, mesh)}
+
+
+# ---- the single-process reference ------------------------------------------------------
+def _reference(path):
+    from transformers import AutoModelForCausalLM
+
+    from fxparallel.runtime import StepBatches, pack_tokens, synthetic_token_stream
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    rows = pack_tokens(synthetic_token_stream(128, 20 * SEQ, seed=5, mean_doc_len=12), SEQ)
+    data = StepBatches(rows, GLOBAL_BATCH, 0, 1)
+    ref = {"losses": []}
+    for step in range(STEPS):
+        opt.zero_grad()
+        batch = data.global_batch_at(step)
+        loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        loss.backward()
+        if step == 0:
+            ref["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        ref["losses"].append(loss.item())
+    ref["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        ref["logits"] = model(input_ids=data.global_batch_at(STEPS)["input_ids"]).logits
+    return ref
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    from models import save_checkpoint, tiny_config
+
+    root = tmp_path_factory.mktemp("fsdp_units")
+    # tied embeddings: the shared weight stays on the root unit. Qwen3 (at tp=2): its q/k norm weights
+    # get a gradient all-reduce the rewrite hoists to the top; it must run inside the layer's piece.
+    return {family: save_checkpoint(tiny_config(family, tie_word_embeddings=True, num_hidden_layers=LAYERS),
+                                    str(root / family)) for family in ("llama", "qwen3")}
+
+
+@pytest.fixture(scope="module")
+def references(paths):
+    return {family: _reference(path) for family, path in paths.items()}
+
+
+@pytest.fixture(scope="module")
+def world4(paths):
+    return run_ranks(4, _world4, paths)
+
+
+@pytest.fixture(scope="module")
+def world2(paths):
+    return run_ranks(2, _world2, paths)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), set(a) ^ set(b)
+    return max((torch.as_tensor(a[k]) - torch.as_tensor(b[k])).abs().max().item() for k in a)
+
+
+FAMILY = {"tp2xdp2": "qwen3", "tp1xdp2": "llama"}
+
+
+def _runs(world4, world2, key):
+    return [("tp2xdp2", r[key]) for r in world4 if key in r] + [("tp1xdp2", r[key]) for r in world2 if key in r]
+
+
+# ---- tests -----------------------------------------------------------------------------
+def test_one_unit_per_layer_plus_root(world4, world2):
+    for layout, run in _runs(world4, world2, "layers") + _runs(world4, world2, "replicate"):
+        assert run["units"] == LAYERS + 1 and run["fsdp_modules"] == LAYERS + 1, layout
+    for _, run in _runs(world4, world2, "root_only"):
+        assert run["units"] == 1 and run["fsdp_modules"] == 1
+
+
+def test_only_the_running_layer_is_unsharded(world4, world2):
+    expected = [(f"model.layers.{i}", [f"model.layers.{i}"]) for i in range(LAYERS)]
+    for layout, run in _runs(world4, world2, "layers") + _runs(world4, world2, "replicate"):
+        assert run["seen_train"] == expected, (layout, run["seen_train"])  # the training graph
+        if "seen_logits" in run:
+            assert run["seen_logits"] == expected, (layout, run["seen_logits"])  # a graph captured later
+    everything = [f"model.layers.{i}" for i in range(LAYERS)]
+    for _, run in _runs(world4, world2, "root_only"):  # the probe fails for root-only wrapping
+        assert run["seen_train"] == [(f"model.layers.{i}", everything) for i in range(LAYERS)]
+
+
+def test_training_matches_single_process(world4, world2, references):
+    runs = _runs(world4, world2, "layers") + _runs(world4, world2, "replicate") + _runs(world4, world2, "root_only")
+    for layout, run in runs:
+        reference = references[FAMILY[layout]]
+        for loss, ref in zip(run["losses"], reference["losses"]):
+            assert abs(loss - ref) < TOL, (layout, run["losses"], reference["losses"])
+    for layout, per_rank in (("tp2xdp2", world4), ("tp1xdp2", world2)):
+        reference = references[FAMILY[layout]]
+        for key in ("layers", "replicate"):
+            if key not in per_rank[0]:
+                continue
+            run = per_rank[0][key]  # full tensors are the same on every rank
+            assert _max_diff(run["grads"], reference["grads"]) < TOL, key  # every parameter, first step
+            assert _max_diff(run["params"], reference["params"]) < PARAM_TOL, key  # after the AdamW steps
+            if key == "layers":  # logits from a graph captured after wrapping
+                assert run["new_graphs"] == 1
+                assert (torch.as_tensor(run["logits"]) - reference["logits"]).abs().max().item() < TOL, key
+
+
+def test_bf16_mixed_precision(world4, world2, references):
+    for layout, layers in _runs(world4, world2, "bf16"):
+        reference = references[FAMILY[layout]]
+        for loss, ref in zip(layers["losses"], reference["losses"]):
+            assert abs(loss - ref) < BF16_LOSS_TOL, (layout, layers["losses"], reference["losses"])
+        assert layers["seen_train"] == [(f"model.layers.{i}", [f"model.layers.{i}"]) for i in range(LAYERS)]
+    for r in world2:
+        layers, root_only = r["bf16"], r["bf16_root_only"]
+        # same bf16 graph, same ops in the same order: per-layer units change nothing numerically
+        assert layers["losses"] == root_only["losses"]
+        assert _max_diff(layers["grads"], root_only["grads"]) == 0.0
+        assert _max_diff(layers["params"], root_only["params"]) == 0.0
+
+
+def test_graph_split_alone_changes_nothing(world4, world2):
+    for layout, split in _runs(world4, world2, "split"):
+        assert split["units"] == (LAYERS, 0) and split["pieces"] == (True, False), layout
+        assert split["loss"] == 0.0 and split["logits"] == 0.0 and split["grads"] == 0.0, (layout, split)
+
+
+def test_unsplit_later_graph_is_refused_on_layer_units(world2):
+    for r in world2:
+        assert r["refused"] is not None and "could not be split by decoder layer" in r["refused"], r["refused"]
+
+
+# ---- the splitter on its own -------------------------------------------------------------
+def test_layer_container_is_found_from_names():
+    from fxparallel.rewrite.layer_units import layer_container, layer_of
+
+    llama = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight",
+             "model.norm.weight"]
+    assert layer_container(llama) == "model.layers"
+    gpt2 = ["transformer.wte.weight", "transformer.h.0.attn.c_attn.weight", "transformer.h.1.attn.c_attn.weight"]
+    assert layer_container(gpt2) == "transformer.h"
+    moe = ["model.layers.0.mlp.experts.0.w1", "model.layers.0.mlp.experts.1.w1", "model.layers.0.attn.q.weight",
+           "model.layers.1.mlp.experts.0.w1", "model.layers.1.mlp.experts.1.w1", "model.layers.1.attn.q.weight"]
+    assert layer_container(moe) == "model.layers"
+    assert layer_of("model.layers.0.mlp.experts.1.w1", "model.layers") == "model.layers.0"
+    assert layer_container(["embed.weight", "head.weight"]) is None
+
+
+def test_interleaved_layers_keep_the_graph_whole(caplog):
+    import torch.fx as fx
+
+    from fxparallel.rewrite.layer_units import SplitError, generate_layered_forward, split_by_layer
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    w0, w1 = g.get_attr("layers.0.w"), g.get_attr("layers.1.w")
+    a = g.call_function(torch.mul, (x, w0))
+    b = g.call_function(torch.mul, (a, w1))
+    c = g.call_function(torch.add, (b, w0))  # layer 0 again after layer 1
+    g.output((c,))
+    with pytest.raises(SplitError, match="layers.0 and layers.1 interleave"):
+        split_by_layer(g, "layers")
+    with caplog.at_level(logging.WARNING, logger="fxparallel"):
+        _, _, pieces = generate_layered_forward(g, ["layers.0.w", "layers.1.w"])
+    assert pieces is None and "graph kept whole" in caplog.text
+
+
+def _graph_with_hoisted_weight_op(grad_switch: bool):
+    """x -> layer 0 (x * relu(w0)) -> layer 1 (* w1); relu(w0) hoisted to the top, like the rewrite's
+    copy_to_tp of a norm weight; optionally a grad-mode switch left off before layer 0."""
+    import torch.fx as fx
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    w0, w1 = g.get_attr("layers.0.w"), g.get_attr("layers.1.w")
+    hoisted = g.call_function(torch.relu, (w0,))
+    if grad_switch:
+        g.call_function(torch._C._set_grad_enabled, (False,))
+    a = g.call_function(torch.mul, (x, hoisted))
+    b = g.call_function(torch.mul, (a, w1))
+    g.output((b,))
+    return g
+
+
+def test_weight_computations_run_in_their_layer():
+    from fxparallel.rewrite.layer_units import split_by_layer
+
+    root, pieces, _ = split_by_layer(_graph_with_hoisted_weight_op(False), "layers")
+    assert [n.target for n in pieces["layers.0"].nodes if n.op == "get_attr"] == ["w"]  # read from the layer
+    assert torch.relu in [n.target for n in pieces["layers.0"].nodes]
+    assert [n.target for n in root.nodes if n.op == "call_module"] == ["layers.0", "layers.1"]
+    assert not [n for n in root.nodes if n.op == "get_attr"]
+
+
+def test_weight_computation_is_not_moved_across_a_grad_mode_switch():
+    from fxparallel.rewrite.layer_units import SplitError, split_by_layer
+
+    with pytest.raises(SplitError, match="relu would move into another grad-mode/autocast state"):
+        split_by_layer(_graph_with_hoisted_weight_op(True), "layers")
+
+
+def test_a_weight_shared_by_two_layers_rules_out_layer_units():
+    from torch import nn
+
+    from fxparallel.rewrite.layer_units import LayerUnit, install_layer_units
+
+    root = nn.Module()
+    paths, why = install_layer_units(root, [("model.layers.0.w", "model.layers.1.w"), ("model.layers.1.v",),
+                                            ("model.norm.weight",)])
+    assert paths == ["model.layers.0", "model.layers.1"]  # the split still runs through them
+    assert isinstance(root.get_submodule("model.layers.1"), LayerUnit)
+    assert why == "parameter model.layers.0.w is shared by ['model.layers.0', 'model.layers.1']"
