@@ -42,3 +42,34 @@ def compare(model, reference, rank: int, tp: int, ids=None, gather_logits: bool 
         "local_logits": tuple(out.local_logits.shape) if out.local_logits is not None else None,
         "logits_gathered_with_labels": out.logits is not None,
     }
+
+
+def single_process_training(path: str, *, steps: int, save_at: int, optimizer, rows, global_batch: int, mask,
+                            max_norm: float) -> dict:
+    """The reference a training layout must match: transformers' model in one process over the
+    same global batches (``mask`` applied to each), clipped like the runtime clips. Returns the
+    (loss, grad norm) history, the parameters at step ``save_at`` and at the end, the last
+    gradients and the logits of the batch after the last step."""
+    from transformers import AutoModelForCausalLM
+
+    from fxparallel.runtime import StepBatches
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opt = optimizer(model.parameters())
+    data = StepBatches(rows, global_batch, 0, 1)
+    ref = {"history": []}
+    for step in range(steps):
+        if step == save_at:
+            ref["saved_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.zero_grad()
+        loss = model(**mask(data.global_batch_at(step))).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        ref["history"].append((loss.item(), norm.item()))
+    ref["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        ref["logits"] = model(input_ids=data.global_batch_at(steps)["input_ids"]).logits
+    return ref

@@ -145,28 +145,10 @@ def _world4(rank, world, path, roots, path_sliding):
 
 # ---- the single-process reference ---------------------------------------------------------
 def _reference(path):
-    from transformers import AutoModelForCausalLM
+    from checks import single_process_training
 
-    from fxparallel.runtime import StepBatches
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    opt = _optimizer(model.parameters())
-    data = StepBatches(_rows(), GLOBAL_BATCH, 0, 1)
-    ref = {"history": []}
-    for step in range(STEPS):
-        if step == SAVE_AT:
-            ref["saved_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        opt.zero_grad()
-        loss = model(**_mask(data.global_batch_at(step))).loss
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        ref["history"].append((loss.item(), norm.item()))
-    ref["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    ref["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with torch.no_grad():
-        ref["logits"] = model(input_ids=data.global_batch_at(STEPS)["input_ids"]).logits
-    return ref
+    return single_process_training(path, steps=STEPS, save_at=SAVE_AT, optimizer=_optimizer, rows=_rows(),
+                                   global_batch=GLOBAL_BATCH, mask=_mask, max_norm=MAX_NORM)
 
 
 @pytest.fixture(scope="module")

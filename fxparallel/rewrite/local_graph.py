@@ -167,23 +167,26 @@ def insert_gradient_reductions(graph: fx.Graph, sharded_consumers: dict, handle:
                                 and gplan.placements[n].is_replicate)
         if point is not value and next(iter(value.users)) in consumers:
             # reduce on the smallest tensor of the reshape chain that made the value (plan/grad_reduction.py)
-            user = next(iter(point.users))
-            with graph.inserting_after(point):
-                f = graph.call_function(collectives.copy_to_tp, (point, handle))
-            f.meta["example_value"] = point.meta.get("example_value")
-            user.replace_input_with(point, f)
+            insert_copy_to_tp(graph, point, list(point.users), handle)
             reduced.append(point)
             continue
-        anchor = value
-        if value.op == "placeholder":
-            anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
-        with graph.inserting_after(anchor):
-            f = graph.call_function(collectives.copy_to_tp, (value, handle))
-        f.meta["example_value"] = value.meta.get("example_value")
-        for c in consumers:
-            c.replace_input_with(value, f)
+        insert_copy_to_tp(graph, value, consumers, handle)
         reduced.append(value)
     return reduced
+
+
+def insert_copy_to_tp(graph: fx.Graph, value: fx.Node, users, handle: int) -> fx.Node:
+    """Put ``copy_to_tp(value)`` (identity forward, all-reduce of the gradient backward) between
+    ``value`` and ``users``; after the last placeholder if ``value`` is one."""
+    anchor = value
+    if value.op == "placeholder":
+        anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(anchor):
+        f = graph.call_function(collectives.copy_to_tp, (value, handle))
+    f.meta["example_value"] = value.meta.get("example_value")
+    for user in set(users):
+        user.replace_input_with(value, f)
+    return f
 
 
 def _map_devices(obj, device: torch.device):

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from ..errors import ShardingError
 from ..plan.rules.base import arg, norm_dim, requires_grad
 from . import collectives
+from .local_graph import insert_copy_to_tp
 
 ELEMENTWISE = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
@@ -379,14 +380,7 @@ class _Pass:
                         partial.setdefault(n, []).append(value)
                         pending.add(n)
                 continue
-            anchor = value
-            if value.op == "placeholder":
-                anchor = [n for n in g.nodes if n.op == "placeholder"][-1]
-            with g.inserting_after(anchor):
-                f = g.call_function(collectives.copy_to_tp, (value, handle))
-            f.meta["example_value"] = value.meta.get("example_value")
-            for user in set(users):
-                user.replace_input_with(value, f)
+            insert_copy_to_tp(g, value, users, handle)
             reduced.append(value)
         return reduced
 
