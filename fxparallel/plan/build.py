@@ -26,13 +26,22 @@ def module_path(node) -> str:
     return path or "<top>"
 
 
+def _gradient_consumers(node):
+    """The ops whose input gradient a copy_to_tp reduces (through values it was passed up from)."""
+    for user in node.users:
+        if user.meta.get("fxparallel_passes_grad_reduction"):
+            yield from _gradient_consumers(user)
+        else:
+            yield user
+
+
 def _where(node) -> str:
     """Name the module whose value a collective acts on, as a layer pattern: for a backward
     all-reduce the modules that consume the value, otherwise the module that produced it."""
     if node.target is collectives.copy_to_tp:
         if node.args[0].op in ("placeholder", "get_attr"):
             return f"gradient of parameter {layer_pattern(str(node.args[0].target))}"
-        users = sorted({layer_pattern(module_path(u)) for u in node.users})
+        users = sorted({layer_pattern(module_path(u)) for u in _gradient_consumers(node)})
         return "gradient of the input of " + ", ".join(users)
     source = node.args[0] if node.args and hasattr(node.args[0], "meta") else node
     while source is not None and source.op == "call_function" and source.target in (

@@ -4,9 +4,12 @@ To find the rule of an op, look in the file named after its family:
 elementwise (pointwise math, casts), reductions (mean, softmax, ...), norms (layer_norm, rms_norm),
 multi_output (chunk, split, topk, ...), views
 (reshape, transpose, expand, indexing, cat), linear (linear, addmm, matmul),
-embedding, attention (scaled_dot_product_attention), loss (cross_entropy).
+embedding, attention (scaled_dot_product_attention), loss (cross_entropy),
+experts (MoE expert weights: gather by ids, grouped_mm). ``partial`` adds, in front of the
+rules above, the ways to carry a partial sum through ops linear in it: import it last.
 """
-from . import attention, elementwise, embedding, linear, loss, multi_output, norms, reductions, views  # noqa: F401  (registers)
+from . import attention, elementwise, embedding, experts, linear, loss, multi_output, norms, reductions, views  # noqa: F401,E501  (registers)
+from . import partial  # noqa: F401,E402  (wraps the rules registered above)
 from .base import RuleContext, Strategy, register, rule_for, tensor_inputs
 
 __all__ = ["RuleContext", "Strategy", "register", "rule_for", "tensor_inputs"]
