@@ -98,7 +98,7 @@ def gather_strategies(node, x, ids, placements, ctx, dim: int = 0) -> list:
     out = ctx.fake(node)
     strategies = []
     for p in input_choices(x, placements, ctx):
-        if p.is_partial:
+        if p.is_partial and len(x.users) == 1:  # (a partial used twice is reduced once, where it is made)
             strategies.append(Strategy({x: P, ids: R}, P, note="rows of a partial sum", name="gather"))
         elif p.is_shard and p.dim != dim:
             o = p.dim + ids_ndim - 1 if p.dim > dim else p.dim
