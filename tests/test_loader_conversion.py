@@ -82,7 +82,7 @@ def _check(plan, shards_of, rank, tp, ref) -> int:
     """Every shard equals its slice of the from_pretrained parameter; returns the slice bytes."""
     expected = 0
     for p in plan.params:
-        want = ref[p.name].detach()[p.local_slices(rank, tp)]
+        want = p.shard_of(ref[p.name].detach(), rank, tp)  # planned gate_up experts are segmented
         got = shards_of(p.name)
         assert torch.equal(got, want), (p.name, p.placement, rank)
         expected += want.numel() * 4
@@ -111,7 +111,7 @@ def test_parallelize_reads_converted_checkpoints_slice_by_slice(saved, loaded, k
 
 
 def _forced(plan, placement):
-    """``plan`` with the 3-D expert parameters given ``placement`` (the planner replicates them today)."""
+    """``plan`` with the 3-D expert parameters given ``placement`` (other than the planner's choice)."""
     params = [dataclasses.replace(p, placement=placement) if p.name.endswith(EXPERTS) else p for p in plan.params]
     return dataclasses.replace(plan, params=params)
 

@@ -27,6 +27,15 @@ def module_path(node) -> str:
     return path or "<top>"
 
 
+def _gradient_consumers(node):
+    """The ops whose input gradient a copy_to_tp reduces (through values it was passed up from)."""
+    for user in node.users:
+        if user.meta.get("fxparallel_passes_grad_reduction"):
+            yield from _gradient_consumers(user)
+        else:
+            yield user
+
+
 def _where(node, direction: str = "forward") -> str:
     """Name the module whose value a collective acts on, as a layer pattern: for the backward
     collective of a value used on shards the modules that consume it, otherwise the module
@@ -35,7 +44,7 @@ def _where(node, direction: str = "forward") -> str:
             direction == "backward" and node.target in collectives.GRADIENT_OF_CONSUMERS):
         if node.args[0].op in ("placeholder", "get_attr"):
             return f"gradient of parameter {layer_pattern(str(node.args[0].target))}"
-        users = sorted({layer_pattern(module_path(u)) for u in node.users})
+        users = sorted({layer_pattern(module_path(u)) for u in _gradient_consumers(node)})
         return "gradient of the input of " + ", ".join(users)
     source = node.args[0] if node.args and hasattr(node.args[0], "meta") else node
     while source is not None and source.op == "call_function" and source.target in (

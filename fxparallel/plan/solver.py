@@ -7,11 +7,15 @@ consumer needs costs a collective. Minimise, lexicographically:
 
 1. bytes of matrix parameters left replicated (tensor parallelism exists to
    split the weights and their FLOPs; a matrix that cannot be split stays
-   replicated and the plan says why);
+   replicated and the plan says why). A matrix under 1% of its layer's matrix
+   bytes (a MoE router [experts, hidden], Qwen2-MoE's [1, hidden] shared-expert
+   gate) does not count here: splitting it saves nothing worth a collective, so
+   communication alone decides it;
 2. bytes communicated per token, forward and backward: a partial sum is charged
-   its all-reduce when it is made, a shard its all-gather where a consumer
-   needs it whole, and a replicated value that requires grad and is used on
-   shards its backward all-reduce (once per value).
+   its all-reduce where it is reduced (ops linear in it may carry it there, e.g.
+   a MoE block's combine), a shard its all-gather where a consumer needs it
+   whole, and a replicated value that requires grad and is used on shards its
+   backward all-reduce (once per value).
 
 Search. Parameters of the same layer pattern (``model.layers.*.mlp.up_proj``)
 are tied: one decision serves every layer, so the decision variables are the
@@ -48,6 +52,7 @@ from .layout import ShardLayout  # noqa: I001 (kept apart from the imports above
 INFEASIBLE = float("inf")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 MAX_BRANCHES = 100  # complete plans evaluated at most (deterministic: every rank stops at the same one)
+NEGLIGIBLE_SHARE = 0.01  # a matrix below this share of its layer's matrix bytes is decided by communication
 
 
 def layer_pattern(name: str) -> str:
@@ -63,9 +68,7 @@ def redistribute_bytes(src: Placement, dst: Placement, nbytes: float) -> float:
         return INFEASIBLE
     if src.is_replicate:
         return 0.0  # a local slice
-    if src.is_partial:
-        return 0.0  # its all-reduce was charged to the op that made it
-    return nbytes  # shard -> replicate or shard -> other shard: all-gather
+    return nbytes  # partial -> all-reduce; shard -> replicate or other shard: all-gather
 
 
 @dataclass
@@ -79,6 +82,7 @@ class GraphPlan:
     fallbacks: list = field(default_factory=list)  # (op, why) gathered to replicated
     patterns: dict = field(default_factory=dict)  # layer pattern -> Placement (the decisions)
     grad_reduced: set = field(default_factory=set)  # replicated values whose grad is all-reduced
+    redistributed: set = field(default_factory=set)  # (partial value, placement) reduced, shared by consumers
     replicated_bytes: float = 0.0
     comm_bytes: float = 0.0
     explored: int = 0  # complete plans evaluated
@@ -90,8 +94,8 @@ class GraphPlan:
 
     def copy(self) -> "GraphPlan":
         return GraphPlan(dict(self.placements), dict(self.strategies), dict(self.params), dict(self.reasons),
-                         list(self.fallbacks), dict(self.patterns), set(self.grad_reduced), self.replicated_bytes,
-                         self.comm_bytes, self.explored)
+                         list(self.fallbacks), dict(self.patterns), set(self.grad_reduced), set(self.redistributed),
+                         self.replicated_bytes, self.comm_bytes, self.explored)
 
 
 class Solver:
@@ -107,6 +111,7 @@ class Solver:
         for n in self.nodes:
             if n.op == "placeholder" and n.name in captured.params:
                 self.param_nodes[n] = captured.params[n.name]
+        self.negligible = negligible_matrices(self.param_nodes)
         self.best: Optional[GraphPlan] = None
         self.explored = 0
 
@@ -224,7 +229,8 @@ class Solver:
     def _cost(self, s: Strategy, plan, in_pl, index, node):
         """(replicated matrix bytes, communication bytes, preference, decision) of a strategy, or None."""
         replicated = 0.0
-        comm = s.own_bytes
+        # a strategy that leaves a partial sum communicates nothing yet: its reduction is charged where it happens
+        comm = 0.0 if _partial_output(s.output) else s.own_bytes
         decision = []
         out_sharded = is_sharded(s.output)
         for i, req in s.inputs.items():
@@ -237,7 +243,7 @@ class Solver:
                     if current != req:
                         return None
                 else:
-                    if req.is_replicate and fake.dim() >= 2:
+                    if req.is_replicate and fake.dim() >= 2 and i not in self.negligible:
                         replicated += fake.numel() * fake.element_size()
                     if fake.dim() >= 2:
                         decision.append((layer_pattern(self.param_nodes[i]), req))
@@ -247,7 +253,8 @@ class Solver:
             cost = redistribute_bytes(in_pl[i], req, self.ctx.bytes_per_token(i))
             if cost == INFEASIBLE:
                 return None
-            comm += cost
+            if (i, req) not in plan.redistributed:  # the rewriter reduces each partial sum once per placement
+                comm += cost
             if in_pl[i] is not None and in_pl[i].is_replicate and (out_sharded or (req is not None and req.is_shard)):
                 point = self._reduction_point(i, plan)
                 if requires_grad(i) and point not in plan.grad_reduced:
@@ -276,9 +283,13 @@ class Solver:
                     plan.params[name] = req
                     plan.placements[i] = req
                     plan.reasons[name] = s.note or ("replicated" if req.is_replicate else "sharded")
+                    if req.is_replicate and i in self.negligible:
+                        plan.reasons[name] += f" (under {NEGLIGIBLE_SHARE:.0%} of its layer: chosen by communication)"
                     if i.meta["example_value"].dim() >= 2:
                         plan.patterns.setdefault(layer_pattern(name), req)
             cur = plan.placements.get(i)
+            if isinstance(cur, Placement) and cur.is_partial and cur != req:
+                plan.redistributed.add((i, req))
             if cur is not None and cur.is_replicate and (out_sharded or req.is_shard) and requires_grad(i):
                 plan.grad_reduced.add(self._reduction_point(i, plan) if i not in self.param_nodes else i)
         if s.name == "fallback" and any(
@@ -287,6 +298,24 @@ class Solver:
             plan.fallbacks.append((_describe(node), s.note or "no sharding rule: inputs gathered"))
         plan.strategies[node] = s
         plan.placements[node] = s.output
+
+
+def negligible_matrices(param_nodes: dict) -> set:
+    """Matrix parameters under NEGLIGIBLE_SHARE of the matrix bytes of their layer (same layer index)."""
+    totals, sizes = {}, {}
+    for node, name in param_nodes.items():
+        fake = node.meta["example_value"]
+        if fake.dim() < 2:
+            continue
+        match = _LAYER_INDEX.search(name)
+        layer = name[:match.end()] if match else ""
+        sizes[node] = (layer, fake.numel() * fake.element_size())
+        totals[layer] = totals.get(layer, 0) + sizes[node][1]
+    return {node for node, (layer, nbytes) in sizes.items() if nbytes < NEGLIGIBLE_SHARE * totals[layer]}
+
+
+def _partial_output(output) -> bool:
+    return isinstance(output, Placement) and output.is_partial
 
 
 def _has_tensor(value) -> bool:

@@ -8,7 +8,9 @@ Passes, in order:
 2. ``insert_gradient_reductions``: a replicated value that requires grad and is
    consumed on shards gets a ``copy_to_tp`` (identity forward, all-reduce
    backward), one per value, shared by all its sharded consumers (q, k and v share
-   one).
+   one). A value used only on shards and made from one other value (a MoE block's
+   ``x.repeat_interleave(k).unsqueeze(-1)`` in front of the experts) passes the
+   reduction up to that value, so the block's consumers share one all-reduce.
 3. ``bind_inputs``: parameters and buffers become attributes under their Hugging
    Face names; size symbols are read from the arguments; meta device constants
    become the runtime device.
@@ -157,8 +159,32 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) ->
     return sharded_consumers
 
 
+def _hoist_reductions(sharded_consumers: dict) -> dict:
+    """Move a gradient all-reduce from a value to the one value it is made from, when every use of it is on
+    shards: its whole gradient is then partial, and an op's backward is linear in the gradient, so reducing
+    before or after the op gives the same sum. Never across a collective."""
+    consumers = {v: list(dict.fromkeys(c)) for v, c in sharded_consumers.items()}
+    moved = True
+    while moved:
+        moved = False
+        for value, users in list(consumers.items()):
+            if value.op not in ("call_function", "call_method") or set(value.users) != set(users):
+                continue
+            if value.target in collectives.COLLECTIVE_OPS or value.target is collectives.local_chunk:
+                continue
+            sources = [n for n in value.all_input_nodes if requires_grad(n)]  # ids, masks: no gradient
+            if len(sources) != 1:
+                continue
+            del consumers[value]
+            consumers.setdefault(sources[0], []).append(value)
+            value.meta["fxparallel_passes_grad_reduction"] = True  # the plan names its consumers instead
+            moved = True
+    return consumers
+
+
 def insert_gradient_reductions(graph: fx.Graph, sharded_consumers: dict, handle: int, gplan: GraphPlan) -> list:
     """Pass 2. Returns the replicated values whose gradient is all-reduced."""
+    sharded_consumers = _hoist_reductions(sharded_consumers)
     reduced = []
     for value, consumers in sharded_consumers.items():
         if not requires_grad(value):

@@ -5,9 +5,13 @@ elementwise (pointwise math, casts), reductions (mean, softmax, ...), norms (lay
 multi_output (chunk, split, topk, ...), views
 (reshape, transpose, expand, indexing, cat), linear (linear, addmm, matmul),
 embedding, attention (scaled_dot_product_attention), loss (cross_entropy),
-custom_autograd (torch.autograd.Function bodies that are pointwise).
+custom_autograd (torch.autograd.Function bodies that are pointwise),
+experts (MoE expert weights: gather by ids, grouped_mm). ``partial`` adds, in front of the
+rules above, the ways to carry a partial sum through ops linear in it: import it last.
 """
-from . import attention, custom_autograd, elementwise, embedding, linear, loss, multi_output, norms, reductions, views  # noqa: F401  (registers)
+from . import (attention, custom_autograd, elementwise, embedding, experts, linear, loss,  # noqa: F401  (registers)
+               multi_output, norms, reductions, views)
+from . import partial  # noqa: F401,E402  (wraps the rules registered above)
 from .base import RuleContext, Strategy, register, rule_for, tensor_inputs
 
 __all__ = ["RuleContext", "Strategy", "register", "rule_for", "tensor_inputs"]

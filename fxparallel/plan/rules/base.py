@@ -77,18 +77,24 @@ def op_key(node: fx.Node):
     if node.op == "call_method":
         return ("method", node.target)
     if node.op == "call_function":
-        return node.target
+        packet = getattr(node.target, "_overloadpacket", node.target)  # torch.ops.ns.op(.overload)
+        name = getattr(packet, "_qualified_op_name", None)
+        return ("op", name) if isinstance(name, str) else node.target
     return None
 
 
 def register(*targets):
-    """Register a rule for call_function targets (callables) or call_method names (strings)."""
+    """Register a rule for call_function targets (callables), call_method names (strings) or custom ops
+    by qualified name ("namespace::op", so that the op need not be registered yet)."""
 
     def wrap(fn: Rule) -> Rule:
         for t in targets:
             if t is None:
                 continue
-            _RULES[("method", t) if isinstance(t, str) else t] = fn
+            if isinstance(t, str):
+                _RULES[("op", t) if "::" in t else ("method", t)] = fn
+            else:
+                _RULES[t] = fn
         return fn
 
     return wrap

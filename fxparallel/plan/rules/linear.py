@@ -111,12 +111,14 @@ def _matmul(node, placements, ctx):
     # contraction dim sharded on both sides -> partial sum
     if ctx.can_split(fa.shape[-1]):
         strategies.append(Strategy({a: S(na - 1), b: S(nb - 2)}, P, own_bytes=ctx.bytes_per_token(node), name="row"))
-    # rows of a
-    if ctx.can_split(out.shape[-2]) and placements[a].is_shard and placements[a].dim == na - 2:
-        strategies.append(Strategy({a: S(na - 2), b: R}, S(no - 2)))
+    # rows of a (a segmented shard, e.g. gathered gate/up expert weights, keeps its segments)
+    pa, pb = placements[a], placements[b]
+    if ctx.can_split(out.shape[-2]) and pa.is_shard and pa.dim == na - 2:
+        strategies.append(Strategy({a: pa, b: R}, pa.with_dim(no - 2)))
     # columns of b
     if ctx.can_split(out.shape[-1]):
-        strategies.append(Strategy({a: R, b: S(nb - 1)}, S(no - 1), name="column"))
+        pb = pb if pb.is_shard and pb.dim == nb - 1 else S(nb - 1)
+        strategies.append(Strategy({a: R, b: pb}, pb.with_dim(no - 1), name="column"))
     # batch dims (aligned from the right)
     for x in (a, b):
         p = placements[x]

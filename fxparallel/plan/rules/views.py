@@ -18,6 +18,7 @@ import torch.fx as fx
 from ...errors import ShardingError
 from ..placement import R, S
 from .base import Strategy, arg, norm_dim, register, tensor_inputs
+from .experts import gather_index, gather_strategies, input_choices, is_expert_weight
 
 
 def _expr(size):
@@ -223,12 +224,13 @@ def _permutation(node, ndim):
 
 def _permute(node, placements, ctx):
     x = node.args[0]
-    p = placements[x]
     strategies = []
-    if p.is_shard:
-        perm = _permutation(node, ctx.ndim(x))
-        if perm is not None:
-            strategies.append(Strategy({x: p}, p.with_dim(perm.index(p.dim))))
+    for p in input_choices(x, placements, ctx):  # an expert weight is decided here (before grouped_mm)
+        if p.is_shard:
+            perm = _permutation(node, ctx.ndim(x))
+            if perm is not None:
+                note = "expert weights (each rank its slice of every expert)" if is_expert_weight(x) else ""
+                strategies.append(Strategy({x: p}, p.with_dim(perm.index(p.dim)), note=note))
     strategies.append(Strategy({x: R}, R))
     return strategies
 
@@ -272,6 +274,9 @@ def _getitem(node, placements, ctx):
     x = node.args[0]
     if ctx.fake(x) is None:
         return []  # indexing a tuple: the solver handles it
+    ids = gather_index(node)
+    if ids is not None:
+        return gather_strategies(node, x, ids, placements, ctx)
     p = placements[x]
     index = node.args[1]
     plain = all(

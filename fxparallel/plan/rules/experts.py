@@ -1,0 +1,146 @@
+"""Mixture-of-experts weights: 3-D parameters [experts, out, in] sharded like a dense MLP.
+
+transformers stores each MoE layer's experts stacked: ``gate_up_proj`` [E, 2I, H] and
+``down_proj`` [E, H, I]. Its kernels either gather the weights of the chosen experts
+(``W[expert_ids]`` then ``bmm``, the batched_mm kernel) or pass the whole stack with
+per-expert row offsets (``grouped_mm``). Both are a per-expert matmul, so each expert
+splits like a dense MLP: gate_up on its output features (each rank its slice of gate
+and of up, as a segmented shard) and down on its input features (a partial sum).
+
+This file holds
+* ``weight_choices``: the placements an expert weight may take, decided at its first use
+  (the gather or the transpose in front of grouped_mm); dim 0 (experts) is never split.
+* the gather rule: indexing dim 0 with a tensor of ids keeps a shard of the other dims,
+  and moves a partial sum's rows (it is linear);
+* the grouped_mm rule (``torch._grouped_mm`` and transformers' fallback custom op).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..placement import P, R, S
+from .base import Strategy, arg, register, tensor_inputs
+from .fused import output_segments
+
+_SEARCH_DEPTH = 4  # users followed from a weight to the matmul output that gets split
+
+
+def is_expert_weight(node) -> bool:
+    """A parameter with three or more dimensions (stacked expert weights)."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return (node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dim() >= 3
+            and value.is_floating_point() and value.requires_grad)
+
+
+def _static(size):
+    return size if isinstance(size, int) else None
+
+
+def weight_segments(weight: fx.Node, dim: int, tp: int):
+    """Segments of ``weight``'s dim ``dim`` when a matmul output made from it is later split (gate/up).
+
+    Follows the weight's users a few steps (gather, transpose, bmm, squeeze) and asks the fused-projection
+    analysis about every value whose last dimension has that size. Segments only say which rows a rank
+    holds: a wrong guess costs a gather later, never a wrong number."""
+    size = _static(weight.meta["example_value"].shape[dim])
+    frontier, seen = [weight], {weight}
+    for _ in range(_SEARCH_DEPTH):
+        nxt = []
+        for node in frontier:
+            for user in node.users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                nxt.append(user)
+                value = user.meta.get("example_value")
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and _static(value.shape[-1]) == size:
+                    segments = output_segments(user, tp)
+                    if segments:
+                        return segments
+        frontier = nxt
+    return None
+
+
+def weight_choices(weight: fx.Node, ctx) -> list:
+    """Placements an expert weight may take: a shard of each divisible non-expert dim, or replicated."""
+    shape = weight.meta["example_value"].shape
+    choices = []
+    for d in range(1, len(shape)):
+        size = _static(shape[d])
+        if size and size % ctx.tp == 0:
+            choices.append(S(d, weight_segments(weight, d, ctx.tp)))
+    return choices + [R]
+
+
+def input_choices(x, placements, ctx) -> list:
+    """The placements to consider for input ``x``: all choices for an expert weight, else its own."""
+    return weight_choices(x, ctx) if is_expert_weight(x) else [placements[x]]
+
+
+# ---- gather by ids ---------------------------------------------------------------------------------------
+
+def gather_index(node: fx.Node):
+    """The ids tensor of ``x[ids]`` / ``x[(ids,)]`` (an integer tensor indexing dim 0), else None."""
+    index = node.args[1]
+    if isinstance(index, tuple) and len(index) == 1:
+        index = index[0]
+    value = index.meta.get("example_value") if isinstance(index, fx.Node) else None
+    if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool:
+        return index
+    return None
+
+
+def gather_strategies(node, x, ids, placements, ctx, dim: int = 0) -> list:
+    """Rows of ``x`` picked along ``dim`` by replicated ``ids``: other dims keep their shard; a partial stays
+    partial (picking rows is linear)."""
+    ndim, ids_ndim = ctx.ndim(x), ctx.ndim(ids)
+    out = ctx.fake(node)
+    strategies = []
+    for p in input_choices(x, placements, ctx):
+        if p.is_partial and len(x.users) == 1:  # (a partial used twice is reduced once, where it is made)
+            strategies.append(Strategy({x: P, ids: R}, P, note="rows of a partial sum", name="gather"))
+        elif p.is_shard and p.dim != dim:
+            o = p.dim + ids_ndim - 1 if p.dim > dim else p.dim
+            if 0 <= o < out.dim():
+                note = "expert weights (each rank its slice of every expert)" if is_expert_weight(x) else ""
+                strategies.append(Strategy({x: p, ids: R}, p.with_dim(o), note=note, name="gather"))
+    strategies.append(Strategy({x: R, ids: R}, R, name="replicate"))
+    return strategies if ndim > dim else []
+
+
+def _index_select(node, placements, ctx):
+    x, dim, ids = node.args[0], arg(node, 1, "dim"), arg(node, 2, "index")
+    if not isinstance(dim, int) or not isinstance(ids, fx.Node) or ctx.fake(ids) is None:
+        return []
+    return gather_strategies(node, x, ids, placements, ctx, dim=dim % ctx.ndim(x))
+
+
+register(torch.index_select, "index_select")(_index_select)
+
+
+# ---- grouped_mm ------------------------------------------------------------------------------------------
+
+def _grouped_mm(node, placements, ctx):
+    """``grouped_mm(x [S, K], w [E, K, N], offs)``: per expert, rows ``offs[e-1]:offs[e]`` of x times w[e]."""
+    x, w = node.args[0], node.args[1]
+    fx_, fw = ctx.fake(x), ctx.fake(w)
+    if fx_ is None or fw is None or fx_.dim() != 2 or fw.dim() != 3:
+        return []
+    rest = {i: R for i in tensor_inputs(node) if i not in (x, w)}
+    k, n = _static(fw.shape[1]), _static(fw.shape[2])
+    strategies = []
+    if n and n % ctx.tp == 0:
+        segments = output_segments(node, ctx.tp)
+        strategies.append(Strategy({x: R, w: S(2, segments), **rest}, S(1, segments), name="column",
+                                   note="column-parallel experts (grouped_mm)"))
+    if k and k % ctx.tp == 0:
+        strategies.append(Strategy({x: S(1), w: S(1), **rest}, P, own_bytes=ctx.bytes_per_token(node), name="row",
+                                   note="row-parallel experts (grouped_mm)"))
+    strategies.append(Strategy({x: R, w: R, **rest}, R, name="replicate"))
+    return strategies
+
+
+# transformers' fallback custom op is registered when its moe integration is imported: named, not looked up
+register(getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None),
+         "transformers::grouped_mm_fallback")(_grouped_mm)

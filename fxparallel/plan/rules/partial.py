@@ -1,0 +1,104 @@
+"""Carry a partial sum through ops that are linear in it, so that it is reduced once, where it is smallest.
+
+A row-parallel product leaves a partial sum P (every rank a full-shape addend). An op
+``f`` with ``f(a + b) = f(a) + f(b)`` may run on the addends: reshapes, casts,
+reductions over any dims (sum, mean), scaling by a replicated value (the routing
+weights of a mixture of experts), adding two partial sums (routed and shared
+experts). A MoE block's row-parallel down projections are then reduced once, on the
+combined [tokens, hidden] output, instead of on every (token, expert) pair.
+
+The strategies are added in front of each op's own rule. A replicated operand that
+requires grad (the routing weights) gets its gradient all-reduced: on each rank it is
+the product with that rank's addend only.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..placement import P, R
+from .base import _RULES, Strategy, tensor_inputs
+
+# f(x) linear in its single tensor input
+_UNARY_FUNCTIONS = [torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.transpose, torch.permute,
+                    torch.sum, torch.mean, torch.neg, operator.neg]
+_UNARY_METHODS = ["view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose", "permute",
+                  "contiguous", "expand", "sum", "mean", "neg", "to", "float", "half", "bfloat16", "double", "type",
+                  "clone"]
+# x * y, x / y: linear in x when y is replicated (for mul: in either operand)
+_SCALE = [operator.mul, torch.mul, "mul", operator.imul, operator.truediv, torch.div, torch.true_divide, "div",
+          operator.itruediv]
+_DIVIDE = {operator.truediv, torch.div, torch.true_divide, "div", operator.itruediv}
+# x + y, x - y: linear when both are partial
+_ADD = [operator.add, torch.add, "add", operator.iadd, operator.sub, torch.sub, "sub", operator.isub]
+
+
+def _partial_inputs(node, placements):
+    inputs = tensor_inputs(node)
+    return inputs, [i for i in inputs if placements[i].is_partial]
+
+
+def _worth_carrying(node, x, ctx) -> bool:
+    """Carry a partial only from its sole use (a value used twice is better reduced once, where it is made) and
+    into an output with no more elements (broadcasting it up would cost more later)."""
+    if len(x.users) != 1:
+        return False
+    out, inp = ctx.fake(node), ctx.fake(x)
+    if out is None or inp is None:
+        return False
+    return ctx.bytes_per_token(node) / out.element_size() <= ctx.bytes_per_token(x) / inp.element_size()
+
+
+def _unary(node, placements, ctx):
+    inputs, partial = _partial_inputs(node, placements)
+    if len(inputs) == 1 and partial and node.args and node.args[0] is inputs[0] and _worth_carrying(node, inputs[0], ctx):
+        return [Strategy({inputs[0]: P}, P, note="linear in a partial sum", name="partial")]
+    return []
+
+
+def _scale(node, placements, ctx):
+    inputs, partial = _partial_inputs(node, placements)
+    operands = list(node.args[:2])
+    if len(partial) != 1 or len(operands) != 2 or node.kwargs or not _worth_carrying(node, partial[0], ctx):
+        return []
+    x = partial[0]
+    if node.target in _DIVIDE and operands[0] is not x:
+        return []
+    other = operands[1] if operands[0] is x else operands[0]
+    if isinstance(other, fx.Node) and other in inputs and other is not x:
+        return [Strategy({x: P, other: R}, P, note="partial sum scaled by a replicated value", name="partial")]
+    if isinstance(other, (int, float)) and not isinstance(other, bool):
+        return [Strategy({x: P}, P, note="partial sum scaled by a number", name="partial")]
+    return []
+
+
+def _add(node, placements, ctx):
+    inputs, partial = _partial_inputs(node, placements)
+    operands = list(node.args[:2])
+    if len(inputs) != 2 or len(partial) != 2 or not all(isinstance(a, fx.Node) for a in operands) or \
+            not all(_worth_carrying(node, x, ctx) for x in inputs):
+        return []
+    if any(k not in ("alpha",) for k in node.kwargs) or len(node.args) > 2:
+        return []
+    return [Strategy({x: P for x in inputs}, P, note="sum of partial sums", name="partial")]
+
+
+def _in_front(extra, rule):
+    def combined(node, placements, ctx):
+        return extra(node, placements, ctx) + (rule(node, placements, ctx) if rule else [])
+
+    combined.__wrapped__ = rule
+    return combined
+
+
+def _install(targets, extra):
+    for t in targets:
+        key = ("method", t) if isinstance(t, str) else t
+        _RULES[key] = _in_front(extra, _RULES.get(key))
+
+
+_install(_UNARY_FUNCTIONS + _UNARY_METHODS, _unary)
+_install(_SCALE, _scale)
+_install(_ADD, _add)

@@ -1,0 +1,142 @@
+"""Mixture-of-experts layers (Mixtral, Qwen2-MoE with a shared expert, Qwen3-MoE, OLMoE) loaded from saved
+per-expert checkpoints: each expert's FFN is split like a dense MLP (gate_up by segments, down by its input
+features), the MoE block costs one forward all-reduce, and loss, logits and every gradient equal one device."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from distributed import run_ranks
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+
+TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+TP4 = ("qwen2_moe",)  # the shared expert too; every dim of the tiny configs divides by 4
+EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    from models import save_checkpoint
+    from tiny_configs import tiny_config
+
+    root = tmp_path_factory.mktemp("moe")
+    return {t: save_checkpoint(tiny_config(t), str(root / t)) for t in TYPES}
+
+
+def _summary(model, errors, rank, tp) -> dict:
+    """What the assertions need from one parallelized model, as plain data."""
+    plan, config = model.plan, model.config
+    full = {p.name: p for p in plan.params}
+    local = dict(model.named_parameters())
+    return {
+        "errors": {k: errors[k] for k in ("loss", "logits", "grad")},
+        "experts": {n: p.placement for n, p in full.items() if n.endswith(EXPERTS)},
+        "experts_local_over_full": {n: local[n].numel() / _numel(p.shape) for n, p in full.items() if n.endswith(EXPERTS)},
+        "forward": [(c.kind, c.where, c.count) for c in plan.collectives if c.direction == "forward"],
+        "backward_hidden": [(c.where, c.count) for c in plan.collectives if c.direction == "backward"
+                            and c.kind == "all_reduce" and c.bytes_per_token == 4 * config.hidden_size],
+        "bytes_read": model.bytes_read,
+        "shard_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "layers": config.num_hidden_layers,
+        "intermediate": getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+    }
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _check_all(rank, tp, paths):
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    import fxparallel
+    from checks import batch, compare
+    from models import reference
+
+    out = {}
+    for name, path in paths.items():
+        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+        errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size))
+        out[name] = _summary(model, errors, rank, tp)
+    return out
+
+
+def _assert_moe(name, tp, r):
+    for key, err in r["errors"].items():
+        assert err < 1e-5, (name, tp, key, r["errors"])
+    layers, inter = r["layers"], r["intermediate"]
+    # each rank holds its slice of gate and of up of every expert, and its input slice of down
+    for param, placement in r["experts"].items():
+        want = f"S(1)[{inter},{inter}]" if param.endswith("gate_up_proj") else "S(2)"
+        assert placement == want, (name, param, placement)
+        assert r["experts_local_over_full"][param] == 1 / tp, (name, param)
+    # forward: the embedding, then per layer one all-reduce after attention and one after the MoE block
+    # (routed and shared experts together); the router is replicated, so no gather of router logits
+    reduces = [(where, n) for kind, where, n in r["forward"] if kind == "all_reduce"]
+    assert sum(n for _, n in reduces) == 2 * layers + 1, (name, r["forward"])
+    assert sum(n for where, n in reduces if where.endswith("self_attn.o_proj")) == layers, (name, reduces)
+    assert sum(n for where, n in reduces if where.endswith(".mlp")) == layers, (name, reduces)
+    assert not [w for kind, w, _ in r["forward"] if kind == "all_gather" and ".mlp" in w], (name, r["forward"])
+    # backward: one hidden-sized all-reduce per MoE block input (routed and shared experts share it); the
+    # routing weights' gradient (top-k floats per token) and a shared-expert gate's (1 float) are all-reduced too
+    moe_inputs = [(where, n) for where, n in r["backward_hidden"] if ".mlp" in where]
+    assert len(moe_inputs) == 1 and moe_inputs[0][1] == layers and "mlp.experts" in moe_inputs[0][0], (name, moe_inputs)
+    # the loader read exactly this rank's slices (experts: 1/tp of every expert's tensors)
+    assert r["bytes_read"] == r["shard_bytes"], (name, r["bytes_read"], r["shard_bytes"])
+
+
+@pytest.mark.parametrize("tp, types", [(2, TYPES), (4, TP4)])
+def test_moe_matches_single_device_with_experts_sharded(moe_checkpoints, tp, types):
+    results = run_ranks(tp, _check_all, {t: moe_checkpoints[t] for t in types}, timeout=900)
+    for rank_result in results:
+        for name in types:
+            _assert_moe(name, tp, rank_result[name])
+    for name in types:  # every rank read the same amount: its own share
+        assert len({r[name]["bytes_read"] for r in results}) == 1
+
+
+def _grouped_mm(rank, tp, path):
+    """transformers' grouped_mm kernel (its default off CPU), run on CPU: its integer histogram of tokens per
+    expert has no CPU kernel, so the histogram is counted in float here, and the CPU kernel switch is off."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    import fxparallel
+    import fxparallel.api as api
+    from checks import batch, compare
+    from models import reference
+
+    histc = torch.histc
+    torch.histc = lambda x, *args, **kwargs: histc(x.float(), *args, **kwargs)
+    api._for_device = lambda config, device: config
+    model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    assert all("grouped_mm" in g.code and "bmm" not in g.code for g in model._graphs)
+    errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size))
+    return _summary(model, errors, rank, tp)
+
+
+def test_grouped_mm_experts_are_sharded_too(moe_checkpoints, tmp_path):
+    import shutil
+
+    path = shutil.copytree(moe_checkpoints["qwen2_moe"], str(tmp_path / "grouped"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["experts_implementation"] = "grouped_mm"
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    for r in run_ranks(2, _grouped_mm, path):
+        _assert_moe("qwen2_moe grouped_mm", 2, r)
