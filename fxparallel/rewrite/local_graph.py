@@ -152,8 +152,11 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) ->
     new_args = []
     for value in out.args[0]:
         if isinstance(value, fx.Node) and isinstance(gplan.placements.get(value), Placement) and gplan.placements[value].is_partial:
-            with graph.inserting_before(out):
-                value = graph.call_function(collectives.all_reduce, (value, group.handle))
+            if (value, R) in cache:  # already reduced for a consumer inside the graph: one all-reduce serves both
+                value = cache[(value, R)]
+            else:
+                with graph.inserting_before(out):
+                    value = graph.call_function(collectives.all_reduce, (value, group.handle))
         new_args.append(value)
     out.args = (tuple(new_args),)
     return sharded_consumers
