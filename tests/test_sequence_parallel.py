@@ -134,8 +134,8 @@ def test_layernorm_biases_flattened_tokens_and_a_region_left_plain_tp():
     assert sp.count("reduce_scatter", "forward") == tp_plan.count("all_reduce", "forward") - 1
     biases = [p.name for p in sp.params if "sequence shards" in p.reason and p.name.endswith("bias")]
     assert len(biases) == 2 * 2 + 2 * 2 + 1  # two LayerNorms and two row biases per layer, final LayerNorm
-    # two embeddings summed on shards share one gather: never more than plain TP, in total equal
-    assert sp.wire_bytes_per_token("forward") < tp_plan.wire_bytes_per_token("forward")
+    # never more than plain TP (less where two embeddings summed on shards share one gather), in total equal
+    assert sp.wire_bytes_per_token("forward") <= tp_plan.wire_bytes_per_token("forward")
     assert sp.wire_bytes_per_token() == pytest.approx(tp_plan.wire_bytes_per_token())
 
 
