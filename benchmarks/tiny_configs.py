@@ -15,6 +15,15 @@ SIZES = {
     "vocab_size": 256, "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128, "max_seq_len": 128,
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "top_k": 2,
     "head_dim": 8, "kv_channels": 8, "rotary_dim": 4, "rotary_emb_base": 10000,
+    # multi-head latent attention (DeepSeek-V2/V3 family): the rope part is head_dim wide
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "qk_head_dim": 16,
+    "v_head_dim": 8, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "decoder_vocab_size": 256, "vocab_size_per_layer_input": 256,
+}
+
+# defaults transformers ships that do not build a model at all
+TYPE_OVERRIDES = {
+    "dots1": {"n_shared_experts": 1},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
 }
 
 
@@ -25,23 +34,19 @@ def tiny_config(model_type: str, **overrides):
     config = CONFIG_MAPPING[model_type]()
     layers_before = getattr(config, "num_hidden_layers", None)
     names = set(vars(config)) | set(getattr(config, "attribute_map", {}))
+    overrides = {**TYPE_OVERRIDES.get(model_type, {}), **overrides}
     for key, value in {**SIZES, **overrides}.items():
         if key in names or key in overrides:
             try:
                 setattr(config, key, value)
             except (AttributeError, ValueError, TypeError):
                 pass
-    for sub in ("text_config",):
+    if "kv_lora_rank" in names and "num_key_value_heads" in names:  # latent attention: as many kv heads as heads
+        config.num_key_value_heads = SIZES["num_attention_heads"]
+    for sub in ("text_config", "vision_config", "audio_config"):
         if getattr(config, sub, None) is not None:
             setattr(config, sub, tiny_config_obj(getattr(config, sub)))
-    # per-layer lists (layer_types, mlp_layer_types, ...) follow the new depth
-    layers_after = getattr(config, "num_hidden_layers", 2)
-    for key, value in list(vars(config).items()):
-        if isinstance(value, list) and layers_before and len(value) == layers_before != layers_after:
-            try:
-                setattr(config, key, value[:layers_after])
-            except (AttributeError, ValueError, TypeError):
-                pass
+    _shrink_per_layer_lists(config, layers_before)
     if model_type == "gpt_neo":  # attention_layers is derived in __init__ from attention_types
         config.attention_types = [[["global", "local"], 1]]
         config.attention_layers = ["global", "local"]
@@ -54,10 +59,36 @@ def tiny_config(model_type: str, **overrides):
     return config
 
 
+def _shrink_per_layer_lists(config, layers_before) -> None:
+    """Per-layer lists (layer_types, mlp_layer_types, ...) follow the new depth, keeping one layer of each kind."""
+    layers_after = getattr(config, "num_hidden_layers", 2)
+    per_layer = {key: value for key, value in vars(config).items()
+                 if isinstance(value, list) and layers_before and len(value) == layers_before != layers_after}
+    kinds = max((len(set(v)) for v in per_layer.values() if all(isinstance(x, str) for x in v)), default=0)
+    if kinds > layers_after:
+        layers_after = kinds
+        config.num_hidden_layers = kinds
+    for key, value in per_layer.items():
+        try:
+            setattr(config, key, _shrink_per_layer(value, layers_after))
+        except (AttributeError, ValueError, TypeError):
+            pass
+
+
+def _shrink_per_layer(values: list, layers: int) -> list:
+    """The first ``layers`` entries, but with every kind of layer kept (first of each kind, in order)."""
+    if not all(isinstance(v, str) for v in values):
+        return values[:layers]
+    kinds = list(dict.fromkeys(values))
+    return (kinds + values[len(kinds):])[:layers]
+
+
 def tiny_config_obj(config):
+    layers_before = getattr(config, "num_hidden_layers", None)
     for key, value in SIZES.items():
         if key in vars(config):
             setattr(config, key, value)
+    _shrink_per_layer_lists(config, layers_before)
     return config
 
 

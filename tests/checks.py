@@ -22,7 +22,8 @@ def compare(model, reference, rank: int, tp: int, ids=None, gather_logits: bool 
     out.loss.backward()
     ref.loss.backward()
     logits = out.logits if gather_logits else model(input_ids=ids, **kwargs).logits
-    ref_params = dict(reference.named_parameters())
+    # every alias of a tied parameter: transformers names it by module order, which can differ from ours
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
     grad_err, checked = 0.0, 0
     for name, p in model.named_parameters():
         if ref_params[name].grad is None:  # not used by this forward (e.g. cross-attention of a decoder-only run)

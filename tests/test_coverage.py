@@ -12,9 +12,9 @@ from distributed import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
-# the ten types the coverage issue names, plus fused Phi-3 and MoE Mixtral
+# the ten types the coverage issue names, plus fused Phi-3, MoE Mixtral and OLMo-2 (q/k norm over all heads)
 TP2 = ("gpt2", "opt", "bloom", "falcon", "gptj", "gpt_neo", "gpt_bigcode", "codegen", "mpt", "stablelm", "phi3",
-       "mixtral")
+       "mixtral", "olmo2")
 TP4 = ("gpt2", "opt", "phi3", "mpt")
 
 
@@ -47,6 +47,8 @@ def _check_all(rank, tp, paths):
         results[name]["sharded_matrices"] = sum(1 for p in plan.params if len(p.shape) >= 2 and p.placement != "R")
         results[name]["segmented"] = sorted({p.name.split(".")[-2] for p in plan.params if "[" in p.placement})
         results[name]["fallbacks"] = list(plan.fallbacks)
+        results[name]["layer_collectives"] = [(c.kind, c.direction, c.bytes_per_token) for c in plan.collectives
+                                              if ".layers." in c.where or ".h." in c.where]
     return results
 
 
@@ -64,6 +66,12 @@ def test_architectures_without_transformers_plan(arch_checkpoints, tp, types):
             allowed = ("size (",) if (name, tp) == ("opt", 4) else ()
             assert all(f.startswith(allowed) for f in r["fallbacks"]) if allowed else r["fallbacks"] == [], \
                 (name, r["fallbacks"])
+        # OLMo-2 normalises q and k over all heads: a partial sum of squares and a 4-byte all-reduce
+        # per token, never a gather of the projection
+        olmo = results["olmo2"]["layer_collectives"]
+        assert not [c for c in olmo if c[0] == "all_gather"], olmo
+        assert sorted(c for c in olmo if c[2] < 8) == [("all_reduce", "backward", 4.0)] * 2 + \
+            [("all_reduce", "forward", 4.0)] * 2, olmo
         # fused projections are split per part, not gathered
         assert "c_attn" in results["gpt2"]["segmented"]
         assert {"qkv_proj", "gate_up_proj"} <= set(results["phi3"]["segmented"])
@@ -85,14 +93,17 @@ def _fewer_kv_heads_than_ranks(rank, tp, path):
 
 
 def test_gqa_with_fewer_kv_heads_than_ranks(tmp_path):
-    """2 kv heads over 4 ranks (transformers' tp plan crashes in view here): kv heads are shared."""
+    """3 kv heads over 4 ranks (transformers' tp plan crashes in view here): the kv heads are
+    replicated; 6 query heads split 2/2/1/1, so rank 1 uses query heads 2 and 3, of kv heads 1
+    and 2 (tp is not a multiple of the kv heads)."""
     from models import save_checkpoint, tiny_config
 
-    path = save_checkpoint(tiny_config("llama", num_key_value_heads=2), str(tmp_path / "gqa"))
+    config = tiny_config("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=8)
+    path = save_checkpoint(config, str(tmp_path / "gqa"))
     for errors, gathers in run_ranks(4, _fewer_kv_heads_than_ranks, path):
         assert max(errors.values()) < 1e-5, errors
         # attention runs on this rank's query heads: only the (small) k and v are gathered, never q
-        # (hidden 64, 8 heads of 8, 2 kv heads: k and v are 16 floats = 64 bytes per token)
+        # (3 kv heads of 8 floats: k and v are 24 floats = 96 bytes per token)
         in_layers = [g for g in gathers if ".layers." in g[0]]
         assert sorted(w.rsplit(".", 1)[-1] for w, _ in in_layers) == ["k_proj", "v_proj"], gathers
-        assert all(b == 64 for _, b in in_layers), gathers
+        assert all(b == 96 for _, b in in_layers), gathers

@@ -52,6 +52,9 @@ def test_layout_splits_whole_kv_groups_columns_and_rows():
     # kv heads replicated (tp a multiple of them): each kv head's query heads over its ranks
     mqa = ShardLayout.for_config(tiny_config("llama", hidden_size=144, num_attention_heads=9, num_key_value_heads=3), 6)
     assert mqa.sizes(9) == (2, 1, 2, 1, 2, 1) and mqa.sizes(3) is None
+    # kv heads replicated, tp not a multiple of them: runs of whole query heads (one may span two kv heads)
+    gqa = ShardLayout.for_config(tiny_config("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3), 4)
+    assert gqa.sizes(6) == (2, 2, 1, 1) and gqa.sizes(48) == (16, 16, 8, 8) and gqa.sizes(3) is None
     assert ShardLayout.from_dict(2, two.to_dict()) == two
 
 
@@ -80,10 +83,9 @@ def test_plan_records_uneven_splits_in_print_and_json():
 
 
 @pytest.mark.parametrize("overrides, tp, message", [
-    (dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4), 6,
-     r"tp size 6 does not divide num_key_value_heads=4 \(key/value heads\) and is larger than it without being a "
-     r"multiple of it.*"
-     r"k_proj.weight \(dim 0\)"),
+    (dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4, intermediate_size=12), 16,
+     r"tp size 16 is larger than num_attention_heads=12 \(attention heads\): a rank would hold none; it is the "
+     r"size of .*q_proj.weight \(dim 0\).*tp size 16 is larger than intermediate_size=12"),
     (dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=64), 4,
      r"tp size 4 is larger than num_attention_heads=2 \(attention heads\): a rank would hold none"),
 ])

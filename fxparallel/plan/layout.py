@@ -6,7 +6,8 @@ the first ranks taking one unit more:
 
 * attention: a unit is one key/value head with its query heads (``n_heads / n_kv``
   query heads, ``head_dim`` rows each), so every kv head stays with its query heads:
-  9 query / 3 kv heads at tp=2 give kv heads 2/1 and query heads 6/3;
+  9 query / 3 kv heads at tp=2 give kv heads 2/1 and query heads 6/3; with more
+  ranks than kv heads, the kv heads are replicated and a unit is one query head;
 * MLP width and vocabulary: a unit is one column (one row): 100 at tp=3 gives 34/33/33.
 
 The layout is a table ``full size -> per-rank sizes`` holding only the uneven sizes;
@@ -80,6 +81,11 @@ class ShardLayout:
             elif tp > kv and tp % kv == 0 and heads % tp and group >= tp // kv:
                 # kv heads replicated: each kv head's query heads over its tp // kv ranks
                 q = balanced(group, tp // kv) * kv
+            elif tp > kv and tp % kv and heads % tp:
+                # kv heads replicated, and a rank's query heads may belong to two kv heads: the
+                # kv heads are expanded to one per query head before they are sliced, so any
+                # run of whole query heads works
+                q = balanced(heads, tp)
             if q is not None:
                 layout._add(heads * head_dim, tuple(h * head_dim for h in q))
                 layout._add(heads, q)

@@ -4,11 +4,10 @@ tp need not divide the heads, the MLP width or the vocabulary: those split uneve
 whole units (``layout.py``). What stays impossible, each refused here naming the config
 field and the parameters whose dimension it is:
 
-* fewer attention heads, MLP columns or vocabulary rows than ranks (a rank would hold nothing);
-* more ranks than key/value heads when tp is not a multiple of them: with tp <= kv heads
-  each rank holds whole kv heads with their query heads; with tp a multiple of them every
-  kv head is shared by tp / kv ranks (computed replicated); in between, ranks could not
-  share whole kv heads.
+* fewer attention heads, MLP columns or vocabulary rows than ranks (a rank would hold nothing).
+
+More ranks than key/value heads is fine: the kv heads are replicated, each rank using
+the ones its query heads need (expanded to one per query head, then sliced).
 """
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from ..errors import ShardingError
 
 _FIELDS = (
     ("num_attention_heads", "attention heads"),
-    ("num_key_value_heads", "key/value heads"),
     ("intermediate_size", "MLP intermediate size"),
     ("vocab_size", "vocabulary"),
 )
@@ -31,12 +29,6 @@ def _head_dim(config) -> int:
 
 def _problem(field_name: str, what: str, value: int, tp: int):
     """Why ``value`` of ``field_name`` cannot be split over ``tp`` ranks, or None if it can."""
-    if field_name == "num_key_value_heads":
-        if tp > value and tp % value:
-            return (f"tp size {tp} does not divide {field_name}={value} ({what}) and is larger than it without "
-                    f"being a multiple of it, so ranks cannot share whole key/value heads: use tp <= {value} or a "
-                    f"multiple of {value}")
-        return None
     if tp > value:
         return f"tp size {tp} is larger than {field_name}={value} ({what}): a rank would hold none"
     return None
@@ -54,7 +46,7 @@ def check_divisible(config, tp: int, meta_model=None) -> None:
         if why is None:
             continue
         extent = value
-        if field_name in ("num_attention_heads", "num_key_value_heads"):
+        if field_name == "num_attention_heads":
             extent = value * _head_dim(config)
         where = ""
         if meta_model is not None:

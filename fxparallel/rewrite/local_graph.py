@@ -50,7 +50,9 @@ class RewriteContext:
         """Move every use of ``old`` (except by ``new`` itself) to ``new``, and remember it:
         consumers planned against ``old`` must read ``new`` (see ``current``)."""
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
-        new.meta.setdefault("example_value", old.meta.get("example_value"))
+        for key in ("example_value", "nn_module_stack"):  # the value, and where it comes from (plan's "where")
+            if key in old.meta:
+                new.meta.setdefault(key, old.meta[key])
         self._replaced[old] = new
 
     def current(self, node: fx.Node) -> fx.Node:

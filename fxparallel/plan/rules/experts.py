@@ -26,11 +26,17 @@ from .fused import output_segments
 _SEARCH_DEPTH = 4  # users followed from a weight to the matmul output that gets split
 
 
+def is_weight(node, ndim: int) -> bool:
+    """A trainable parameter with exactly ``ndim`` dimensions."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return (node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dim() == ndim
+            and value.is_floating_point() and value.requires_grad)
+
+
 def is_expert_weight(node) -> bool:
     """A parameter with three or more dimensions (stacked expert weights)."""
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return (node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dim() >= 3
-            and value.is_floating_point() and value.requires_grad)
+    return isinstance(value, torch.Tensor) and value.dim() >= 3 and is_weight(node, value.dim())
 
 
 def _static(size):
@@ -62,20 +68,26 @@ def weight_segments(weight: fx.Node, dim: int, tp: int):
     return None
 
 
-def weight_choices(weight: fx.Node, ctx) -> list:
-    """Placements an expert weight may take: a shard of each divisible non-expert dim, or replicated."""
+def weight_choices(weight: fx.Node, ctx, first_dim: int = 1) -> list:
+    """Placements a weight may take: a shard of each divisible dim from ``first_dim`` on (an expert
+    weight's dim 0 is its experts), or replicated."""
     shape = weight.meta["example_value"].shape
     choices = []
-    for d in range(1, len(shape)):
+    for d in range(first_dim, len(shape)):
         size = _static(shape[d])
         if size and size % ctx.tp == 0:
             choices.append(S(d, weight_segments(weight, d, ctx.tp)))
     return choices + [R]
 
 
-def input_choices(x, placements, ctx) -> list:
-    """The placements to consider for input ``x``: all choices for an expert weight, else its own."""
-    return weight_choices(x, ctx) if is_expert_weight(x) else [placements[x]]
+def input_choices(x, placements, ctx, matrices: bool = False) -> list:
+    """The placements to consider for input ``x``: all choices for an expert weight (and, with
+    ``matrices``, for a weight matrix: Falcon's ``x @ self.weight.T``), else its own."""
+    if is_expert_weight(x):
+        return weight_choices(x, ctx)
+    if matrices and is_weight(x, 2):
+        return weight_choices(x, ctx, first_dim=0)
+    return [placements[x]]
 
 
 # ---- gather by ids ---------------------------------------------------------------------------------------

@@ -1,13 +1,19 @@
 """Reductions and normalizations along given dimensions (mean, sum, softmax, ...).
 
-They stay sharded when the sharded dimension is not among the reduced ones.
+They stay sharded when the sharded dimension is not among the reduced ones. A sum or
+mean over the sharded dimension is a partial sum: each rank reduces its shard and one
+all-reduce of the (small) result completes it. That is how a norm over a whole sharded
+projection (OLMo-2's q/k norm over all heads, BitNet's sub-norms) costs one float per
+token instead of gathering the projection.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.nn.functional as F
 
-from ..placement import R
+from ..placement import P, R
 from .base import Strategy, arg, norm_dim, register, tensor_inputs
 
 _REDUCE = ["mean", "sum", "amax", "amin", "prod", "std", "var", "norm", "logsumexp", "any", "all", "argmax",
@@ -44,8 +50,29 @@ def _reduce(node, placements, ctx):
         if dims is not None and p.dim not in dims:
             out_dim = p.dim if (keepdim or shape_keeping) else p.dim - sum(1 for d in dims if d < p.dim)
             strategies.append(Strategy({x: p}, p.with_dim(out_dim)))
+        elif dims is not None and node.target in _LINEAR:
+            mean = node.target in ("mean", torch.mean)
+            strategies.append(Strategy({x: p}, P, own_bytes=ctx.bytes_per_token(node),
+                                       rewrite=_mean_of_full(p, int(ctx.size(x, p.dim))) if mean else None,
+                                       note="partial sum over the sharded dimension"))
     strategies.append(Strategy({x: R}, R))
     return strategies
+
+
+_LINEAR = ("sum", "mean", torch.sum, torch.mean)
+
+
+def _mean_of_full(p, full: int):
+    """A local mean divides by the local count; the all-reduced sum of the local means must be
+    the mean over the full dimension: scale each by local / full."""
+
+    def rewrite(node, rctx):
+        local = sum(rctx.local_size(s) for s in p.segments) if p.segments else rctx.local_size(full)
+        with rctx.graph.inserting_after(node):
+            scaled = rctx.graph.call_function(operator.mul, (node, local / full))
+        rctx.replace_uses(node, scaled)
+
+    return rewrite
 
 
 register(*_REDUCE, *_SHAPE_KEEPING, torch.mean, torch.sum, torch.amax, torch.softmax, torch.log_softmax,

@@ -8,6 +8,7 @@ arguments (hard-coded head counts, hidden sizes) are rewritten to local sizes.
 """
 from __future__ import annotations
 
+import builtins
 import operator
 from typing import Optional
 
@@ -219,13 +220,19 @@ def _permutation(node, ndim):
         return [norm_dim(d, ndim) for d in dims]
     if node.target in ("t",):
         return list(reversed(range(ndim)))
+    if node.target is builtins.getattr and node.args[1] in ("T", "mT"):  # Falcon's ``x @ self.weight.T``
+        perm = list(range(ndim))
+        if node.args[1] == "T":
+            return list(reversed(perm))
+        perm[-1], perm[-2] = perm[-2], perm[-1]
+        return perm
     return None
 
 
 def _permute(node, placements, ctx):
     x = node.args[0]
     strategies = []
-    for p in input_choices(x, placements, ctx):  # an expert weight is decided here (before grouped_mm)
+    for p in input_choices(x, placements, ctx, matrices=True):  # a weight transposed first is decided here
         if p.is_shard:
             perm = _permutation(node, ctx.ndim(x))
             if perm is not None:
@@ -235,7 +242,8 @@ def _permute(node, placements, ctx):
     return strategies
 
 
-register("transpose", "permute", "swapaxes", "swapdims", "t", torch.transpose, torch.permute)(_permute)
+register("transpose", "permute", "swapaxes", "swapdims", "t", torch.transpose, torch.permute,
+         builtins.getattr)(_permute)
 
 
 def index_shard_dim(index, ndim: int, dim: int) -> Optional[int]:
