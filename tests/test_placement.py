@@ -8,9 +8,17 @@ from fxparallel.plan.placement import Placement, S, shard_pieces
 from fxparallel.plan.plan import ParamPlan
 
 
-@pytest.mark.parametrize("text", ["R", "P", "S(0)", "S(2)", "S(1)[64,32,32]"])
+@pytest.mark.parametrize("text", ["R", "P", "S(0)", "S(2)", "S(1)[64,32,32]", "S(0)[*8]"])
 def test_parse_and_print_round_trip(text):
     assert str(Placement.parse(text)) == text
+
+
+def test_blocked_shard_keeps_its_block_and_is_not_segmented():
+    # batch x heads merged into one dim, heads (blocks of 8) sharded: moving dims keeps the block
+    p = S(0, block=8)
+    assert p.with_dim(2) == Placement.parse("S(2)[*8]") and p != S(0)
+    with pytest.raises(ValueError, match="either segmented or blocked"):
+        S(0, (4, 4), block=8)
 
 
 def test_segmented_shard_holds_its_chunk_of_every_part():

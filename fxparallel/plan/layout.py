@@ -81,11 +81,14 @@ class ShardLayout:
             elif tp > kv and tp % kv == 0 and heads % tp and group >= tp // kv:
                 # kv heads replicated: each kv head's query heads over its tp // kv ranks
                 q = balanced(group, tp // kv) * kv
-            elif tp > kv and tp % kv and heads % tp:
+            elif tp > kv and tp % kv:
                 # kv heads replicated, and a rank's query heads may belong to two kv heads: the
                 # kv heads are expanded to one per query head before they are sliced, so any
-                # run of whole query heads works
-                q = balanced(heads, tp)
+                # run of whole query heads works. k/v rows split by column (then gathered whole)
+                # rather than leaving k_proj / v_proj replicated
+                q = balanced(heads, tp) if heads % tp else None
+                if (kv * head_dim) % tp:
+                    layout._add(kv * head_dim, balanced(kv * head_dim, tp))
             if q is not None:
                 layout._add(heads * head_dim, tuple(h * head_dim for h in q))
                 layout._add(heads, q)

@@ -11,6 +11,12 @@ A shard may be *segmented*: dimension ``d`` is the concatenation of segments
 (q, k and v of a fused projection, gate and up) and each segment is split on its
 own, so that each rank holds its chunk of every segment, in segment order. That
 is how a fused weight is split by head without any gather.
+
+A shard may be *blocked*: dimension ``d`` merges a replicated outer factor with a
+sharded inner one of ``block`` elements, as when batch and heads are flattened
+into one dimension (``q.reshape(batch * heads, seq, head_dim)``, Bloom's
+attention). Each rank holds its part of every block: its heads of every
+sequence. Only rules that know this layout accept it (``rules.base.handles_blocks``).
 """
 from __future__ import annotations
 
@@ -23,12 +29,15 @@ class Placement:
     kind: str  # "R", "S" or "P"
     dim: Optional[int] = None
     segments: Optional[tuple] = None  # sizes of the segments of a segmented shard
+    block: Optional[int] = None  # a blocked shard: the size of the sharded inner factor of ``dim``
 
     def __post_init__(self):
         if self.kind not in ("R", "S", "P"):
             raise ValueError(f"unknown placement kind {self.kind!r}")
         if (self.kind == "S") != (self.dim is not None):
             raise ValueError("only a shard placement has a dimension")
+        if self.block is not None and self.segments:
+            raise ValueError("a shard is either segmented or blocked, not both")
 
     @property
     def is_replicate(self) -> bool:
@@ -47,11 +56,13 @@ class Placement:
             return self.kind
         if self.segments:
             return f"S({self.dim})[{','.join(map(str, self.segments))}]"
+        if self.block is not None:
+            return f"S({self.dim})[*{self.block}]"
         return f"S({self.dim})"
 
     def with_dim(self, dim: int) -> "Placement":
-        """The same shard (segments included) on another dimension."""
-        return Placement("S", dim, self.segments)
+        """The same shard (segments or block included) on another dimension."""
+        return Placement("S", dim, self.segments, self.block)
 
     __str__ = __repr__
 
@@ -60,6 +71,9 @@ class Placement:
         text = text.strip()
         if text in ("R", "P"):
             return Placement(text)
+        if text.startswith("S(") and text.endswith("]") and ")[*" in text:
+            head, block = text[:-1].split(")[*")
+            return Placement("S", int(head[2:]), block=int(block))
         if text.startswith("S(") and text.endswith("]") and ")[" in text:
             head, segs = text[:-1].split(")[")
             return Placement("S", int(head[2:]), tuple(int(x) for x in segs.split(",")))
@@ -72,8 +86,8 @@ R = Placement("R")
 P = Placement("P")
 
 
-def S(dim: int, segments: Optional[tuple] = None) -> Placement:
-    return Placement("S", dim, tuple(segments) if segments else None)
+def S(dim: int, segments: Optional[tuple] = None, block: Optional[int] = None) -> Placement:
+    return Placement("S", dim, tuple(segments) if segments else None, block)
 
 
 def shard_pieces(size: int, rank: int, tp: int, segments: Optional[tuple] = None, split: Optional[tuple] = None) -> list:

@@ -46,7 +46,7 @@ from ..capture.graph import CapturedGraph
 from .grad_reduction import reduction_point
 from .placement import R, Placement, is_sharded
 from .rules import RuleContext, Strategy, rule_for, tensor_inputs
-from .rules.base import requires_grad
+from .rules.base import requires_block, requires_grad
 from .layout import ShardLayout  # noqa: I001 (kept apart from the imports above to keep merges clean)
 
 INFEASIBLE = float("inf")
@@ -191,6 +191,8 @@ class Solver:
             return [((0.0, 0.0, 0, ()), self._non_tensor(node, plan, ins, in_pl))]
         rule = rule_for(node)
         strategies = rule(node, in_pl, self.ctx) if rule else []
+        if not getattr(rule, "handles_blocks", False):  # a rule unaware of blocked shards must not get one
+            strategies = [s for s in strategies if not requires_block(s)]
         options = []
         for index, s in enumerate(strategies):
             key = self._cost(s, plan, in_pl, index, node)
@@ -259,6 +261,9 @@ class Solver:
                 point = self._reduction_point(i, plan)
                 if requires_grad(i) and point not in plan.grad_reduced:
                     comm += self.ctx.bytes_per_token(point)
+            elif _made_whole_for_shards(in_pl[i], req, out_sharded) and requires_grad(i) \
+                    and (i, R) not in plan.grad_reduced:
+                comm += self.ctx.bytes_per_token(i)  # the gathered / reduced copy's gradient is partial: all-reduced
         return (replicated, comm, index, tuple(sorted(decision)))
 
     @staticmethod
@@ -292,6 +297,8 @@ class Solver:
                 plan.redistributed.add((i, req))
             if cur is not None and cur.is_replicate and (out_sharded or req.is_shard) and requires_grad(i):
                 plan.grad_reduced.add(self._reduction_point(i, plan) if i not in self.param_nodes else i)
+            elif _made_whole_for_shards(cur, req, out_sharded) and requires_grad(i) and i not in self.param_nodes:
+                plan.grad_reduced.add((i, R))
         if s.name == "fallback" and any(
             p is not None and not p.is_replicate for p in (plan.placements.get(i) for i in s.inputs)
         ):
@@ -312,6 +319,14 @@ def negligible_matrices(param_nodes: dict) -> set:
         sizes[node] = (layer, fake.numel() * fake.element_size())
         totals[layer] = totals.get(layer, 0) + sizes[node][1]
     return {node for node, (layer, nbytes) in sizes.items() if nbytes < NEGLIGIBLE_SHARE * totals[layer]}
+
+
+def _made_whole_for_shards(current, required, out_sharded: bool) -> bool:
+    """Is a sharded or partial value gathered / all-reduced for an op whose output is sharded?
+    The rewrite all-reduces the gradient of that whole copy (``copy_to_tp``), as for any
+    replicated value used on shards."""
+    return isinstance(current, Placement) and not current.is_replicate and required is not None \
+        and required.is_replicate and out_sharded
 
 
 def _partial_output(output) -> bool:

@@ -84,18 +84,19 @@ class RewriteContext:
 
 
 def uneven_sizes(node: fx.Node, p: Placement, layout) -> Optional[tuple]:
-    """Per-rank sizes of ``node``'s shard ``p``, one tuple per segment, if uneven; None if even."""
+    """Per-rank sizes of ``node``'s shard ``p``, one tuple per segment (or of its block), if uneven;
+    None if even."""
     value = node.meta.get("example_value")
     if layout is None or not p.is_shard or not isinstance(value, torch.Tensor):
         return None
-    parts = p.segments or (int(value.shape[p.dim]),)
+    parts = p.segments or ((p.block,) if p.block is not None else (int(value.shape[p.dim]),))
     if all(layout.is_even(s) for s in parts):
         return None
     return tuple(layout.sizes(s) for s in parts)
 
 
 def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: int, before: fx.Node,
-                  layout=None) -> list:
+                  layout=None, rank: int = 0) -> list:
     """Insert the ops that turn ``node`` from ``src`` into ``dst``; returns the new nodes, last one last."""
     steps = []
     value = node
@@ -104,16 +105,27 @@ def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: 
             value = graph.call_function(collectives.all_reduce, (value, handle))
             steps.append(value)
         elif src.is_shard and dst != src:
-            value = graph.call_function(collectives.all_gather, (value, src.dim, handle, src.segments,
-                                                                 uneven_sizes(node, src, layout)))
-            steps.append(value)
+            steps += _blockwise(graph, value, src, layout.local(src.block, rank) if src.block else None,
+                                lambda v, d: graph.call_function(collectives.all_gather, (
+                                    v, d, handle, src.segments, uneven_sizes(node, src, layout))))
+            value = steps[-1]
         if dst.is_shard:
-            value = graph.call_function(collectives.local_chunk, (value, dst.dim, handle, dst.segments,
-                                                                  uneven_sizes(node, dst, layout)))
-            steps.append(value)
+            steps += _blockwise(graph, value, dst, dst.block,
+                                lambda v, d: graph.call_function(collectives.local_chunk, (
+                                    v, d, handle, dst.segments, uneven_sizes(node, dst, layout))))
     for s in steps:
         s.meta["example_value"] = node.meta.get("example_value")
     return steps
+
+
+def _blockwise(graph, value: fx.Node, p: Placement, block: Optional[int], collective) -> list:
+    """``collective(value, dim)`` on ``p``'s dim, or for a blocked shard (``block`` elements per block
+    in ``value``) on the block factor: unflatten it, gather or chunk it, flatten back."""
+    if p.block is None:
+        return [collective(value, p.dim)]
+    blocks = graph.call_method("unflatten", (value, p.dim, (-1, block)))
+    done = collective(blocks, p.dim + 1)
+    return [blocks, done, graph.call_method("flatten", (done, p.dim, p.dim + 1))]
 
 
 def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) -> dict:
@@ -137,7 +149,7 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) ->
                 continue
             key = (inp, req)
             if key not in cache:
-                steps = _redistribute(graph, inp, cur, req, group.handle, node, gplan.layout)
+                steps = _redistribute(graph, inp, cur, req, group.handle, node, ctx.layout, group.rank)
                 cache[key] = steps[-1]
                 for step in steps:
                     if step.target is collectives.local_chunk:

@@ -100,6 +100,17 @@ def register(*targets):
     return wrap
 
 
+def handles_blocks(fn: Rule) -> Rule:
+    """Mark a rule that keeps a blocked shard (``placement.py``) right: it passes the placement on
+    whole (``with_dim``) or converts it knowingly. The solver offers a blocked input only to these."""
+    fn.handles_blocks = True
+    return fn
+
+
+def requires_block(strategy: "Strategy") -> bool:
+    return any(isinstance(p, Placement) and p.block is not None for p in strategy.inputs.values())
+
+
 def rule_for(node: fx.Node) -> Optional[Rule]:
     return _RULES.get(op_key(node))
 

@@ -14,8 +14,8 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from ..placement import R, S
-from .base import Strategy, register, tensor_inputs
+from ..placement import R
+from .base import Strategy, handles_blocks, register, tensor_inputs
 
 _FUNCTIONS = [  # pointwise functions (unary, binary, ternary)
     torch.rsqrt, torch.sqrt, torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.cos, torch.sin,
@@ -51,11 +51,11 @@ def pointwise_strategies(node, placements, ctx, inputs=None):
         if p.is_shard:
             d = p.dim + out_nd - ctx.ndim(x)
             if d >= 0 and d not in dims:
-                dims[d] = p.segments
+                dims[d] = p
     strategies = []
-    for d, segments in dims.items():
-        size = out.shape[d]
-        if not (all(ctx.can_split(s) for s in segments) if segments else ctx.can_split(size)):
+    for d, p in dims.items():
+        parts = p.segments or ((p.block,) if p.block is not None else (out.shape[d],))
+        if not all(ctx.can_split(s) for s in parts):
             continue
         req = {}
         for x in inputs:
@@ -63,13 +63,13 @@ def pointwise_strategies(node, placements, ctx, inputs=None):
             if xd < 0 or ctx.size(x, xd) == 1:
                 req[x] = R
             else:
-                req[x] = S(xd, segments)
-        strategies.append(Strategy(req, S(d, segments)))
+                req[x] = p.with_dim(xd)
+        strategies.append(Strategy(req, p.with_dim(d)))
     strategies.append(Strategy({x: R for x in inputs}, R))
     return strategies
 
 
-register(*_FUNCTIONS, *_METHODS)(pointwise_strategies)
+register(*_FUNCTIONS, *_METHODS)(handles_blocks(pointwise_strategies))
 
 
 def _min_max(node, placements, ctx):

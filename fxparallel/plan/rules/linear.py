@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..placement import P, R, S
-from .base import Strategy, arg, register, tensor_inputs
+from .base import Strategy, arg, handles_blocks, register, tensor_inputs
 from .fused import output_segments
 
 
@@ -119,20 +119,41 @@ def _matmul(node, placements, ctx):
     if ctx.can_split(out.shape[-1]):
         pb = pb if pb.is_shard and pb.dim == nb - 1 else S(nb - 1)
         strategies.append(Strategy({a: R, b: pb}, pb.with_dim(no - 1), name="column"))
-    # batch dims (aligned from the right)
-    for x in (a, b):
-        p = placements[x]
-        nx = ctx.ndim(x)
-        if p.is_shard and p.dim < nx - 2:
-            d = p.dim + no - nx
-            if ctx.can_split(out.shape[d]):
-                req = {}
-                for y in (a, b):
-                    yd = d - (no - ctx.ndim(y))
-                    req[y] = R if yd < 0 or ctx.size(y, yd) == 1 else S(yd)
-                strategies.append(Strategy(req, S(d)))
+    strategies.extend(_batch_strategies(node, (a, b), placements, ctx))
     strategies.append(Strategy({a: R, b: R}, R))
     return strategies
 
 
-register(operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm")(_matmul)
+def _batch_strategies(node, operands, placements, ctx) -> list:
+    """A batch dim (aligned from the right, not one of the two matrix dims) sharded alike in every
+    operand that has it; an operand broadcast there is used whole. Blocked shards pass through."""
+    no = ctx.ndim(node)
+    strategies = []
+    for x in operands:
+        p = placements[x]
+        nx = ctx.ndim(x)
+        if p.is_shard and p.dim < nx - 2:
+            d = p.dim + no - nx
+            parts = p.segments or ((p.block,) if p.block is not None else (ctx.size(node, d),))
+            if all(ctx.can_split(s) for s in parts):
+                req = {}
+                for y in operands:
+                    yd = d - (no - ctx.ndim(y))
+                    req[y] = R if yd < 0 or ctx.size(y, yd) == 1 else p.with_dim(yd)
+                strategies.append(Strategy(req, p.with_dim(d), note="batched matmul on local batch entries"))
+    return strategies
+
+
+register(operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm")(handles_blocks(_matmul))
+
+
+def _baddbmm(node, placements, ctx):
+    """``input + batch1 @ batch2`` (scaled): Bloom's ALiBi scores. Sharded along the batch only."""
+    x, b1, b2 = arg(node, 0, "input"), arg(node, 1, "batch1"), arg(node, 2, "batch2")
+    operands = [t for t in (x, b1, b2) if isinstance(t, fx.Node)]
+    if len(operands) != 3 or any(ctx.fake(t) is None for t in operands):
+        return []
+    return _batch_strategies(node, operands, placements, ctx) + [Strategy({t: R for t in operands}, R)]
+
+
+register(torch.baddbmm, "baddbmm")(handles_blocks(_baddbmm))

@@ -90,6 +90,7 @@ def _in_front(extra, rule):
         return extra(node, placements, ctx) + (rule(node, placements, ctx) if rule else [])
 
     combined.__wrapped__ = rule
+    combined.handles_blocks = getattr(rule, "handles_blocks", False)  # the partial-sum strategies take no blocks
     return combined
 
 

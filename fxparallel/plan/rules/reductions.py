@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..placement import P, R
-from .base import Strategy, arg, norm_dim, register, tensor_inputs
+from .base import Strategy, arg, handles_blocks, norm_dim, register, tensor_inputs
 
 _REDUCE = ["mean", "sum", "amax", "amin", "prod", "std", "var", "norm", "logsumexp", "any", "all", "argmax",
            "argmin", "count_nonzero"]
@@ -66,14 +66,16 @@ def _mean_of_full(p, full: int):
     """A local mean divides by the local count; the all-reduced sum of the local means must be
     the mean over the full dimension: scale each by local / full."""
 
+    parts = p.segments or ((p.block,) if p.block is not None else (full,))
+
     def rewrite(node, rctx):
-        local = sum(rctx.local_size(s) for s in p.segments) if p.segments else rctx.local_size(full)
+        local = sum(rctx.local_size(s) for s in parts)
         with rctx.graph.inserting_after(node):
-            scaled = rctx.graph.call_function(operator.mul, (node, local / full))
+            scaled = rctx.graph.call_function(operator.mul, (node, local / sum(parts)))
         rctx.replace_uses(node, scaled)
 
     return rewrite
 
 
 register(*_REDUCE, *_SHAPE_KEEPING, torch.mean, torch.sum, torch.amax, torch.softmax, torch.log_softmax,
-         F.softmax, F.log_softmax, torch.cumsum, torch.logsumexp, torch.argmax)(_reduce)
+         F.softmax, F.log_softmax, torch.cumsum, torch.logsumexp, torch.argmax)(handles_blocks(_reduce))

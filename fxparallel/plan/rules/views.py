@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ...errors import ShardingError
 from ..placement import R, S
-from .base import Strategy, arg, norm_dim, register, tensor_inputs
+from .base import Strategy, arg, handles_blocks, norm_dim, register, tensor_inputs
 from .experts import gather_index, gather_strategies, input_choices, is_expert_weight
 
 
@@ -177,19 +177,116 @@ def _reshape(node, placements, ctx):
     p = placements[x]
     out = ctx.fake(node)
     strategies = []
-    if p.is_shard and out is not None:
+    sized = node.target in ("view", "reshape", torch.reshape)  # sizes spelled out in the arguments
+    if p.is_shard and p.block is not None and out is not None:
+        strategies.extend(_from_block(node, x, p, out, ctx, sized))
+    elif p.is_shard and out is not None:
         o = reshape_shard_dim(ctx.fake(x).shape, out.shape, p.dim, ctx.tp, ctx.split_sizes)
         if o is not None and p.segments and not _same(ctx.fake(x).shape[p.dim], out.shape[o]):
             o = None  # a segmented dim survives a reshape only unchanged
         if o is not None:
-            rw = rewrite_size(o, int(out.shape[o]), p.segments) if node.target in ("view", "reshape", torch.reshape) else None
+            rw = rewrite_size(o, int(out.shape[o]), p.segments) if sized else None
             strategies.append(Strategy({x: p}, p.with_dim(o), rewrite=rw))
+        elif not p.segments:
+            strategies.extend(_into_block(node, x, p, out, ctx, sized))
     strategies.append(Strategy({x: R}, R))
     return strategies
 
 
 register("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", torch.reshape, torch.flatten,
-         torch.squeeze, torch.unsqueeze)(_reshape)
+         torch.squeeze, torch.unsqueeze)(handles_blocks(_reshape))
+
+
+def _group_of(in_shape, out_shape, dim):
+    """(input dims, output dims) of the reshape group holding input ``dim``, size-1 dims left out."""
+    for gi, gj in dim_groups(in_shape, out_shape) or ():
+        if dim in gi:
+            return [d for d in gi if _hint(in_shape[d]) != 1], [d for d in gj if _hint(out_shape[d]) != 1]
+    return None, None
+
+
+def _into_block(node, x, p, out, ctx, sized) -> list:
+    """A sharded dim merged as the inner factor of one output dim (``(b, heads, s, d) -> (b * heads, s, d)``):
+    a blocked shard of that dim."""
+    in_shape = ctx.fake(x).shape
+    big_in, big_out = _group_of(in_shape, out.shape, p.dim)
+    block = in_shape[p.dim]
+    if not big_in or len(big_in) < 2 or big_in[-1] != p.dim or len(big_out) != 1 or not isinstance(block, int):
+        return []
+    o = big_out[0]
+    return [Strategy({x: p}, S(o, block=block), rewrite=rewrite_block_size(o, block) if sized else None,
+                     note="sharded heads merged with the batch (blocked shard)")]
+
+
+def _from_block(node, x, p, out, ctx, sized) -> list:
+    """A blocked dim kept whole, or split back so that its block is a dim of its own (a plain shard)."""
+    in_shape = ctx.fake(x).shape
+    big_in, big_out = _group_of(in_shape, out.shape, p.dim)
+    if big_in != [p.dim] or not big_out:
+        return []
+    if len(big_out) == 1 and _same(in_shape[p.dim], out.shape[big_out[0]]):
+        o = big_out[0]
+        return [Strategy({x: p}, p.with_dim(o), rewrite=rewrite_block_size(o, p.block) if sized else None)]
+    inner = out.shape[big_out[-1]]
+    if len(big_out) >= 2 and isinstance(inner, int) and inner == p.block:
+        o = big_out[-1]
+        return [Strategy({x: p}, S(o), rewrite=rewrite_size(o, p.block) if sized else None)]
+    return []
+
+
+def rewrite_block_size(out_dim: int, block: int):
+    """A rewrite of the size at ``out_dim`` of a blocked dim: ``outer * block`` becomes ``outer * local``,
+    for a literal and for a size computed in the graph (``batch * heads``) alike."""
+
+    def apply(node, ctx):
+        sizes, rebuild = _size_args(node)
+        if len(sizes) == 1 and isinstance(sizes[0], fx.Node) and not isinstance(
+            sizes[0].meta.get("example_value"), (int, torch.SymInt)
+        ):
+            sizes, rebuild = _explode_size_node(node, sizes[0], ctx)
+        if out_dim >= len(sizes) or sizes[out_dim] == -1:
+            return
+        value, local = sizes[out_dim], ctx.local_size(block)
+        if isinstance(value, int):
+            sizes[out_dim] = value // block * local
+        else:
+            with ctx.graph.inserting_before(node):
+                outer = ctx.graph.call_function(operator.floordiv, (value, block))
+                sizes[out_dim] = ctx.graph.call_function(operator.mul, (outer, local))
+        rebuild(sizes)
+
+    return apply
+
+
+def _view_as(node, placements, ctx):
+    """``x.view_as(other)``: a reshape to ``other``'s shape, so ``other`` must hold the same shard."""
+    x, other = node.args[0], arg(node, 1, "other")
+    p, out = placements[x], ctx.fake(node)
+    strategies = []
+    if p.is_shard and not p.segments and p.block is None and isinstance(other, fx.Node):
+        o = reshape_shard_dim(ctx.fake(x).shape, out.shape, p.dim, ctx.tp, ctx.split_sizes)
+        if o is not None:
+            strategies.append(Strategy({x: p, other: S(o)}, S(o)))
+    strategies.append(Strategy({t: R for t in tensor_inputs(node)}, R))
+    return strategies
+
+
+register("view_as")(_view_as)
+
+
+def _complex_view(node, placements, ctx):
+    """view_as_complex (last dim of 2 floats -> one complex) and view_as_real (the reverse): every
+    other dim maps to itself, so a shard of another dim stays (Llama 4's complex rotary)."""
+    x = node.args[0]
+    p = placements[x]
+    strategies = []
+    if p.is_shard and not p.segments and p.block is None and p.dim < min(ctx.ndim(x), ctx.ndim(node)) - 1:
+        strategies.append(Strategy({x: p}, p))
+    strategies.append(Strategy({x: R}, R))
+    return strategies
+
+
+register(torch.view_as_complex, torch.view_as_real)(_complex_view)
 
 
 def _expand(node, placements, ctx):
@@ -243,7 +340,7 @@ def _permute(node, placements, ctx):
 
 
 register("transpose", "permute", "swapaxes", "swapdims", "t", torch.transpose, torch.permute,
-         builtins.getattr)(_permute)
+         builtins.getattr)(handles_blocks(_permute))
 
 
 def index_shard_dim(index, ndim: int, dim: int) -> Optional[int]:
