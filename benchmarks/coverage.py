@@ -8,6 +8,7 @@ and every parameter gradient with the single-device transformers model.
     python benchmarks/coverage.py llama gpt2      # some types
     python benchmarks/coverage.py --tp 4 --out docs/coverage.md
     python benchmarks/coverage.py gpt2 opt --merge docs/coverage.json --json docs/coverage.json  # update rows
+    python benchmarks/coverage.py --render docs/coverage.json   # rewrite the table from saved rows
 """
 from __future__ import annotations
 
@@ -128,7 +129,9 @@ def write_markdown(rows: list, path: str, tp: int, total: int = 0) -> None:
         "",
         f"**{len(ok)} of {len(rows)} types checked pass**"
         + (f" ({total - len(rows)} of the {total} registered types not run yet)" if total > len(rows) else "")
-        + ". Collectives are all-reduce/all-gather calls per step: per decoder layer + outside the layers.",
+        + ". Collectives are all-reduce/all-gather calls per step: per decoder layer + outside the layers "
+        "(a norm over a sharded projection, e.g. OLMo-2's q/k norm, adds one 4-byte all-reduce per token each "
+        "way; `fxparallel plan` prints the bytes of each).",
         "",
         "| type | result | max error | fwd collectives | bwd collectives | replicated matrices | fallbacks | "
         "transformers tp plan | why not |",
@@ -158,7 +161,13 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="also write the rows as JSON")
     parser.add_argument("--merge", default=None, help="rows of an earlier run (JSON): rerun only the given "
                         "types and write the table of all of them")
+    parser.add_argument("--render", default=None, help="only write the table of the rows in this JSON file")
     args = parser.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            rows = json.load(f)
+        write_markdown(rows, args.out, args.tp, total=len(causal_lm_types()))
+        return rows
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     types = args.types or causal_lm_types()
     earlier = []

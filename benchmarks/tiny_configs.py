@@ -68,11 +68,28 @@ def _shrink_per_layer_lists(config, layers_before) -> None:
     if kinds > layers_after:
         layers_after = kinds
         config.num_hidden_layers = kinds
+    old_types = list(getattr(config, "layer_types", None) or [])
     for key, value in per_layer.items():
         try:
             setattr(config, key, _shrink_per_layer(value, layers_after))
         except (AttributeError, ValueError, TypeError):
             pass
+    _shrink_layer_overrides(config, old_types)
+
+
+def _shrink_layer_overrides(config, old_types: list) -> None:
+    """Per-layer config overrides (Gemma 4's global layers) are keyed by layer index: give each new
+    layer the overrides its kind had in the full-depth config."""
+    spec = getattr(config, "_heterogeneity_spec", None)
+    new_types = list(getattr(config, "layer_types", None) or [])
+    if spec is None or not old_types or not new_types:
+        return
+    by_kind = {}
+    for index, overrides in spec.per_layer_overrides.items():
+        if index < len(old_types):
+            by_kind.setdefault(old_types[index], overrides)
+    spec.per_layer_overrides.clear()
+    spec.per_layer_overrides.update({i: by_kind[t] for i, t in enumerate(new_types) if t in by_kind})
 
 
 def _shrink_per_layer(values: list, layers: int) -> list:

@@ -72,8 +72,8 @@ def test_sp_prints_the_sequence_parallel_plan(config_dir, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tp", "6"], r"tp size 6 does not divide num_key_value_heads=4"),
-    (["--tp", "6", "--sp"], r"tp size 6 does not divide num_key_value_heads=4"),
+    (["--tp", "16"], r"tp size 16 is larger than num_attention_heads=8"),
+    (["--tp", "16", "--sp"], r"tp size 16 is larger than num_attention_heads=8"),
 ])
 def test_bad_input_gives_the_library_message_and_exit_code(config_dir, capsys, args, message):
     code = main(["plan", config_dir] + args)

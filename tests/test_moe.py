@@ -84,6 +84,10 @@ def _assert_moe(name, tp, r):
     # forward: the embedding, then per layer one all-reduce after attention and one after the MoE block
     # (routed and shared experts together); the router is replicated, so no gather of router logits
     reduces = [(where, n) for kind, where, n in r["forward"] if kind == "all_reduce"]
+    # (OLMoE normalises q and k over all heads: one 4-byte all-reduce of each norm's statistics)
+    norm_stats = [(where, n) for where, n in reduces if where.endswith(("q_norm", "k_norm"))]
+    assert sum(n for _, n in norm_stats) == (2 * layers if name == "olmoe" else 0), (name, reduces)
+    reduces = [x for x in reduces if x not in norm_stats]
     assert sum(n for _, n in reduces) == 2 * layers + 1, (name, r["forward"])
     assert sum(n for where, n in reduces if where.endswith("self_attn.o_proj")) == layers, (name, reduces)
     assert sum(n for where, n in reduces if where.endswith(".mlp")) == layers, (name, reduces)

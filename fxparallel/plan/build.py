@@ -9,7 +9,7 @@ import torch
 from ..rewrite import collectives
 from ..rewrite.functional import vocab_parallel_cross_entropy
 from .placement import Placement
-from .plan import CollectivePlan, ParamPlan, ShardingPlan
+from .plan import UNUSED, CollectivePlan, ParamPlan, ShardingPlan
 from .rules.base import bytes_per_token
 from .solver import GraphPlan, layer_pattern
 
@@ -98,7 +98,7 @@ def build_plan(model, captured, gplan: GraphPlan, graph, reduced_values, tp: int
         others = tuple(n for n in names if n != canonical)
         shape = tuple(dict(model.named_parameters(remove_duplicate=False))[canonical].shape)
         if canonical not in gplan.params:
-            placement, reason = "R", "not used by the forward: replicated"
+            placement, reason = "R", UNUSED
         else:
             placement = str(gplan.params[canonical])
             reason = gplan.reasons.get(canonical, "replicated")

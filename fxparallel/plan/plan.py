@@ -14,6 +14,9 @@ from .placement import Placement, shard_pieces
 from .solver import layer_pattern
 
 
+UNUSED = "not used by the forward: replicated"  # the reason of a parameter the graph never reads
+
+
 @dataclass(frozen=True)
 class ParamPlan:
     name: str
@@ -23,6 +26,11 @@ class ParamPlan:
     aliases: tuple = ()  # other names of the same (tied) parameter
     # uneven shard: per segment (one for a plain shard), each rank's size along the sharded dim; () if even
     split: tuple = ()
+
+    @property
+    def used(self) -> bool:
+        """Does the forward read it? (A multimodal model's vision tower does not, in a text forward.)"""
+        return self.reason != UNUSED
 
     @property
     def layout(self) -> Placement:
