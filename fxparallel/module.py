@@ -79,8 +79,7 @@ class ParallelCausalLM(nn.Module):
         object.__setattr__(self, "_graph_factory", graph_factory)
         self.sequence_parallel = False  # set by parallelize: sequences must then divide by tp
         # decoder layers as modules the graphs call, so FSDP can make each one a unit
-        self._layer_paths, self._no_layer_units = install_layer_units(  # the layers the graphs run
-            self, [(p.name,) + tuple(p.aliases) for p in plan.params if p.used])
+        self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params)
         for p in plan.params:
             local = torch.empty(p.local_shape(group.size, group.rank), device=self.device_, dtype=dtype)
             param = nn.Parameter(local)

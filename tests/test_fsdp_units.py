@@ -310,6 +310,21 @@ def test_layer_container_is_found_from_names():
     assert layer_container(["embed.weight", "head.weight"]) is None
 
 
+def test_layer_units_are_the_layers_the_forward_runs():
+    # a multimodal causal LM (Gemma 3): its vision tower has more layers than the language model,
+    # but a text forward never reads them, so the units are the language model's layers
+    from torch import nn
+
+    from fxparallel.plan.plan import UNUSED, ParamPlan
+    from fxparallel.rewrite.layer_units import install_layer_units
+
+    vision = [ParamPlan(f"model.vision_tower.layers.{i}.fc.weight", (4, 4), "R", UNUSED) for i in range(4)]
+    text = [ParamPlan(f"model.language_model.layers.{i}.mlp.up_proj.weight", (4, 4), "S(0)", "column")
+            for i in range(2)]
+    paths, why_not = install_layer_units(nn.Module(), vision + text)
+    assert paths == ["model.language_model.layers.0", "model.language_model.layers.1"] and why_not is None
+
+
 def test_interleaved_layers_keep_the_graph_whole(caplog):
     import torch.fx as fx
 
@@ -366,11 +381,14 @@ def test_weight_computation_is_not_moved_across_a_grad_mode_switch():
 def test_a_weight_shared_by_two_layers_rules_out_layer_units():
     from torch import nn
 
+    from fxparallel.plan.plan import ParamPlan
     from fxparallel.rewrite.layer_units import LayerUnit, install_layer_units
 
     root = nn.Module()
-    paths, why = install_layer_units(root, [("model.layers.0.w", "model.layers.1.w"), ("model.layers.1.v",),
-                                            ("model.norm.weight",)])
+    params = [ParamPlan("model.layers.0.w", (4,), "R", "replicated", aliases=("model.layers.1.w",)),
+              ParamPlan("model.layers.1.v", (4,), "R", "replicated"),
+              ParamPlan("model.norm.weight", (4,), "R", "replicated")]
+    paths, why = install_layer_units(root, params)
     assert paths == ["model.layers.0", "model.layers.1"]  # the split still runs through them
     assert isinstance(root.get_submodule("model.layers.1"), LayerUnit)
     assert why == "parameter model.layers.0.w is shared by ['model.layers.0', 'model.layers.1']"

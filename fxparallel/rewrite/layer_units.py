@@ -86,11 +86,13 @@ def layer_of(name: str, container: Optional[str]) -> Optional[str]:
     return f"{container}.{index}" if index.isdigit() else None
 
 
-def install_layer_units(root: nn.Module, param_names: list) -> tuple:
-    """Create a LayerUnit at each layer path of ``param_names`` (tuples: canonical name, then
-    aliases), before the parameters are registered under them. Returns (layer paths, None), or
+def install_layer_units(root: nn.Module, params: list) -> tuple:
+    """Create a LayerUnit at each layer path of the plan's ``params`` (``ParamPlan``) that the
+    forward uses (a multimodal model's vision tower has layers of its own, which a text forward
+    never runs), before the parameters are registered under them. Returns (layer paths, None), or
     (layer paths, why they cannot be FSDP units: one parameter object under names of two units,
     e.g. a weight shared by several layers)."""
+    param_names = [(p.name,) + tuple(p.aliases) for p in params if p.used]
     container = layer_container(names[0] for names in param_names)
     if container is None:
         return [], None
