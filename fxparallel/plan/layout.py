@@ -67,9 +67,10 @@ class ShardLayout:
         layout = cls(tp)
         if tp <= 1:
             return layout
-        heads = _int(config, "num_attention_heads")
-        kv = _int(config, "num_key_value_heads") or heads
-        head_dim = _head_dim(config)
+        config = text_config(config)
+        heads = config_int(config, "num_attention_heads")
+        kv = config_int(config, "num_key_value_heads") or heads
+        head_dim = head_dim_of(config)
         if heads and kv and head_dim and heads % kv == 0:
             group = heads // kv
             q = None
@@ -93,7 +94,7 @@ class ShardLayout:
                 layout._add(heads * head_dim, tuple(h * head_dim for h in q))
                 layout._add(heads, q)
         for name in ("intermediate_size", "vocab_size"):
-            size = _int(config, name)
+            size = config_int(config, name)
             if size and size % tp and size >= tp:
                 layout._add(size, balanced(size, tp))
         return layout
@@ -112,16 +113,32 @@ class ShardLayout:
         return cls(tp, {int(k): tuple(v) for k, v in (d or {}).items()})
 
 
-def _int(config, name) -> Optional[int]:
-    value = getattr(config, name, None)
+def text_config(config):
+    """The decoder's config (a multimodal config keeps it in ``text_config``)."""
+    get = getattr(config, "get_text_config", None)
+    try:
+        return get() if callable(get) else config
+    except Exception:  # noqa: BLE001 - a config that cannot say: use it as it is
+        return config
+
+
+def config_int(config, name) -> Optional[int]:
+    """An integer field, or None: absent, not an integer, or one that varies by layer (reading Gemma 4's
+    ``head_dim`` raises, its global layers have their own)."""
+    try:
+        value = getattr(config, name, None)
+    except Exception:  # noqa: BLE001
+        return None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _head_dim(config) -> Optional[int]:
-    hd = _int(config, "head_dim")
+
+
+def head_dim_of(config) -> Optional[int]:
+    hd = config_int(config, "head_dim")
     if hd:
         return hd
-    hidden, heads = _int(config, "hidden_size"), _int(config, "num_attention_heads")
+    hidden, heads = config_int(config, "hidden_size"), config_int(config, "num_attention_heads")
     if hidden and heads and hidden % heads == 0:
         return hidden // heads
     return None

@@ -12,19 +12,13 @@ the ones its query heads need (expanded to one per query head, then sliced).
 from __future__ import annotations
 
 from ..errors import ShardingError
+from .layout import config_int, head_dim_of, text_config
 
 _FIELDS = (
     ("num_attention_heads", "attention heads"),
     ("intermediate_size", "MLP intermediate size"),
     ("vocab_size", "vocabulary"),
 )
-
-
-def _head_dim(config) -> int:
-    hd = getattr(config, "head_dim", None)
-    if hd:
-        return int(hd)
-    return int(config.hidden_size) // int(config.num_attention_heads)
 
 
 def _problem(field_name: str, what: str, value: int, tp: int):
@@ -37,17 +31,18 @@ def _problem(field_name: str, what: str, value: int, tp: int):
 def check_divisible(config, tp: int, meta_model=None) -> None:
     if tp < 1:
         raise ShardingError(f"tp size must be >= 1, got {tp}")
+    config = text_config(config)
     problems = []
     for field_name, what in _FIELDS:
-        value = getattr(config, field_name, None)
-        if not isinstance(value, int) or value < 1:
+        value = config_int(config, field_name)
+        if value is None or value < 1:
             continue
         why = _problem(field_name, what, value, tp)
         if why is None:
             continue
         extent = value
         if field_name == "num_attention_heads":
-            extent = value * _head_dim(config)
+            extent = value * (head_dim_of(config) or 1)
         where = ""
         if meta_model is not None:
             hits = []
