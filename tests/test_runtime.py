@@ -16,7 +16,7 @@ import torch
 
 from distributed import run_ranks
 
-STEPS = 4
+STEPS = 3
 SAVE_AT = 2  # checkpoint after this many steps
 LR, WD, MAX_NORM = 1e-3, 0.1, 0.8
 GLOBAL_BATCH, SEQ = 8, 16
