@@ -131,37 +131,27 @@ def _chunk_seq(x: torch.Tensor, dim: int, handle: int, batch=None) -> torch.Tens
     return _token_merge(view.narrow(d, group.rank * size, size).contiguous(), dim, batch)
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, handle, batch):
-        ctx.args = (dim, handle, batch)
-        return _reduce_scatter_seq(x, dim, handle, batch)
+def _sequence_pair(fwd, bwd, name: str):
+    """An autograd op along the sequence: ``fwd`` and, on the gradient, ``bwd``
+    (each ``f(x, dim, handle, batch)``)."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, *ctx.args), None, None, None
+    class Pair(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dim, handle, batch):
+            ctx.args = (dim, handle, batch)
+            return fwd(x, dim, handle, batch)
 
+        @staticmethod
+        def backward(ctx, grad):
+            return bwd(grad, *ctx.args), None, None, None
 
-class _GatherSeqToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, handle, batch):
-        ctx.args = (dim, handle, batch)
-        return _all_gather_seq(x, dim, handle, batch)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, *ctx.args), None, None, None
+    Pair.__name__ = Pair.__qualname__ = name
+    return Pair
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, handle, batch):
-        ctx.args = (dim, handle, batch)
-        return _all_gather_seq(x, dim, handle, batch)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _chunk_seq(grad, *ctx.args), None, None, None
+_ReduceScatterSeq = _sequence_pair(_reduce_scatter_seq, _all_gather_seq, "_ReduceScatterSeq")
+_GatherSeqToTP = _sequence_pair(_all_gather_seq, _reduce_scatter_seq, "_GatherSeqToTP")
+_GatherSeq = _sequence_pair(_all_gather_seq, _chunk_seq, "_GatherSeq")
 
 
 class _AllReduce(torch.autograd.Function):

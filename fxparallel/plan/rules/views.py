@@ -134,11 +134,7 @@ def rewrite_size(out_dim: int, full: int, segments=None):
     (this rank's part of each segment, for a segmented shard)."""
 
     def apply(node, ctx):
-        sizes, rebuild = _size_args(node)
-        if len(sizes) == 1 and isinstance(sizes[0], fx.Node) and not isinstance(
-            sizes[0].meta.get("example_value"), (int, torch.SymInt)
-        ):
-            sizes, rebuild = _explode_size_node(node, sizes[0], ctx)
+        sizes, rebuild = _spelled_out_sizes(node, ctx)
         if out_dim >= len(sizes):
             return
         value = sizes[out_dim]
@@ -149,6 +145,17 @@ def rewrite_size(out_dim: int, full: int, segments=None):
             rebuild(sizes)
 
     return apply
+
+
+def _spelled_out_sizes(node, ctx):
+    """(sizes, rebuild) of a view/reshape, one entry per output dim even when the shape is one
+    value computed in the graph."""
+    sizes, rebuild = _size_args(node)
+    if len(sizes) == 1 and isinstance(sizes[0], fx.Node) and not isinstance(
+        sizes[0].meta.get("example_value"), (int, torch.SymInt)
+    ):
+        sizes, rebuild = _explode_size_node(node, sizes[0], ctx)
+    return sizes, rebuild
 
 
 def _explode_size_node(node, size_node, ctx):
@@ -239,11 +246,7 @@ def rewrite_block_size(out_dim: int, block: int):
     for a literal and for a size computed in the graph (``batch * heads``) alike."""
 
     def apply(node, ctx):
-        sizes, rebuild = _size_args(node)
-        if len(sizes) == 1 and isinstance(sizes[0], fx.Node) and not isinstance(
-            sizes[0].meta.get("example_value"), (int, torch.SymInt)
-        ):
-            sizes, rebuild = _explode_size_node(node, sizes[0], ctx)
+        sizes, rebuild = _spelled_out_sizes(node, ctx)
         if out_dim >= len(sizes) or sizes[out_dim] == -1:
             return
         value, local = sizes[out_dim], ctx.local_size(block)
