@@ -45,6 +45,28 @@ def compare(model, reference, rank: int, tp: int, ids=None, gather_logits: bool 
     }
 
 
+def mask_some_labels(batch: dict) -> dict:
+    """Mask some labels (-100), so dp ranks count different numbers of tokens."""
+    labels = batch["labels"].clone()
+    labels[batch["input_ids"] % 5 == 0] = -100
+    return {"input_ids": batch["input_ids"], "labels": labels}
+
+
+def full_values(model, mesh, of=None) -> dict:
+    """Every parameter as a full tensor (a copy), by its plan name; ``of(p)`` picks another tensor of
+    the parameter's shape instead (its gradient, an optimizer state). Collective: call on every rank."""
+    from fxparallel.runtime.dtensor import full_tensor
+    from fxparallel.runtime.fsdp import reshard
+
+    reshard(model)
+    return {model.plan.param(n).name: full_tensor(of(p) if of else p, model.plan.param(n), mesh).clone()
+            for n, p in model.named_parameters()}
+
+
+def as_numpy(tensors: dict) -> dict:
+    return {k: v.float().numpy() for k, v in tensors.items()}
+
+
 def single_process_training(path: str, *, steps: int, save_at: int, optimizer, rows, global_batch: int, mask,
                             max_norm: float) -> dict:
     """The reference a training layout must match: transformers' model in one process over the

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from checks import as_numpy, full_values, mask_some_labels
 from distributed import run_ranks
 
 STEPS = 3
@@ -39,12 +40,6 @@ def _rows():
     return pack_tokens(synthetic_token_stream(128, 24 * SEQ, seed=5, mean_doc_len=12), SEQ)
 
 
-def _mask(batch: dict) -> dict:
-    labels = batch["labels"].clone()
-    labels[batch["input_ids"] % 5 == 0] = -100
-    return {"input_ids": batch["input_ids"], "labels": labels}
-
-
 def _optimizer(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=WD)
 
@@ -53,17 +48,8 @@ def _optimizer(params):
 def _train(model, opt, data, mesh, start, stop):
     from fxparallel.runtime import train_step
 
-    return [(m.loss, m.grad_norm) for m in
-            (train_step(model, opt, _mask(data.batch(s)), mesh, max_norm=MAX_NORM) for s in range(start, stop))]
-
-
-def _full(model, mesh, grads=False):
-    from fxparallel.runtime.dtensor import full_tensor
-    from fxparallel.runtime.fsdp import reshard
-
-    reshard(model)
-    return {model.plan.param(n).name: full_tensor(p.grad if grads else p, model.plan.param(n), mesh).numpy().copy()
-            for n, p in model.named_parameters()}
+    batches = (mask_some_labels(data.batch(s)) for s in range(start, stop))
+    return [(m.loss, m.grad_norm) for m in (train_step(model, opt, b, mesh, max_norm=MAX_NORM) for b in batches)]
 
 
 def _global_logits(model, mesh, ids):
@@ -115,14 +101,15 @@ def _layout_run(path, roots, name, dp, tp, cp, save_as, load_from, path_sliding)
     data = StepBatches(_rows(), GLOBAL_BATCH, mesh.dp_rank, mesh.dp)
     run = {"history": _train(model, opt, data, mesh, 0, SAVE_AT)}
     if save_as:
-        run["saved_params"] = _full(model, mesh)
+        run["saved_params"] = as_numpy(full_values(model, mesh))
         save_checkpoint(roots[save_as], model, opt, mesh, SAVE_AT)
     run["history"] += _train(model, opt, data, mesh, SAVE_AT, STEPS)
-    grads, params = _full(model, mesh, grads=True), _full(model, mesh)  # collectives: every rank
+    # collectives: every rank
+    grads, params = as_numpy(full_values(model, mesh, lambda p: p.grad)), as_numpy(full_values(model, mesh))
     logits = _global_logits(model, mesh, data.global_batch_at(STEPS)["input_ids"])
     meta = load_checkpoint(roots[load_from], model, opt, mesh)
     run["loaded"] = {"step": meta["step"], "layout": meta["layout"]}
-    loaded = _full(model, mesh)
+    loaded = as_numpy(full_values(model, mesh))
     run["resumed"] = _train(model, opt, data, mesh, SAVE_AT, STEPS)
     if name == "1x1x4":  # last: a forward that raises leaves FSDP's unsharded parameters behind
         run["refusals"] = _refusals(model, mesh, path_sliding)
@@ -148,7 +135,7 @@ def _reference(path):
     from checks import single_process_training
 
     return single_process_training(path, steps=STEPS, save_at=SAVE_AT, optimizer=_optimizer, rows=_rows(),
-                                   global_batch=GLOBAL_BATCH, mask=_mask, max_norm=MAX_NORM)
+                                   global_batch=GLOBAL_BATCH, mask=mask_some_labels, max_norm=MAX_NORM)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import logging
 import pytest
 import torch
 
+from checks import as_numpy, full_values
 from distributed import run_ranks
 
 LAYERS = 2
@@ -57,19 +58,6 @@ def _probe(model):
     return seen
 
 
-def _full(model, mesh, grads=False):
-    from fxparallel.runtime.dtensor import full_tensor
-    from fxparallel.runtime.fsdp import reshard
-
-    reshard(model)
-    return {model.plan.param(n).name: full_tensor(p.grad if grads else p, model.plan.param(n), mesh).clone()
-            for n, p in model.named_parameters()}
-
-
-def _numpy(tensors: dict) -> dict:
-    return {k: v.float().numpy() for k, v in tensors.items()}
-
-
 def _fsdp_run(path, mesh, mode="shard", mixed=None, per_layer=True, later_graph=False):
     """Wrap, step once (grads), step twice more (AdamW); with ``later_graph`` then a forward without
     labels (a graph captured after wrapping)."""
@@ -89,9 +77,9 @@ def _fsdp_run(path, mesh, mode="shard", mixed=None, per_layer=True, later_graph=
     for step in range(STEPS):
         out["losses"].append(train_step(model, opt, data.batch(step), mesh).loss)
         if step == 0:
-            out["grads"] = _numpy(_full(model, mesh, grads=True))
+            out["grads"] = as_numpy(full_values(model, mesh, lambda p: p.grad))
             out["seen_train"] = list(seen)
-    out["params"] = _numpy(_full(model, mesh))
+    out["params"] = as_numpy(full_values(model, mesh))
     if not later_graph:
         return out
     seen.clear()

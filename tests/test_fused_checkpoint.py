@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from checks import full_values
 from distributed import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -22,19 +23,6 @@ def _batch(vocab: int, step: int) -> dict:
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
     return {"input_ids": ids, "labels": ids}
-
-
-def _full(model, mesh, state=None):
-    from fxparallel.runtime.dtensor import full_tensor
-    from fxparallel.runtime.fsdp import reshard
-
-    reshard(model)
-    out = {}
-    for name, p in model.named_parameters():
-        plan = model.plan.param(name)
-        tensor = p if state is None else state.state[p][state_key]
-        out[plan.name] = full_tensor(tensor, plan, mesh).clone()
-    return out
 
 
 state_key = "exp_avg"
@@ -70,22 +58,22 @@ def _run(rank, world, paths, root):
         r["plan"] = sorted({p.placement for p in model.plan.params if "[" in p.placement})
         for step in range(2):
             _step(model, opt, mesh, step)
-        r["saved"] = _full(model, mesh)
-        r["saved_state"] = _full(model, mesh, opt)
+        r["saved"] = full_values(model, mesh)
+        r["saved_state"] = full_values(model, mesh, lambda p: opt.state[p][state_key])
         save_checkpoint(ckpt, model, opt, mesh, 2)
         r["next_loss"] = _step(model, opt, mesh, 2)
         export_pretrained(model, mesh, os.path.join(root, name, "export"))
         ids = _batch(model.config.vocab_size, 9)["input_ids"]
         r["logits"] = model(input_ids=ids).logits.detach().clone()
         load_checkpoint(ckpt, model, opt, mesh)
-        r["reloaded"] = _full(model, mesh)
+        r["reloaded"] = full_values(model, mesh)
         r["resumed_loss"] = _step(model, opt, mesh, 2)
         for tp, dp in ((4, 1), (1, 4)):
             mesh, model, opt = _setup(path, tp=tp, dp=dp)
             _step(model, opt, mesh, 0)  # creates optimizer state, then overwritten by the load
             load_checkpoint(ckpt, model, opt, mesh)
-            r[f"loaded_{dp}x{tp}"] = _full(model, mesh)
-            r[f"loaded_state_{dp}x{tp}"] = _full(model, mesh, opt)
+            r[f"loaded_{dp}x{tp}"] = full_values(model, mesh)
+            r[f"loaded_state_{dp}x{tp}"] = full_values(model, mesh, lambda p: opt.state[p][state_key])
         if rank == 0:  # as numpy: tensors would travel through shared memory that dies with the rank
             results[name] = {k: _numpy(v) for k, v in r.items()}
         else:

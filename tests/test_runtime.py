@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from checks import full_values, mask_some_labels
 from distributed import run_ranks
 
 STEPS = 3
@@ -29,13 +30,6 @@ def _rows():
     from fxparallel.runtime import pack_tokens, synthetic_token_stream
 
     return pack_tokens(synthetic_token_stream(128, 40 * SEQ, seed=3, mean_doc_len=12), SEQ)
-
-
-def _mask(batch: dict) -> dict:
-    """Mask some labels (-100), so dp ranks count different numbers of tokens."""
-    labels = batch["labels"].clone()
-    labels[batch["input_ids"] % 5 == 0] = -100
-    return {"input_ids": batch["input_ids"], "labels": labels}
 
 
 def _optimizer(params):
@@ -57,20 +51,8 @@ def _train(model, opt, data, mesh, start, stop, record):
     from fxparallel.runtime import train_step
 
     for step in range(start, stop):
-        m = train_step(model, opt, _mask(data.batch(step)), mesh, max_norm=MAX_NORM)
+        m = train_step(model, opt, mask_some_labels(data.batch(step)), mesh, max_norm=MAX_NORM)
         record.append((m.loss, m.grad_norm))
-
-
-def _full(model, mesh, grads=False):
-    from fxparallel.runtime.dtensor import full_tensor
-    from fxparallel.runtime.fsdp import reshard
-
-    reshard(model)
-    out = {}
-    for name, p in model.named_parameters():
-        plan = model.plan.param(name)
-        out[plan.name] = full_tensor(p.grad if grads else p, plan, mesh).clone()
-    return out
 
 
 def _layout_run(path, ckpt_root, tp, dp, mode="shard", save=False, export_dir=None):
@@ -86,12 +68,12 @@ def _layout_run(path, ckpt_root, tp, dp, mode="shard", save=False, export_dir=No
     history = []
     _train(model, opt, data, mesh, 0, SAVE_AT, history)
     if save:
-        run["saved_params"] = _full(model, mesh)
+        run["saved_params"] = full_values(model, mesh)
         save_checkpoint(ckpt_root, model, opt, mesh, SAVE_AT)
     _train(model, opt, data, mesh, SAVE_AT, STEPS, history)
     run["history"] = history
-    run["grads"] = _full(model, mesh, grads=True)
-    run["params"] = _full(model, mesh)
+    run["grads"] = full_values(model, mesh, lambda p: p.grad)
+    run["params"] = full_values(model, mesh)
     ids = data.global_batch_at(STEPS)["input_ids"]
     run["logits"] = model(input_ids=ids).logits.detach().clone()
     if save:
@@ -100,7 +82,7 @@ def _layout_run(path, ckpt_root, tp, dp, mode="shard", save=False, export_dir=No
         export_pretrained(model, mesh, export_dir)
     meta = load_checkpoint(ckpt_root, model, opt, mesh)  # back to step SAVE_AT, from the 2x2 layout
     run["loaded_meta"] = {k: meta[k] for k in ("step", "layout")}
-    run["loaded_params"] = _full(model, mesh)
+    run["loaded_params"] = full_values(model, mesh)
     run["resumed"] = []
     _train(model, opt, data, mesh, SAVE_AT, STEPS, run["resumed"])
     return run
@@ -213,7 +195,7 @@ def _reference(path):
     from checks import single_process_training
 
     return single_process_training(path, steps=STEPS, save_at=SAVE_AT, optimizer=_optimizer, rows=_rows(),
-                                   global_batch=GLOBAL_BATCH, mask=_mask, max_norm=MAX_NORM)
+                                   global_batch=GLOBAL_BATCH, mask=mask_some_labels, max_norm=MAX_NORM)
 
 
 # ---- fixtures: one spawn per world size --------------------------------------------------

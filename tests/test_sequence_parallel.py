@@ -47,13 +47,13 @@ def _compare(rank, tp, paths):
 
 
 @pytest.fixture(scope="module")
-def sp_checkpoints(tmp_path_factory):
-    from models import save_checkpoint, tiny_config
+def sp_checkpoints(tmp_path_factory, checkpoints):
+    from models import save_checkpoint
     from tiny_configs import tiny_config as arch_config
 
     root = tmp_path_factory.mktemp("sp")
     return {
-        "llama": save_checkpoint(tiny_config("llama"), str(root / "llama")),
+        "llama": checkpoints["llama"],  # the session's tiny Llama (conftest.py)
         "gpt2": save_checkpoint(arch_config("gpt2"), str(root / "gpt2")),
         "opt": save_checkpoint(arch_config("opt"), str(root / "opt")),
     }
