@@ -60,6 +60,11 @@ class Placement:
             return f"S({self.dim})[*{self.block}]"
         return f"S({self.dim})"
 
+    def parts(self, size) -> tuple:
+        """The sizes split on their own along the sharded dim (of ``size`` elements): the segments,
+        the block, or the whole dim."""
+        return self.segments or ((self.block,) if self.block is not None else (size,))
+
     def with_dim(self, dim: int) -> "Placement":
         """The same shard (segments or block included) on another dimension."""
         return Placement("S", dim, self.segments, self.block)

@@ -242,9 +242,10 @@ class Solver:
                 fake = i.meta["example_value"]
                 current = self._placement_of_param(i, plan)
                 if current is not None:
-                    if current != req and s.name != "fallback":
-                        return None
-                    if current != req:  # an op without a rule reads a weight already split: gather it
+                    if current != req:
+                        if s.name != "fallback":
+                            return None
+                        # an op without a rule reads a weight already split: gather it
                         comm += redistribute_bytes(current, req, self._grad_bytes(i))
                 else:
                     if req.is_replicate and fake.dim() >= 2 and i not in self.negligible:

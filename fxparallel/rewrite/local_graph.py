@@ -89,7 +89,7 @@ def uneven_sizes(node: fx.Node, p: Placement, layout) -> Optional[tuple]:
     value = node.meta.get("example_value")
     if layout is None or not p.is_shard or not isinstance(value, torch.Tensor):
         return None
-    parts = p.segments or ((p.block,) if p.block is not None else (int(value.shape[p.dim]),))
+    parts = p.parts(int(value.shape[p.dim]))
     if all(layout.is_even(s) for s in parts):
         return None
     return tuple(layout.sizes(s) for s in parts)

@@ -54,7 +54,7 @@ def pointwise_strategies(node, placements, ctx, inputs=None):
                 dims[d] = p
     strategies = []
     for d, p in dims.items():
-        parts = p.segments or ((p.block,) if p.block is not None else (out.shape[d],))
+        parts = p.parts(out.shape[d])
         if not all(ctx.can_split(s) for s in parts):
             continue
         req = {}

@@ -134,7 +134,7 @@ def _batch_strategies(node, operands, placements, ctx) -> list:
         nx = ctx.ndim(x)
         if p.is_shard and p.dim < nx - 2:
             d = p.dim + no - nx
-            parts = p.segments or ((p.block,) if p.block is not None else (ctx.size(node, d),))
+            parts = p.parts(ctx.size(node, d))
             if all(ctx.can_split(s) for s in parts):
                 req = {}
                 for y in operands:

@@ -66,7 +66,7 @@ def _mean_of_full(p, full: int):
     """A local mean divides by the local count; the all-reduced sum of the local means must be
     the mean over the full dimension: scale each by local / full."""
 
-    parts = p.segments or ((p.block,) if p.block is not None else (full,))
+    parts = p.parts(full)
 
     def rewrite(node, rctx):
         local = sum(rctx.local_size(s) for s in parts)
