@@ -1,8 +1,10 @@
-"""Distributed checkpoints of fused projections (segmented shards: Phi-3's ``qkv_proj`` and
-``gate_up_proj``, split on dim 0, where FSDP's chunk of the TP shard straddles q/k/v; GPT-2's
-Conv1D ``c_attn`` takes the same path on dim 1). Saved at dp=2 x tp=2 with AdamW state, loaded bit-exactly into
-tp=4 and into dp=4 x tp=1; resuming in the saving layout repeats the uninterrupted step; the
-consolidated export loads in transformers with the same logits."""
+"""Training and distributed checkpoints of fused projections (segmented shards: Phi-3's ``qkv_proj``
+and ``gate_up_proj``, split on dim 0, where FSDP's chunk of the TP shard straddles q/k/v; GPT-BigCode's
+multi-query ``c_attn``, whose single k and v head every rank keeps whole; GPT-2's Conv1D ``c_attn``
+takes the same path on dim 1). Two clipped AdamW steps at dp=2 x tp=2 match one process (loss and
+global grad norm); saved with AdamW state, loaded bit-exactly into tp=4 and (Phi-3) into dp=4 x tp=1;
+resuming in the saving layout repeats the uninterrupted step; the consolidated export loads in
+transformers with the same logits."""
 from __future__ import annotations
 
 import os
@@ -15,7 +17,9 @@ from distributed import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
-TYPES = ("phi3",)
+TYPES = ("phi3", "gpt_bigcode")
+# layouts the dp=2 x tp=2 checkpoint is loaded into (GPT-BigCode: where its k/v rows are whole again)
+LAYOUTS = {"phi3": ((4, 1), (1, 4)), "gpt_bigcode": ((4, 1),)}
 SEQ, BATCH = 8, 4
 
 
@@ -44,7 +48,24 @@ def _step(model, opt, mesh, step):
     batch = _batch(model.config.vocab_size, step)
     rows = batch["input_ids"].shape[0] // mesh.dp
     local = {k: v[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows] for k, v in batch.items()}
-    return train_step(model, opt, local, mesh, max_norm=1.0).loss
+    metrics = train_step(model, opt, local, mesh, max_norm=1.0)
+    return metrics.loss, metrics.grad_norm
+
+
+def _single_process(path, steps: int = 2) -> list:
+    """(loss, grad norm) of the same clipped AdamW steps in transformers' model in one process."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    history = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = model(**_batch(model.config.vocab_size, step)).loss
+        loss.backward()
+        history.append((loss.item(), torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()))
+        opt.step()
+    return history
 
 
 def _run(rank, world, paths, root):
@@ -56,8 +77,7 @@ def _run(rank, world, paths, root):
         r = {}
         mesh, model, opt = _setup(path, tp=2, dp=2)
         r["plan"] = sorted({p.placement for p in model.plan.params if "[" in p.placement})
-        for step in range(2):
-            _step(model, opt, mesh, step)
+        r["history"] = [_step(model, opt, mesh, step) for step in range(2)]
         r["saved"] = full_values(model, mesh)
         r["saved_state"] = full_values(model, mesh, lambda p: opt.state[p][state_key])
         save_checkpoint(ckpt, model, opt, mesh, 2)
@@ -68,7 +88,7 @@ def _run(rank, world, paths, root):
         load_checkpoint(ckpt, model, opt, mesh)
         r["reloaded"] = full_values(model, mesh)
         r["resumed_loss"] = _step(model, opt, mesh, 2)
-        for tp, dp in ((4, 1), (1, 4)):
+        for tp, dp in LAYOUTS[name]:
             mesh, model, opt = _setup(path, tp=tp, dp=dp)
             _step(model, opt, mesh, 0)  # creates optimizer state, then overwritten by the load
             load_checkpoint(ckpt, model, opt, mesh)
@@ -103,8 +123,12 @@ def test_fused_weights_checkpoint_across_layouts(tmp_path):
     for name in TYPES:
         r = results[0][name]
         assert r["plan"], (name, "expected segmented (fused) shards")
+        if name == "gpt_bigcode":
+            assert r["plan"] == ["S(0)[64,8R,8R]"], r["plan"]
+        for (loss, norm), (ref_loss, ref_norm) in zip(r["history"], _single_process(paths[name])):
+            assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5, (name, r["history"])
         assert _max_diff(r["reloaded"], r["saved"]) == 0.0, name
-        for layout in ("1x4", "4x1"):
+        for layout in (f"{dp}x{tp}" for tp, dp in LAYOUTS[name]):
             assert _max_diff(r[f"loaded_{layout}"], r["saved"]) == 0.0, (name, layout)
             assert _max_diff(r[f"loaded_state_{layout}"], r["saved_state"]) == 0.0, (name, layout)
         for rank in results:

@@ -8,6 +8,7 @@ import torch
 
 from ..rewrite import collectives
 from ..rewrite.functional import vocab_parallel_cross_entropy
+from .layout import uneven_split
 from .placement import Placement
 from .plan import UNUSED, CollectivePlan, ParamPlan, ShardingPlan
 from .rules.base import bytes_per_token
@@ -40,7 +41,7 @@ def _where(node, direction: str = "forward") -> str:
     """Name the module whose value a collective acts on, as a layer pattern: for the backward
     collective of a value used on shards the modules that consume it, otherwise the module
     that produced it."""
-    if node.target is collectives.copy_to_tp or (
+    if node.target in (collectives.copy_to_tp, collectives.sum_grad_rows) or (
             direction == "backward" and node.target in collectives.GRADIENT_OF_CONSUMERS):
         if node.args[0].op in ("placeholder", "get_attr"):
             return f"gradient of parameter {layer_pattern(str(node.args[0].target))}"
@@ -72,6 +73,9 @@ def collect_collectives(graph, tokens: int, tp: int) -> list:
         if source.op in ("placeholder", "get_attr"):  # a parameter: fixed size per call
             value = source.meta["example_value"]
             per_token, per_call = 0.0, float(value.numel() * value.element_size())
+            if fn is collectives.sum_grad_rows:  # only the rows of its whole segments
+                dim, ranges = node.args[1], node.args[2]
+                per_call *= sum(stop - start for start, stop in ranges) / value.shape[dim]
         else:
             per_token, per_call = bytes_per_token(source, tokens), 0.0
         for direction, kind in (("forward", fn.FORWARD), ("backward", fn.BACKWARD)):
@@ -127,9 +131,4 @@ def build_plan(model, captured, gplan: GraphPlan, graph, reduced_values, tp: int
 def _split(placement: str, shape: tuple, layout) -> tuple:
     """Per segment, each rank's size along the sharded dim if the split is uneven; () if even."""
     p = Placement.parse(placement)
-    if layout is None or not p.is_shard:
-        return ()
-    parts = p.segments or (shape[p.dim],)
-    if all(layout.is_even(s) for s in parts):
-        return ()
-    return tuple(layout.sizes(s) for s in parts)
+    return (uneven_split(p, shape[p.dim], layout) or ()) if p.is_shard else ()

@@ -32,6 +32,8 @@ def balanced(units: int, parts: int) -> tuple:
 class ShardLayout:
     tp: int
     uneven: dict = field(default_factory=dict)  # full size -> per-rank sizes (only sizes tp does not split evenly)
+    # from the config: a fused projection's part of fewer heads than ranks is kept whole (planning only)
+    head_dim: Optional[int] = field(default=None, compare=False)
 
     def sizes(self, full) -> Optional[tuple]:
         """Per-rank sizes of a dimension of ``full`` elements, or None if it cannot be split."""
@@ -70,7 +72,7 @@ class ShardLayout:
         config = text_config(config)
         heads = config_int(config, "num_attention_heads")
         kv = config_int(config, "num_key_value_heads") or heads
-        head_dim = head_dim_of(config)
+        head_dim = layout.head_dim = head_dim_of(config)
         if heads and kv and head_dim and heads % kv == 0:
             group = heads // kv
             q = None
@@ -111,6 +113,17 @@ class ShardLayout:
     @classmethod
     def from_dict(cls, tp: int, d: dict) -> "ShardLayout":
         return cls(tp, {int(k): tuple(v) for k, v in (d or {}).items()})
+
+
+def uneven_split(placement, size: int, layout: Optional[ShardLayout]) -> Optional[tuple]:
+    """Per segment (or block; the dim for a plain shard), each rank's size along ``placement``'s sharded
+    dim of ``size`` elements if the split is uneven (a whole segment: its size on every rank); None if even."""
+    if layout is None or not placement.is_shard:
+        return None
+    parts = placement.parts(size)
+    if all(layout.is_even(s) for i, s in enumerate(parts) if i not in placement.whole):
+        return None
+    return tuple((s,) * layout.tp if i in placement.whole else layout.sizes(s) for i, s in enumerate(parts))
 
 
 def text_config(config):

@@ -10,7 +10,11 @@ Three layouts are enough for tensor parallelism:
 A shard may be *segmented*: dimension ``d`` is the concatenation of segments
 (q, k and v of a fused projection, gate and up) and each segment is split on its
 own, so that each rank holds its chunk of every segment, in segment order. That
-is how a fused weight is split by head without any gather.
+is how a fused weight is split by head without any gather. A segment may be held
+*whole* by every rank (``S(0)[64,8R,8R]``): the single key and value head of
+multi-query attention (GPT-BigCode), which every rank's query heads need. Its
+value is replicated; its gradient is partial (each rank's query heads contribute
+their part), summed where it meets a weight (``rewrite/collectives.py``).
 
 A shard may be *blocked*: dimension ``d`` merges a replicated outer factor with a
 sharded inner one of ``block`` elements, as when batch and heads are flattened
@@ -30,6 +34,7 @@ class Placement:
     dim: Optional[int] = None
     segments: Optional[tuple] = None  # sizes of the segments of a segmented shard
     block: Optional[int] = None  # a blocked shard: the size of the sharded inner factor of ``dim``
+    whole: tuple = ()  # indices of the segments every rank holds whole
 
     def __post_init__(self):
         if self.kind not in ("R", "S", "P"):
@@ -38,6 +43,8 @@ class Placement:
             raise ValueError("only a shard placement has a dimension")
         if self.block is not None and self.segments:
             raise ValueError("a shard is either segmented or blocked, not both")
+        if self.whole and not (self.segments and all(0 <= i < len(self.segments) for i in self.whole)):
+            raise ValueError(f"whole segments {self.whole} of a shard with segments {self.segments}")
 
     @property
     def is_replicate(self) -> bool:
@@ -55,7 +62,8 @@ class Placement:
         if self.kind != "S":
             return self.kind
         if self.segments:
-            return f"S({self.dim})[{','.join(map(str, self.segments))}]"
+            sizes = (f"{seg}R" if i in self.whole else str(seg) for i, seg in enumerate(self.segments))
+            return f"S({self.dim})[{','.join(sizes)}]"
         if self.block is not None:
             return f"S({self.dim})[*{self.block}]"
         return f"S({self.dim})"
@@ -65,9 +73,22 @@ class Placement:
         the block, or the whole dim."""
         return self.segments or ((self.block,) if self.block is not None else (size,))
 
+    def local_parts(self, local_size) -> list:
+        """This rank's size of each segment: ``local_size(segment)``, or the segment for a whole one."""
+        return [seg if i in self.whole else local_size(seg) for i, seg in enumerate(self.segments)]
+
+    def whole_ranges(self, local_size) -> list:
+        """[start, stop) of each whole segment in this rank's shard."""
+        ranges, offset = [], 0
+        for i, n in enumerate(self.local_parts(local_size)):
+            if i in self.whole:
+                ranges.append((offset, offset + n))
+            offset += n
+        return ranges
+
     def with_dim(self, dim: int) -> "Placement":
         """The same shard (segments or block included) on another dimension."""
-        return Placement("S", dim, self.segments, self.block)
+        return Placement("S", dim, self.segments, self.block, self.whole)
 
     __str__ = __repr__
 
@@ -81,7 +102,9 @@ class Placement:
             return Placement("S", int(head[2:]), block=int(block))
         if text.startswith("S(") and text.endswith("]") and ")[" in text:
             head, segs = text[:-1].split(")[")
-            return Placement("S", int(head[2:]), tuple(int(x) for x in segs.split(",")))
+            segs = segs.split(",")
+            return Placement("S", int(head[2:]), tuple(int(x.rstrip("R")) for x in segs),
+                             whole=tuple(i for i, x in enumerate(segs) if x.endswith("R")))
         if text.startswith("S(") and text.endswith(")"):
             return Placement("S", int(text[2:-1]))
         raise ValueError(f"cannot parse placement {text!r}")
@@ -91,20 +114,25 @@ R = Placement("R")
 P = Placement("P")
 
 
-def S(dim: int, segments: Optional[tuple] = None, block: Optional[int] = None) -> Placement:
-    return Placement("S", dim, tuple(segments) if segments else None, block)
+def S(dim: int, segments: Optional[tuple] = None, block: Optional[int] = None, whole: tuple = ()) -> Placement:
+    return Placement("S", dim, tuple(segments) if segments else None, block, tuple(whole))
 
 
-def shard_pieces(size: int, rank: int, tp: int, segments: Optional[tuple] = None, split: Optional[tuple] = None) -> list:
+def shard_pieces(size: int, rank: int, tp: int, segments: Optional[tuple] = None, split: Optional[tuple] = None,
+                 whole: tuple = ()) -> list:
     """[(start, stop) in the full dimension] that rank holds, in local order.
 
     ``split``: per segment (one for a plain shard), the per-rank sizes of an uneven split
-    (``layout.ShardLayout``); without it every rank holds ``segment // tp``."""
+    (``layout.ShardLayout``); without it every rank holds ``segment // tp``. A ``whole``
+    segment (by index) is held entire by every rank."""
     pieces, offset = [], 0
     for i, seg in enumerate(segments or (size,)):
-        sizes = split[i] if split else (seg // tp,) * tp
-        start = offset + sum(sizes[:rank])
-        pieces.append((start, start + sizes[rank]))
+        if i in whole:
+            pieces.append((offset, offset + seg))
+        else:
+            sizes = split[i] if split else (seg // tp,) * tp
+            start = offset + sum(sizes[:rank])
+            pieces.append((start, start + sizes[rank]))
         offset += seg
     return pieces
 

@@ -46,6 +46,8 @@ class ParamPlan:
             if rank is None:
                 raise ValueError(f"{self.name} is split unevenly ({self.split_text()}): its shape depends on the rank")
             shape[p.dim] = sum(sizes[rank] for sizes in self.split)
+        elif p.whole:
+            shape[p.dim] = sum(p.local_parts(lambda seg: seg // tp))
         else:
             shape[p.dim] //= tp
         return tuple(shape)
@@ -71,7 +73,7 @@ class ParamPlan:
         if not p.is_shard:
             return [(tuple(full), tuple(full))]
         out, offset = [], 0
-        for start, stop in shard_pieces(self.shape[p.dim], rank, tp, p.segments, self.split or None):
+        for start, stop in shard_pieces(self.shape[p.dim], rank, tp, p.segments, self.split or None, p.whole):
             src, dst = list(full), list(full)
             src[p.dim] = slice(start, stop)
             dst[p.dim] = slice(offset, offset + stop - start)

@@ -46,7 +46,7 @@ from ..capture.graph import CapturedGraph
 from .grad_reduction import reduction_point
 from .placement import R, Placement, is_sharded
 from .rules import RuleContext, Strategy, rule_for, tensor_inputs
-from .rules.base import requires_block, requires_grad
+from .rules.base import requires_block, requires_grad, requires_whole
 from .layout import ShardLayout  # noqa: I001 (kept apart from the imports above to keep merges clean)
 
 INFEASIBLE = float("inf")
@@ -193,6 +193,8 @@ class Solver:
         strategies = rule(node, in_pl, self.ctx) if rule else []
         if not getattr(rule, "handles_blocks", False):  # a rule unaware of blocked shards must not get one
             strategies = [s for s in strategies if not requires_block(s)]
+        if not getattr(rule, "handles_whole", False):  # nor of whole segments
+            strategies = [s for s in strategies if not requires_whole(s)]
         options = []
         for index, s in enumerate(strategies):
             key = self._cost(s, plan, in_pl, index, node)
@@ -262,7 +264,7 @@ class Solver:
                 comm += cost
             if in_pl[i] is not None and in_pl[i].is_replicate and (out_sharded or (req is not None and req.is_shard)):
                 point = self._reduction_point(i, plan)
-                if requires_grad(i) and point not in plan.grad_reduced:
+                if requires_grad(i) and point not in plan.grad_reduced and not _whole_segment(point, plan):
                     comm += self.ctx.bytes_per_token(point)
             elif _made_whole_for_shards(in_pl[i], req, out_sharded) and requires_grad(i) \
                     and (i, R) not in plan.grad_reduced:
@@ -308,6 +310,18 @@ class Solver:
             plan.fallbacks.append((_describe(node), s.note or "no sharding rule: inputs gathered"))
         plan.strategies[node] = s
         plan.placements[node] = s.output
+
+
+def _whole_segment(node, plan: GraphPlan) -> bool:
+    """Is ``node`` a whole segment taken out of a fused projection (``fused[..., a:b]`` or a split's
+    item)? Its gradient may stay partial: the rewrite sums it at the weight, not per token."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    source = node.args[0]
+    if isinstance(plan.placements.get(source), tuple):
+        source = source.args[0]
+    p = plan.placements.get(source)
+    return isinstance(p, Placement) and bool(p.whole)
 
 
 def negligible_matrices(param_nodes: dict) -> set:

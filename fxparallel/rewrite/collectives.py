@@ -8,6 +8,14 @@ Each op states which collective it runs in the forward and in the backward pass
 * ``all_gather``:   forward all-gather,  backward local slice (shard -> replicated)
 * ``local_chunk``:  forward local slice, backward zero-padding (replicated -> shard, no communication)
 
+A segment held whole by every rank (``plan/placement.py``) has a replicated value and a
+partial gradient. Two ops keep that true:
+
+* ``partial_grad``:   forward identity, backward: the first rank keeps the (replicated)
+  gradient, the others send zero (replicated -> partial, no communication)
+* ``sum_grad_rows``:  forward identity, backward all-reduce of the whole segments' rows of a
+  weight's gradient (once per step, not per token)
+
 Sequence parallelism (``fxparallel.rewrite.sequence_parallel``) adds three ops on the
 token dimension of activations (``dim``; with ``batch`` given, ``dim`` merges batch and
 sequence, batch outermost, and the op acts on the sequence inside it):
@@ -40,12 +48,14 @@ def _all_reduce(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x
 
 
-def _split_sizes(full_parts, tp: int, sizes=None) -> list:
-    """Per segment, each rank's size: ``sizes`` when uneven, else ``segment // tp``."""
-    return [list(s) for s in sizes] if sizes else [[seg // tp] * tp for seg in full_parts]
+def _split_sizes(full_parts, tp: int, sizes=None, whole=()) -> list:
+    """Per segment, each rank's size: ``sizes`` when uneven, else ``segment // tp`` (the segment if whole)."""
+    if sizes:
+        return [list(s) for s in sizes]
+    return [[seg] * tp if i in whole else [seg // tp] * tp for i, seg in enumerate(full_parts)]
 
 
-def _all_gather(x: torch.Tensor, dim: int, handle: int, segments=None, sizes=None) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, handle: int, segments=None, sizes=None, whole=()) -> torch.Tensor:
     group = group_by_handle(handle)
     if group.size == 1:
         return x
@@ -67,20 +77,28 @@ def _all_gather(x: torch.Tensor, dim: int, handle: int, segments=None, sizes=Non
         dist.all_gather(parts, x, group=group.process_group)
     if not segments and not sizes:
         return torch.cat(parts, dim=dim)
-    # each rank holds its part of every segment: regroup segment by segment
-    per_segment = _split_sizes(segments or (None,), group.size, sizes)
+    # each rank holds its part of every segment: regroup segment by segment (a whole one from the first rank)
+    per_segment = _split_sizes(segments or (None,), group.size, sizes, whole)
     split = [p.split([s[r] for s in per_segment], dim=dim) for r, p in enumerate(parts)]
-    return torch.cat([split[r][i] for i in range(len(per_segment)) for r in range(group.size)], dim=dim)
+    return torch.cat([split[r][i] for i in range(len(per_segment))
+                      for r in (range(1) if i in whole else range(group.size))], dim=dim)
 
 
-def _chunk(x: torch.Tensor, dim: int, handle: int, segments=None, sizes=None) -> torch.Tensor:
+def _chunk(x: torch.Tensor, dim: int, handle: int, segments=None, sizes=None, whole=(), whole_grad=False):
+    """This rank's part of every segment of ``x``; a whole segment entire (or, with ``whole_grad``, for
+    the gradient of a gather: entire on the first rank and zero on the others, since it is partial)."""
     group = group_by_handle(handle)
     if group.size == 1:
         return x
     dim = dim % x.dim()
-    per_segment = _split_sizes(segments or (x.shape[dim],), group.size, sizes)
+    per_segment = _split_sizes(segments or (x.shape[dim],), group.size, sizes, whole)
     pieces, offset = [], 0
-    for s in per_segment:
+    for i, s in enumerate(per_segment):
+        if i in whole:
+            piece = x.narrow(dim, offset, s[0])
+            pieces.append(torch.zeros_like(piece) if whole_grad and group.rank else piece)
+            offset += s[0]
+            continue
         pieces.append(x.narrow(dim, offset + sum(s[:group.rank]), s[group.rank]))
         offset += sum(s)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
@@ -177,14 +195,45 @@ class _CopyToTP(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, handle, segments, sizes):
-        ctx.dim, ctx.handle, ctx.segments, ctx.sizes = dim, handle, segments, sizes
-        return _all_gather(x, dim, handle, segments, sizes)
+    def forward(ctx, x, dim, handle, segments, sizes, whole):
+        ctx.args = (dim, handle, segments, sizes, whole)
+        return _all_gather(x, dim, handle, segments, sizes, whole)
 
     @staticmethod
     def backward(ctx, grad):
-        return _chunk(grad, ctx.dim, ctx.handle, ctx.segments, ctx.sizes).contiguous(), None, None, None, None
+        return (_chunk(grad, *ctx.args, whole_grad=True).contiguous(),) + (None,) * 5
 
+
+class _PartialGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, handle):
+        ctx.handle = handle
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (torch.zeros_like(grad) if group_by_handle(ctx.handle).rank else grad), None
+
+
+class _SumGradRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, dim, ranges, handle):
+        ctx.args = (dim, ranges, handle)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, ranges, handle = ctx.args
+        if group_by_handle(handle).size == 1:
+            return grad, None, None, None
+        grad = grad.clone()
+        rows = [grad.narrow(dim, start, stop - start) for start, stop in ranges]
+        summed = _all_reduce(torch.cat([r.reshape(-1) for r in rows]), handle)
+        offset = 0
+        for r in rows:
+            r.copy_(summed[offset:offset + r.numel()].view_as(r))
+            offset += r.numel()
+        return grad, None, None, None
 
 def all_reduce(x, handle):
     return _AllReduce.apply(x, handle)
@@ -194,12 +243,22 @@ def copy_to_tp(x, handle):
     return _CopyToTP.apply(x, handle)
 
 
-def all_gather(x, dim, handle, segments=None, sizes=None):
-    return _AllGather.apply(x, dim, handle, segments, sizes)
+def all_gather(x, dim, handle, segments=None, sizes=None, whole=()):
+    return _AllGather.apply(x, dim, handle, segments, sizes, whole)
 
 
-def local_chunk(x, dim, handle, segments=None, sizes=None):
-    return _chunk(x, dim, handle, segments, sizes)
+def local_chunk(x, dim, handle, segments=None, sizes=None, whole=()):
+    return _chunk(x, dim, handle, segments, sizes, whole)
+
+
+def partial_grad(x, handle):
+    return _PartialGrad.apply(x, handle)
+
+
+def sum_grad_rows(w, dim, ranges, handle):
+    """``w`` (a weight with whole segments, ``ranges``: their [start, stop) along ``dim``) whose gradient
+    rows there are summed over the ranks in the backward pass."""
+    return _SumGradRows.apply(w, dim, ranges, handle)
 
 
 def reduce_scatter_seq(x, dim, handle, batch=None):
@@ -218,10 +277,12 @@ all_reduce.FORWARD, all_reduce.BACKWARD = "all_reduce", None
 copy_to_tp.FORWARD, copy_to_tp.BACKWARD = None, "all_reduce"
 all_gather.FORWARD, all_gather.BACKWARD = "all_gather", None
 local_chunk.FORWARD, local_chunk.BACKWARD = None, None
+partial_grad.FORWARD, partial_grad.BACKWARD = None, None
+sum_grad_rows.FORWARD, sum_grad_rows.BACKWARD = None, "all_reduce"
 reduce_scatter_seq.FORWARD, reduce_scatter_seq.BACKWARD = "reduce_scatter", "all_gather"
 gather_seq_to_tp.FORWARD, gather_seq_to_tp.BACKWARD = "all_gather", "reduce_scatter"
 gather_seq.FORWARD, gather_seq.BACKWARD = "all_gather", None
 
-COLLECTIVE_OPS = (all_reduce, copy_to_tp, all_gather, reduce_scatter_seq, gather_seq_to_tp, gather_seq)
+COLLECTIVE_OPS = (all_reduce, copy_to_tp, all_gather, reduce_scatter_seq, gather_seq_to_tp, gather_seq, sum_grad_rows)
 GRADIENT_OF_CONSUMERS = (copy_to_tp, gather_seq_to_tp)
 """Ops whose backward collective acts on the gradient their (sharded) consumers send back."""

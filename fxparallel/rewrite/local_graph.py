@@ -30,7 +30,7 @@ from ..plan.grad_reduction import reduction_point
 from ..plan.placement import R, Placement, is_sharded
 from ..plan.rules.base import requires_grad
 from ..plan.solver import GraphPlan
-from ..plan.layout import ShardLayout  # noqa: I001
+from ..plan.layout import ShardLayout, uneven_split  # noqa: I001
 from . import collectives
 
 
@@ -75,6 +75,25 @@ class RewriteContext:
     def full_size(node: fx.Node, dim: int) -> int:
         return int(node.meta["example_value"].shape[dim])
 
+    def local_parts(self, p: Placement) -> list:
+        """This rank's size of each segment of the segmented shard ``p`` (a whole one entire)."""
+        return p.local_parts(self.local_size)
+
+    def sum_grad_rows(self, node: fx.Node, weight: fx.Node, p: Placement) -> None:
+        """Make ``node`` read ``weight`` (placed ``p``, with whole segments) through ``sum_grad_rows``:
+        the whole segments' gradient is partial on each rank and summed there."""
+        with self.graph.inserting_before(node):
+            summed = self.graph.call_function(collectives.sum_grad_rows, (
+                weight, p.dim, p.whole_ranges(self.local_size), self.group_handle))
+        summed.meta["example_value"] = weight.meta.get("example_value")
+        node.replace_input_with(weight, summed)
+
+    def partial_grad_after(self, node: fx.Node) -> None:
+        """A whole segment taken out as a replicated value: its gradient goes back partial (``partial_grad``)."""
+        with self.graph.inserting_after(node):
+            partial = self.graph.call_function(collectives.partial_grad, (node, self.group_handle))
+        self.replace_uses(node, partial)
+
     def all_reduce_after(self, node: fx.Node) -> fx.Node:
         with self.graph.inserting_after(node):
             reduced = self.graph.call_function(collectives.all_reduce, (node, self.group_handle))
@@ -87,12 +106,9 @@ def uneven_sizes(node: fx.Node, p: Placement, layout) -> Optional[tuple]:
     """Per-rank sizes of ``node``'s shard ``p``, one tuple per segment (or of its block), if uneven;
     None if even."""
     value = node.meta.get("example_value")
-    if layout is None or not p.is_shard or not isinstance(value, torch.Tensor):
+    if not p.is_shard or not isinstance(value, torch.Tensor):
         return None
-    parts = p.parts(int(value.shape[p.dim]))
-    if all(layout.is_even(s) for s in parts):
-        return None
-    return tuple(layout.sizes(s) for s in parts)
+    return uneven_split(p, int(value.shape[p.dim]), layout)
 
 
 def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: int, before: fx.Node,
@@ -107,12 +123,12 @@ def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: 
         elif src.is_shard and dst != src:
             steps += _blockwise(graph, value, src, layout.local(src.block, rank) if src.block else None,
                                 lambda v, d: graph.call_function(collectives.all_gather, (
-                                    v, d, handle, src.segments, uneven_sizes(node, src, layout))))
+                                    v, d, handle, src.segments, uneven_sizes(node, src, layout), src.whole)))
             value = steps[-1]
         if dst.is_shard:
             steps += _blockwise(graph, value, dst, dst.block,
                                 lambda v, d: graph.call_function(collectives.local_chunk, (
-                                    v, d, handle, dst.segments, uneven_sizes(node, dst, layout))))
+                                    v, d, handle, dst.segments, uneven_sizes(node, dst, layout), dst.whole)))
     for s in steps:
         s.meta["example_value"] = node.meta.get("example_value")
     return steps
@@ -187,7 +203,8 @@ def _hoist_reductions(sharded_consumers: dict) -> dict:
         for value, users in list(consumers.items()):
             if value.op not in ("call_function", "call_method") or set(value.users) != set(users):
                 continue
-            if value.target in collectives.COLLECTIVE_OPS or value.target is collectives.local_chunk:
+            if value.target in collectives.COLLECTIVE_OPS or value.target in (collectives.local_chunk,
+                                                                               collectives.partial_grad):
                 continue
             sources = [n for n in value.all_input_nodes if requires_grad(n)]  # ids, masks: no gradient
             if len(sources) != 1:
@@ -205,6 +222,12 @@ def insert_gradient_reductions(graph: fx.Graph, sharded_consumers: dict, handle:
     reduced = []
     for value, consumers in sharded_consumers.items():
         if not requires_grad(value):
+            continue
+        if value.target is collectives.partial_grad and set(value.users) <= set(consumers):
+            # a whole segment used only on shards: its gradient is already partial, as the weight
+            # it came from expects (plan/placement.py): neither all-reduce it nor keep one rank's
+            value.replace_all_uses_with(value.args[0])
+            graph.erase_node(value)
             continue
         point = reduction_point(value, lambda n: isinstance(gplan.placements.get(n), Placement)
                                 and gplan.placements[n].is_replicate)

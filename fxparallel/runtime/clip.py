@@ -5,7 +5,8 @@ Each element of the full model's gradient must be counted exactly once:
 * TP-sharded parameters (``S(d)``): every tp rank holds a different slice, so their
   squares are summed over tp.
 * TP-replicated parameters (``R``): every tp rank holds the same complete gradient,
-  so only tp rank 0 contributes (summing over tp would count them tp times).
+  so only tp rank 0 contributes (summing over tp would count them tp times). The
+  whole segments of a fused weight (``S(0)[64,8R,8R]``) are the same: tp rank 0 only.
 * FSDP shards (DTensor ``Shard(0)`` over dp x cp) are disjoint: summed over dp x cp.
   In replicate mode (or without FSDP) every dp x cp rank holds the same gradient,
   so only dp x cp rank 0 contributes.
@@ -20,11 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
+from ..plan.placement import Placement
 from .dtensor import dp_placement, local_part
 
 
 def _grads_with_multiplicity(model, mesh):
-    """(local gradient tensor, counts here?) for every parameter with a gradient."""
+    """(local gradient tensor, counts here?, [its whole-segment rows, counted elsewhere]) for every
+    parameter with a gradient."""
     out = []
     for name, param in model.named_parameters():
         if param.grad is None:
@@ -33,8 +36,29 @@ def _grads_with_multiplicity(model, mesh):
         tp_replicated = not plan.placement.startswith("S")
         dp_replicated = not isinstance(dp_placement(param.grad), Shard)
         counts = (not tp_replicated or mesh.tp_rank == 0) and (not dp_replicated or mesh.dp_cp_rank == 0)
-        out.append((local_part(param.grad), counts))
+        grad = local_part(param.grad)
+        out.append((grad, counts, _whole_rows(plan, grad, not dp_replicated, mesh) if mesh.tp_rank else []))
     return out
+
+
+def _whole_rows(plan, grad, fsdp_sharded: bool, mesh) -> list:
+    """The parts of ``grad`` (this rank's gradient of ``plan``'s parameter) that are whole segments,
+    as views: the same on every tp rank."""
+    p = Placement.parse(plan.placement)
+    if not p.whole:
+        return []
+    pieces = plan.pieces(mesh.tp_rank, mesh.tp)
+    ranges = [(pieces[i][1][p.dim].start, pieces[i][1][p.dim].stop) for i in p.whole]
+    offset = 0
+    if p.dim == 0 and fsdp_sharded:  # FSDP holds one torch.chunk of the tp shard's rows
+        rows = plan.local_shape(mesh.tp, mesh.tp_rank)[0]
+        offset = mesh.dp_cp_rank * -(-rows // mesh.dp_cp_size)
+    views = []
+    for start, stop in ranges:
+        start, stop = max(start - offset, 0), min(stop - offset, grad.shape[p.dim])
+        if stop > start:
+            views.append(grad.narrow(p.dim, start, stop - start))
+    return views
 
 
 def global_grad_norm(model, mesh, norm_type: float = 2.0) -> torch.Tensor:
@@ -44,15 +68,17 @@ def global_grad_norm(model, mesh, norm_type: float = 2.0) -> torch.Tensor:
     device = mesh.device
     if math.isinf(norm_type):
         local = torch.zeros((), dtype=torch.float32, device=device)
-        for g, _ in grads:  # max is insensitive to counting twice
+        for g, _, _ in grads:  # max is insensitive to counting twice
             if g.numel():
                 local = torch.maximum(local, g.detach().abs().max().float())
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
         return local
     total = torch.zeros((), dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
-    for g, counts in grads:
+    for g, counts, counted_elsewhere in grads:
         if counts and g.numel():
             total += g.detach().float().abs().pow(norm_type).sum().to(total.dtype)
+            for part in counted_elsewhere:
+                total -= part.detach().float().abs().pow(norm_type).sum().to(total.dtype)
     dist.all_reduce(total)
     return total.pow(1.0 / norm_type).float()
 

@@ -87,12 +87,12 @@ def segment_views(tensor, plan_param, mesh):
     if isinstance(tp_shard, DTensor):
         tp_shard = tp_shard.full_tensor()
     views, offset = {}, 0
-    for i, seg in enumerate(p.segments):
-        local = seg // mesh.tp
+    for i, local in enumerate(p.local_parts(lambda seg: seg // mesh.tp)):
         shape = list(plan_param.shape)
-        shape[p.dim] = seg
+        shape[p.dim] = p.segments[i]
         piece = tp_shard.narrow(p.dim, offset, local)
-        views[i] = DTensor.from_local(piece, mesh.tp_dp_mesh, (Shard(p.dim), Replicate()), run_check=False,
+        tp = Replicate() if i in p.whole else Shard(p.dim)  # a whole segment: the same on every tp rank
+        views[i] = DTensor.from_local(piece, mesh.tp_dp_mesh, (tp, Replicate()), run_check=False,
                                       shape=torch.Size(shape), stride=_contiguous_stride(tuple(shape)))
         offset += local
 
@@ -113,11 +113,11 @@ def full_tensor(tensor, plan_param, mesh) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()  # this rank's whole TP shard
     refuse_uneven(plan_param)
-    segments = segments_of(plan_param)
-    if segments:
-        dim = Placement.parse(plan_param.placement).dim
-        pieces = tensor.split([seg // mesh.tp for seg in segments], dim=dim)
-        return torch.cat([_gather_tp(piece, dim, mesh) for piece in pieces], dim=dim)
+    p = Placement.parse(plan_param.placement)
+    if p.segments:
+        pieces = tensor.split(p.local_parts(lambda seg: seg // mesh.tp), dim=p.dim)
+        return torch.cat([piece if i in p.whole else _gather_tp(piece, p.dim, mesh) for i, piece in enumerate(pieces)],
+                         dim=p.dim)
     placement = tp_placement(plan_param)
     if isinstance(placement, Replicate) or mesh.tp == 1:
         return tensor

@@ -51,6 +51,10 @@ class RuleContext:
     def can_split(self, size) -> bool:
         return self.split_sizes(size) is not None
 
+    @property
+    def head_dim(self) -> Optional[int]:
+        return self.layout.head_dim if self.layout is not None else None
+
     def fake(self, node) -> Optional[torch.Tensor]:
         if isinstance(node, fx.Node):
             value = node.meta.get("example_value")
@@ -109,6 +113,17 @@ def handles_blocks(fn: Rule) -> Rule:
 
 def requires_block(strategy: "Strategy") -> bool:
     return any(isinstance(p, Placement) and p.block is not None for p in strategy.inputs.values())
+
+
+def handles_whole(fn: Rule) -> Rule:
+    """Mark a rule that keeps the whole segments of a segmented shard (``placement.py``) right. The
+    solver offers such a value to these rules only; any other op reads it gathered."""
+    fn.handles_whole = True
+    return fn
+
+
+def requires_whole(strategy: "Strategy") -> bool:
+    return any(isinstance(p, Placement) and p.whole for p in strategy.inputs.values())
 
 
 def rule_for(node: fx.Node) -> Optional[Rule]:

@@ -6,6 +6,10 @@ Sharding such a weight contiguously would give rank 0 all of q and rank 1 all of
 v; sharding each part (segment) on its own keeps every rank's heads together.
 This analysis follows the output through shape-preserving ops to the split and
 returns the segment sizes, which the linear rule turns into a segmented shard.
+
+A part of fewer heads than ranks (multi-query attention's single key and value head)
+cannot be split by head: every rank keeps it whole (``whole_segments``) and computes it
+itself, which is cheaper than gathering it: it is a small share of the projection.
 """
 from __future__ import annotations
 
@@ -15,8 +19,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-_TRANSPARENT_METHODS = {"to", "float", "half", "bfloat16", "contiguous", "view", "reshape", "add", "mul"}
-_TRANSPARENT_FUNCS = {operator.add, operator.mul, torch.add, torch.nn.functional.dropout}
+_TRANSPARENT_METHODS = {"to", "float", "half", "bfloat16", "contiguous", "view", "reshape", "add", "mul", "unsqueeze"}
+_TRANSPARENT_FUNCS = {operator.add, operator.mul, torch.add, torch.nn.functional.dropout, torch.unsqueeze}
 
 
 def _value(node):
@@ -57,9 +61,30 @@ def _cuts(node: fx.Node, size: int) -> Optional[set]:
 
 
 def output_segments(node: fx.Node, tp: int, can_split=None) -> Optional[tuple]:
-    """Segment sizes of a matmul's output features if it is fused, else None (cached on the node).
+    """Segment sizes of a matmul's output features if it is fused and every part splits, else None.
 
     ``can_split(size)``: can one segment be split over the ranks (default: tp divides it)."""
+    segments = _fused_parts(node)
+    if segments and all(can_split(s) if can_split else s % tp == 0 for s in segments):
+        return segments
+    return None
+
+
+def whole_segments(node: fx.Node, tp: int, head_dim: Optional[int], can_split) -> Optional[tuple]:
+    """(segments, indices of the whole ones) of a fused matmul output with parts of fewer heads
+    than ranks, the other parts splitting over the ranks; None otherwise."""
+    segments = _fused_parts(node)
+    if not segments or not head_dim or tp < 2:
+        return None
+    whole = tuple(i for i, s in enumerate(segments) if s % head_dim == 0 and s // head_dim < tp)
+    rest = [s for i, s in enumerate(segments) if i not in whole]
+    if not whole or not rest or not all(can_split(s) for s in rest):
+        return None
+    return segments, whole
+
+
+def _fused_parts(node: fx.Node) -> Optional[tuple]:
+    """Sizes of the parts a matmul's output features are split into later, or None (cached on the node)."""
     if "fxparallel_segments" in node.meta:
         return node.meta["fxparallel_segments"]
     size = _last_dim_size(node)
@@ -82,7 +107,5 @@ def output_segments(node: fx.Node, tp: int, can_split=None) -> Optional[tuple]:
     if cuts:
         bounds = [0] + sorted(cuts) + [size]
         segments = tuple(b - a for a, b in zip(bounds, bounds[1:]))
-        if not all(can_split(s) if can_split else s % tp == 0 for s in segments):
-            segments = None
     node.meta["fxparallel_segments"] = segments
     return segments

@@ -5,6 +5,9 @@ column-parallel (weight split on output features; replicated input -> sharded
 output) and row-parallel (weight split on input features; sharded input ->
 partial output, reduced later). A row-parallel bias is added once, after the
 all-reduce. Replication is always available; the solver decides by cost.
+
+A fused projection with a part of fewer heads than ranks (multi-query attention's k and
+v) is column-parallel with that part whole on every rank (``fused.whole_segments``).
 """
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ import torch
 import torch.fx as fx
 
 from ..placement import P, R, S
-from .base import Strategy, arg, handles_blocks, register, tensor_inputs
-from .fused import output_segments
+from .base import Strategy, arg, handles_blocks, handles_whole, register, tensor_inputs
+from .fused import output_segments, whole_segments
 
 
 def _bias_after_reduce(bias_index: int, dense_target=None):
@@ -40,6 +43,28 @@ def _bias_after_reduce(bias_index: int, dense_target=None):
     return apply
 
 
+def _sum_whole_grads(*operands):
+    """Rewrite: ``node`` reads each (operand, placement) with whole segments through ``sum_grad_rows``."""
+
+    def apply(node, rctx):
+        for operand, p in operands:
+            rctx.sum_grad_rows(node, operand, p)
+
+    return apply
+
+
+def _column_with_whole(node, ctx, x, weights: dict, out_dim: int, note: str) -> list:
+    """The column strategy of a fused projection with whole parts (``weights``: operand -> its sharded dim)."""
+    found = whole_segments(node, ctx.tp, ctx.head_dim, ctx.can_split)
+    if not found:
+        return []
+    segments, whole = found
+    placed = {w: S(d, segments, whole=whole) for w, d in weights.items()}
+    return [Strategy({x: R, **placed}, S(out_dim, segments, whole=whole), name="column",
+                     rewrite=_sum_whole_grads(*placed.items()),
+                     note=f"{note} (fused: {len(segments)} parts, {len(whole)} kept whole: fewer heads than ranks)")]
+
+
 def _linear(node, placements, ctx):
     x = arg(node, 0, "input")
     w = arg(node, 1, "weight")
@@ -54,6 +79,8 @@ def _linear(node, placements, ctx):
     strategies = []
     nbytes = ctx.bytes_per_token(node)
     segments = output_segments(node, ctx.tp, ctx.can_split)
+    # whole parts first: the search is depth-first and the split kv heads would be gathered downstream
+    strategies += _column_with_whole(node, ctx, x, {w: 0, **{k: 0 for k in bias}}, last, "column-parallel linear")
     if segments or ctx.can_split(out_features):
         note = "column-parallel linear" + (f" (fused: {len(segments)} parts split alike)" if segments else "")
         strategies.append(Strategy({x: R, w: S(0, segments), **{k: S(0, segments) for k in bias}},
@@ -67,12 +94,12 @@ def _linear(node, placements, ctx):
             strategies.append(Strategy({x: S(ctx.ndim(x) - 1), w: S(1)}, P, note="row-parallel linear",
                                        own_bytes=nbytes, name="row"))
     if px.is_shard and px.dim != ctx.ndim(x) - 1:
-        strategies.append(Strategy({x: px, w: R, **{k: R for k in bias}}, S(px.dim), note="replicated linear on a sharded batch", name="batch"))
+        strategies.append(Strategy({x: px, w: R, **{k: R for k in bias}}, px, note="replicated linear on a sharded batch", name="batch"))
     strategies.append(Strategy({x: R, w: R, **{k: R for k in bias}}, R, note="replicated linear", name="replicate"))
     return strategies
 
 
-register(torch._C._nn.linear, torch.nn.functional.linear)(_linear)
+register(torch._C._nn.linear, torch.nn.functional.linear)(handles_whole(_linear))
 
 
 def _addmm(node, placements, ctx):
@@ -83,6 +110,8 @@ def _addmm(node, placements, ctx):
     nbytes = ctx.bytes_per_token(node)
     strategies = []
     segments = output_segments(node, ctx.tp, ctx.can_split)
+    # whole parts first: the search is depth-first and the split kv heads would be gathered downstream
+    strategies += _column_with_whole(node, ctx, x, {b: ctx.ndim(b) - 1, w: 1}, 1, "column-parallel (Conv1D)")
     if segments or ctx.can_split(out_features):
         note = "column-parallel (Conv1D)" + (f" (fused: {len(segments)} parts split alike)" if segments else "")
         strategies.append(Strategy({b: S(ctx.ndim(b) - 1, segments), x: R, w: S(1, segments)}, S(1, segments),
@@ -95,7 +124,7 @@ def _addmm(node, placements, ctx):
     return strategies
 
 
-register(torch.addmm)(_addmm)
+register(torch.addmm)(handles_whole(_addmm))
 
 
 def _matmul(node, placements, ctx):

@@ -7,10 +7,12 @@ the input is gathered.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..placement import R, S
-from .base import Strategy, arg, norm_dim, register, tensor_inputs
+from .base import Strategy, arg, handles_whole, norm_dim, register, tensor_inputs
 
 
 def _along(node, placements, ctx, dim_index, dim_name, default_dim, n_out, keeps_dim=True):
@@ -27,18 +29,21 @@ def _along(node, placements, ctx, dim_index, dim_name, default_dim, n_out, keeps
         strategies.append(Strategy({x: p}, tuple(p.with_dim(out_dim) for _ in range(n))))
     elif p.is_shard and p.segments and node.target in ("split", "chunk", torch.split, torch.chunk):
         sizes = tuple(int(v.shape[dim]) for v in value)
-        if sizes == tuple(p.segments):
-            strategies.append(Strategy({x: p}, tuple(S(dim) for _ in range(n)), rewrite=_local_split_sizes(sizes),
-                                       note="split of a fused projection into its segments"))
+        is_split = node.target in ("split", torch.split)
+        if sizes == tuple(p.segments) and (is_split or not p.whole):
+            # a whole segment comes out replicated (plan/placement.py)
+            strategies.append(Strategy({x: p}, tuple(R if i in p.whole else S(dim) for i in range(n)),
+                                       rewrite=_local_split_sizes(p), note="split of a fused projection into its "
+                                       "segments"))
     strategies.append(Strategy({i: R for i in tensor_inputs(node)}, tuple(R for _ in range(n))))
     return strategies
 
 
-def _local_split_sizes(segments):
+def _local_split_sizes(p):
     def apply(node, rctx):
         args = list(node.args)
         if node.target in ("split", torch.split):
-            local = [rctx.local_size(v) for v in segments]  # this rank's part of each segment (may be uneven)
+            local = rctx.local_parts(p)  # this rank's part of each segment (may be uneven; a whole one entire)
             if len(args) > 1:
                 args[1] = local
                 node.args = tuple(args)
@@ -46,6 +51,9 @@ def _local_split_sizes(segments):
                 key = "split_size_or_sections" if "split_size_or_sections" in node.kwargs else "split_size"
                 node.kwargs = {**node.kwargs, key: local}
         # chunk(k): equal segments have equal local parts (same size, same split)
+        for user in list(node.users):
+            if user.target is operator.getitem and user.args[1] in p.whole:
+                rctx.partial_grad_after(user)
 
     return apply
 
@@ -66,7 +74,7 @@ def _sort(node, placements, ctx):
     return _along(node, placements, ctx, 1, "dim", -1, 2)
 
 
-register("chunk", "split", "tensor_split", torch.chunk, torch.split, torch.tensor_split)(_chunk)
+register("chunk", "split", "tensor_split", torch.chunk, torch.split, torch.tensor_split)(handles_whole(_chunk))
 register("unbind", torch.unbind)(_unbind)
 register("topk", torch.topk)(_topk)
 register("sort", torch.sort)(_sort)

@@ -90,7 +90,9 @@ def _in_front(extra, rule):
         return extra(node, placements, ctx) + (rule(node, placements, ctx) if rule else [])
 
     combined.__wrapped__ = rule
-    combined.handles_blocks = getattr(rule, "handles_blocks", False)  # the partial-sum strategies take no blocks
+    # the partial-sum strategies take neither blocks nor whole segments
+    combined.handles_blocks = getattr(rule, "handles_blocks", False)
+    combined.handles_whole = getattr(rule, "handles_whole", False)
     return combined
 
 

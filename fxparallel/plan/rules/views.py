@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ...errors import ShardingError
 from ..placement import R, S
-from .base import Strategy, arg, handles_blocks, norm_dim, register, tensor_inputs
+from .base import Strategy, arg, handles_blocks, handles_whole, norm_dim, register, tensor_inputs
 from .experts import gather_index, gather_strategies, input_choices, is_expert_weight
 
 
@@ -129,9 +129,9 @@ def _size_args(node: fx.Node):
     return sizes, rebuild
 
 
-def rewrite_size(out_dim: int, full: int, segments=None):
+def rewrite_size(out_dim: int, full: int, segmented=None):
     """A rewrite that replaces the literal size ``full`` at ``out_dim`` with its local size
-    (this rank's part of each segment, for a segmented shard)."""
+    (this rank's part of each segment, for the segmented shard ``segmented``)."""
 
     def apply(node, ctx):
         sizes, rebuild = _spelled_out_sizes(node, ctx)
@@ -141,7 +141,7 @@ def rewrite_size(out_dim: int, full: int, segments=None):
         if isinstance(value, int) and value != -1:
             if value != full:
                 raise ShardingError(f"{node.format_node()}: size {value} at dim {out_dim} is not the expected {full}")
-            sizes[out_dim] = sum(ctx.local_size(s) for s in segments) if segments else ctx.local_size(full)
+            sizes[out_dim] = sum(ctx.local_parts(segmented)) if segmented else ctx.local_size(full)
             rebuild(sizes)
 
     return apply
@@ -192,7 +192,7 @@ def _reshape(node, placements, ctx):
         if o is not None and p.segments and not _same(ctx.fake(x).shape[p.dim], out.shape[o]):
             o = None  # a segmented dim survives a reshape only unchanged
         if o is not None:
-            rw = rewrite_size(o, int(out.shape[o]), p.segments) if sized else None
+            rw = rewrite_size(o, int(out.shape[o]), p if p.segments else None) if sized else None
             strategies.append(Strategy({x: p}, p.with_dim(o), rewrite=rw))
         elif not p.segments:
             strategies.extend(_into_block(node, x, p, out, ctx, sized))
@@ -201,7 +201,7 @@ def _reshape(node, placements, ctx):
 
 
 register("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", torch.reshape, torch.flatten,
-         torch.squeeze, torch.unsqueeze)(handles_blocks(_reshape))
+         torch.squeeze, torch.unsqueeze)(handles_whole(handles_blocks(_reshape)))
 
 
 def _group_of(in_shape, out_shape, dim):
@@ -300,7 +300,8 @@ def _expand(node, placements, ctx):
     if p.is_shard:
         o = p.dim + out.dim() - ctx.ndim(x)
         if p.segments or ctx.can_split(out.shape[o]):
-            strategies.append(Strategy({x: p}, p.with_dim(o), rewrite=rewrite_size(o, int(out.shape[o]), p.segments)))
+            strategies.append(Strategy({x: p}, p.with_dim(o),
+                                       rewrite=rewrite_size(o, int(out.shape[o]), p if p.segments else None)))
     strategies.append(Strategy({x: R}, R))
     return strategies
 
@@ -436,7 +437,7 @@ def _symbolic_index_dim(index, ndim, dim):
     return index_shard_dim(simplified, ndim, dim)
 
 
-register(operator.getitem)(_getitem)
+register(operator.getitem)(handles_whole(_getitem))
 
 
 def _join(node, placements, ctx, new_dim: bool):
@@ -523,10 +524,14 @@ def segment_slice_strategy(node, x, p, index, ctx) -> list:
         return []
 
     def rewrite(node, rctx):
-        local_start = sum(rctx.local_size(seg) for seg in p.segments[:i])  # this rank's parts (may be uneven)
-        local_stop = local_start + rctx.local_size(p.segments[i])
+        parts = rctx.local_parts(p)  # this rank's parts (may be uneven; a whole one entire)
+        local_start = sum(parts[:i])
         new = list(items)
-        new[position] = slice(local_start, local_stop)
+        new[position] = slice(local_start, local_start + parts[i])
         node.args = (node.args[0], tuple(new) if isinstance(index, tuple) else new[0])
+        if i in p.whole:
+            rctx.partial_grad_after(node)
 
+    if i in p.whole:
+        return [Strategy({x: p}, R, rewrite=rewrite, note="a whole part of a fused projection")]
     return [Strategy({x: p}, S(out_dim), rewrite=rewrite, note="one segment of a fused projection")]
