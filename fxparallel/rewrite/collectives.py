@@ -182,17 +182,6 @@ class _AllReduce(torch.autograd.Function):
         return grad, None
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, handle):
-        ctx.handle = handle
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.handle), None
-
-
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, handle, segments, sizes, whole):
@@ -204,36 +193,46 @@ class _AllGather(torch.autograd.Function):
         return (_chunk(grad, *ctx.args, whole_grad=True).contiguous(),) + (None,) * 5
 
 
-class _PartialGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, handle):
-        ctx.handle = handle
-        return x.view_as(x)
+def _gradient_only(bwd, name: str):
+    """An autograd op that is the identity forward and applies ``bwd(grad, *args)`` to the gradient."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return (torch.zeros_like(grad) if group_by_handle(ctx.handle).rank else grad), None
+    class GradientOnly(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, *args):
+            ctx.args = args
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return (bwd(grad, *ctx.args),) + (None,) * len(ctx.args)
+
+    GradientOnly.__name__ = GradientOnly.__qualname__ = name
+    return GradientOnly
 
 
-class _SumGradRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w, dim, ranges, handle):
-        ctx.args = (dim, ranges, handle)
-        return w.view_as(w)
+def _first_rank_keeps(grad: torch.Tensor, handle: int) -> torch.Tensor:
+    """A replicated gradient as a partial one: the first rank's copy, zero on the others."""
+    return torch.zeros_like(grad) if group_by_handle(handle).rank else grad
 
-    @staticmethod
-    def backward(ctx, grad):
-        dim, ranges, handle = ctx.args
-        if group_by_handle(handle).size == 1:
-            return grad, None, None, None
-        grad = grad.clone()
-        rows = [grad.narrow(dim, start, stop - start) for start, stop in ranges]
-        summed = _all_reduce(torch.cat([r.reshape(-1) for r in rows]), handle)
-        offset = 0
-        for r in rows:
-            r.copy_(summed[offset:offset + r.numel()].view_as(r))
-            offset += r.numel()
-        return grad, None, None, None
+
+def _sum_rows(grad: torch.Tensor, dim: int, ranges, handle: int) -> torch.Tensor:
+    """``grad`` with its [start, stop) ranges along ``dim`` all-reduced (one call for all of them)."""
+    if group_by_handle(handle).size == 1:
+        return grad
+    grad = grad.clone()
+    rows = [grad.narrow(dim, start, stop - start) for start, stop in ranges]
+    summed = _all_reduce(torch.cat([r.reshape(-1) for r in rows]), handle)
+    offset = 0
+    for r in rows:
+        r.copy_(summed[offset:offset + r.numel()].view_as(r))
+        offset += r.numel()
+    return grad
+
+
+_CopyToTP = _gradient_only(_all_reduce, "_CopyToTP")
+_PartialGrad = _gradient_only(_first_rank_keeps, "_PartialGrad")
+_SumGradRows = _gradient_only(_sum_rows, "_SumGradRows")
+
 
 def all_reduce(x, handle):
     return _AllReduce.apply(x, handle)
