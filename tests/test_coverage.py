@@ -81,6 +81,12 @@ def test_architectures_without_transformers_plan(arch_checkpoints, tp, types):
             assert not [c for c in mqa if c[0] == "all_gather"], mqa
             assert len([c for c in mqa if c[1] == "forward"]) == 2, mqa
             assert [c for c in mqa if c[2] == 0.0] == [("all_reduce", "backward", 0.0)] * 2, mqa
+            # Falcon-7B's multi-query query_key_value (x @ W.T, viewed as [heads + 2, head_dim], k and v
+            # picked by list index) likewise; attention and MLP run in parallel: one all-reduce per layer
+            falcon = results["falcon"]["layer_collectives"]
+            assert "query_key_value" in results["falcon"]["segmented"], results["falcon"]
+            assert not [c for c in falcon if c[0] == "all_gather"], falcon
+            assert [c for c in falcon if c[1] == "forward"] == [("all_reduce", "forward", 256.0)] * 2, falcon
             # OLMo-2 normalises q and k over all heads: a partial sum of squares and a 4-byte all-reduce
             # per token, never a gather of the projection
             olmo = results["olmo2"]["layer_collectives"]

@@ -79,15 +79,6 @@ class RewriteContext:
         """This rank's size of each segment of the segmented shard ``p`` (a whole one entire)."""
         return p.local_parts(self.local_size)
 
-    def sum_grad_rows(self, node: fx.Node, weight: fx.Node, p: Placement) -> None:
-        """Make ``node`` read ``weight`` (placed ``p``, with whole segments) through ``sum_grad_rows``:
-        the whole segments' gradient is partial on each rank and summed there."""
-        with self.graph.inserting_before(node):
-            summed = self.graph.call_function(collectives.sum_grad_rows, (
-                weight, p.dim, p.whole_ranges(self.local_size), self.group_handle))
-        summed.meta["example_value"] = weight.meta.get("example_value")
-        node.replace_input_with(weight, summed)
-
     def partial_grad_after(self, node: fx.Node) -> None:
         """A whole segment taken out as a replicated value: its gradient goes back partial (``partial_grad``)."""
         with self.graph.inserting_after(node):
@@ -147,6 +138,7 @@ def _blockwise(graph, value: fx.Node, p: Placement, block: Optional[int], collec
 def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) -> dict:
     """Pass 1. Returns, per replicated value, the consumers that use it on shards."""
     ctx = RewriteContext(graph, group, gplan.layout)
+    _sum_whole_rows(graph, gplan, ctx)
     cache = {}
     sharded_consumers = defaultdict(list)
     for node in list(graph.nodes):
@@ -190,6 +182,20 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, group: TPGroup) ->
         new_args.append(value)
     out.args = (tuple(new_args),)
     return sharded_consumers
+
+
+def _sum_whole_rows(graph: fx.Graph, gplan: GraphPlan, ctx: RewriteContext) -> None:
+    """Parameters with whole segments (plan/placement.py) are read through ``sum_grad_rows``: the
+    gradient of those rows is partial on each rank, summed there once per step."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in placeholders:
+        p = gplan.placements.get(node)
+        if not (isinstance(p, Placement) and p.whole):
+            continue
+        with graph.inserting_after(placeholders[-1]):
+            summed = graph.call_function(collectives.sum_grad_rows, (
+                node, p.dim, p.whole_ranges(ctx.local_size), ctx.group_handle))
+        ctx.replace_uses(node, summed)
 
 
 def _hoist_reductions(sharded_consumers: dict) -> dict:

@@ -1,5 +1,6 @@
 """scaled_dot_product_attention: heads are independent, so q, k, v sharded by head
-give each rank its heads' output. A mask with a head dimension is sliced with them."""
+give each rank its heads' output. A mask with a head dimension is sliced with them.
+A single key/value head (multi-query attention) serves every rank's query heads whole."""
 from __future__ import annotations
 
 import torch
@@ -28,6 +29,13 @@ def _sdpa(node, placements, ctx):
             aligned = dim - (4 - m.dim())
             req[mask] = R if aligned < 0 or m.shape[aligned] == 1 else S(aligned)
         strategies.append(Strategy(req, S(dim), note="attention on local heads" if dim == 1 else "attention on local batch"))
+    if ctx.can_split(ctx.size(q, 1)) and ctx.size(k, 1) == 1 and ctx.size(v, 1) == 1:
+        # one key/value head for all query heads (multi-query): every rank uses it whole
+        req = {q: S(1), k: R, v: R}
+        if isinstance(mask, fx.Node):
+            m = ctx.fake(mask)
+            req[mask] = R if m.dim() < 3 or m.shape[m.dim() - 3] == 1 else S(m.dim() - 3)
+        strategies.append(Strategy(req, S(1), note="attention on local query heads, the one kv head whole"))
     strategies.append(Strategy({i: R for i in inputs}, R))
     return strategies
 

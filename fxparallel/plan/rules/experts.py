@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ..placement import P, R, S
 from .base import Strategy, arg, register, tensor_inputs
-from .fused import output_segments
+from .fused import output_segments, whole_segments
 
 _SEARCH_DEPTH = 4  # users followed from a weight to the matmul output that gets split
 
@@ -43,7 +43,7 @@ def _static(size):
     return size if isinstance(size, int) else None
 
 
-def weight_segments(weight: fx.Node, dim: int, tp: int):
+def weight_segments(weight: fx.Node, dim: int, tp: int, find=None):
     """Segments of ``weight``'s dim ``dim`` when a matmul output made from it is later split (gate/up).
 
     Follows the weight's users a few steps (gather, transpose, bmm, squeeze) and asks the fused-projection
@@ -61,7 +61,7 @@ def weight_segments(weight: fx.Node, dim: int, tp: int):
                 nxt.append(user)
                 value = user.meta.get("example_value")
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and _static(value.shape[-1]) == size:
-                    segments = output_segments(user, tp)
+                    segments = (find or (lambda n: output_segments(n, tp)))(user)
                     if segments:
                         return segments
         frontier = nxt
@@ -75,6 +75,10 @@ def weight_choices(weight: fx.Node, ctx, first_dim: int = 1) -> list:
     choices = []
     for d in range(first_dim, len(shape)):
         size = _static(shape[d])
+        if first_dim == 0 and size:  # a plain matrix (Falcon's weight.T): a multi-query part kept whole
+            found = weight_segments(weight, d, ctx.tp, lambda n: whole_segments(n, ctx.tp, ctx.head_dim, ctx.can_split))
+            if found:
+                choices.append(S(d, found[0], whole=found[1]))
         if size and size % ctx.tp == 0:
             choices.append(S(d, weight_segments(weight, d, ctx.tp)))
     return choices + [R]

@@ -60,6 +60,34 @@ def _cuts(node: fx.Node, size: int) -> Optional[set]:
     return None
 
 
+def _head_cuts(node: fx.Node, size: int) -> Optional[set]:
+    """Boundaries (in features) at which a view of the last dimension into ``[..., heads, head_dim]``
+    is cut by head: ``fused.view(b, s, heads + 2, head_dim)[..., :-2, :]`` and ``[..., [-2], :]``
+    (Falcon-7B's multi-query ``query_key_value``)."""
+    value = _value(node)
+    if not (node.op == "call_method" and node.target in ("view", "reshape")) or not isinstance(value, torch.Tensor) \
+            or value.dim() < 2 or not all(isinstance(d, int) for d in value.shape[-2:]):
+        return None
+    heads, unit = int(value.shape[-2]), int(value.shape[-1])
+    if heads * unit != size:
+        return None
+    cuts = set()
+    for user in node.users:
+        index = user.args[1] if user.op == "call_function" and user.target is operator.getitem else None
+        if not (isinstance(index, tuple) and len(index) == 3 and index[0] is Ellipsis and index[2] == slice(None)):
+            return None
+        item = index[1]
+        if isinstance(item, slice) and item.step in (None, 1):
+            bounds = [b if b is None else b % heads for b in (item.start, item.stop)]
+            cuts |= {b * unit for b in bounds if b}
+        elif isinstance(item, list) and len(item) == 1 and isinstance(item[0], int):
+            head = item[0] % heads
+            cuts |= {b * unit for b in (head, head + 1) if 0 < b < heads}
+        else:
+            return None
+    return cuts
+
+
 def output_segments(node: fx.Node, tp: int, can_split=None) -> Optional[tuple]:
     """Segment sizes of a matmul's output features if it is fused and every part splits, else None.
 
@@ -96,6 +124,8 @@ def _fused_parts(node: fx.Node) -> Optional[tuple]:
                 continue
             seen.add(user)
             found = _cuts(user, size)
+            if found is None:
+                found = _head_cuts(user, size)
             if found is not None:
                 cuts |= found
             elif (user.op == "call_method" and user.target in _TRANSPARENT_METHODS) or (

@@ -43,16 +43,6 @@ def _bias_after_reduce(bias_index: int, dense_target=None):
     return apply
 
 
-def _sum_whole_grads(*operands):
-    """Rewrite: ``node`` reads each (operand, placement) with whole segments through ``sum_grad_rows``."""
-
-    def apply(node, rctx):
-        for operand, p in operands:
-            rctx.sum_grad_rows(node, operand, p)
-
-    return apply
-
-
 def _column_with_whole(node, ctx, x, weights: dict, out_dim: int, note: str) -> list:
     """The column strategy of a fused projection with whole parts (``weights``: operand -> its sharded dim)."""
     found = whole_segments(node, ctx.tp, ctx.head_dim, ctx.can_split)
@@ -61,7 +51,6 @@ def _column_with_whole(node, ctx, x, weights: dict, out_dim: int, note: str) -> 
     segments, whole = found
     placed = {w: S(d, segments, whole=whole) for w, d in weights.items()}
     return [Strategy({x: R, **placed}, S(out_dim, segments, whole=whole), name="column",
-                     rewrite=_sum_whole_grads(*placed.items()),
                      note=f"{note} (fused: {len(segments)} parts, {len(whole)} kept whole: fewer heads than ranks)")]
 
 
@@ -173,7 +162,7 @@ def _batch_strategies(node, operands, placements, ctx) -> list:
     return strategies
 
 
-register(operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm")(handles_blocks(_matmul))
+register(operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm")(handles_whole(handles_blocks(_matmul)))
 
 
 def _baddbmm(node, placements, ctx):

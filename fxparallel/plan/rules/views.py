@@ -189,8 +189,9 @@ def _reshape(node, placements, ctx):
         strategies.extend(_from_block(node, x, p, out, ctx, sized))
     elif p.is_shard and out is not None:
         o = reshape_shard_dim(ctx.fake(x).shape, out.shape, p.dim, ctx.tp, ctx.split_sizes)
-        if o is not None and p.segments and not _same(ctx.fake(x).shape[p.dim], out.shape[o]):
-            o = None  # a segmented dim survives a reshape only unchanged
+        if p.segments and (o is None or not _same(ctx.fake(x).shape[p.dim], out.shape[o])):
+            strategies.extend(_segments_by_head(node, x, p, out, ctx, sized))
+            o = None  # a segmented dim survives a reshape otherwise only unchanged
         if o is not None:
             rw = rewrite_size(o, int(out.shape[o]), p if p.segments else None) if sized else None
             strategies.append(Strategy({x: p}, p.with_dim(o), rewrite=rw))
@@ -202,6 +203,23 @@ def _reshape(node, placements, ctx):
 
 register("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", torch.reshape, torch.flatten,
          torch.squeeze, torch.unsqueeze)(handles_whole(handles_blocks(_reshape)))
+
+
+def _segments_by_head(node, x, p, out, ctx, sized) -> list:
+    """A segmented dim with whole parts viewed as ``[heads, head_dim]`` (Falcon-7B's
+    ``fused.view(b, s, heads + 2, head_dim)``): the segments, counted in heads, on the heads dim."""
+    in_shape = ctx.fake(x).shape
+    big_in, big_out = _group_of(in_shape, out.shape, p.dim)
+    if not p.whole or big_in != [p.dim] or len(big_out) != 2 or not isinstance(out.shape[big_out[1]], int):
+        return []
+    unit = int(out.shape[big_out[1]])
+    if any(seg % unit for seg in p.segments):
+        return []
+    heads = S(big_out[0], tuple(seg // unit for seg in p.segments), whole=p.whole)
+    if not all(ctx.can_split(seg) for i, seg in enumerate(heads.segments) if i not in heads.whole):
+        return []
+    return [Strategy({x: p}, heads, rewrite=rewrite_size(heads.dim, int(out.shape[heads.dim]), heads) if sized else None,
+                     note="fused projection viewed by head")]
 
 
 def _group_of(in_shape, out_shape, dim):
@@ -344,7 +362,7 @@ def _permute(node, placements, ctx):
 
 
 register("transpose", "permute", "swapaxes", "swapdims", "t", torch.transpose, torch.permute,
-         builtins.getattr)(handles_blocks(_permute))
+         builtins.getattr)(handles_whole(handles_blocks(_permute)))
 
 
 def index_shard_dim(index, ndim: int, dim: int) -> Optional[int]:
@@ -405,6 +423,9 @@ def _getitem(node, placements, ctx):
                 strategies.append(Strategy({x: p}, p.with_dim(o)))
             elif p.segments:
                 strategies.extend(segment_slice_strategy(node, x, p, index, ctx))
+    elif p.is_shard and p.whole and inputs == [x] and _one_item_list_as_slice(index, ctx.fake(x).shape):
+        # ``fused[..., [-2], :]``: one head picked by a list, as the slice it equals (Falcon-7B's k and v)
+        strategies.extend(segment_slice_strategy(node, x, p, _one_item_list_as_slice(index, ctx.fake(x).shape), ctx))
     elif p.is_shard and inputs == [x]:
         # slices with symbolic bounds on other dims are fine too
         o = _symbolic_index_dim(index, ctx.ndim(x), p.dim)
@@ -412,6 +433,30 @@ def _getitem(node, placements, ctx):
             strategies.append(Strategy({x: p}, p.with_dim(o)))
     strategies.append(Strategy({i: R for i in inputs}, R))
     return strategies
+
+
+def _one_item_list_as_slice(index, shape) -> Optional[tuple]:
+    """``x[..., [i], :]`` as ``x[..., i:i+1, :]`` (the same values and shape), if the index has exactly one
+    such list and otherwise only slices, Ellipsis and None; else None."""
+    items = index if isinstance(index, tuple) else (index,)
+    lists = [k for k, it in enumerate(items) if isinstance(it, list)]
+    if len(lists) != 1 or len(items[lists[0]]) != 1 or not isinstance(items[lists[0]][0], int) or not all(
+            it is None or it is Ellipsis or isinstance(it, (slice, list)) for it in items):
+        return None
+    consumed = sum(1 for it in items if isinstance(it, (slice, list)))
+    src = 0
+    for k, item in enumerate(items):
+        if item is Ellipsis:
+            src += len(shape) - consumed
+        elif item is not None:
+            if k == lists[0]:
+                size = shape[src]
+                if not isinstance(size, int):
+                    return None
+                i = item[0] % size
+                return tuple(slice(i, i + 1) if j == k else it for j, it in enumerate(items))
+            src += 1
+    return None
 
 
 def _symbolic_index_dim(index, ndim, dim):
