@@ -50,14 +50,14 @@ from .rules.base import requires_block, requires_grad, requires_whole
 from .layout import ShardLayout  # noqa: I001 (kept apart from the imports above to keep merges clean)
 
 INFEASIBLE = float("inf")
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+_LAYER_INDEX = re.compile(r"\.(\d+)(?=\.|$)")  # model.layers.3.mlp, and a layer itself: model.layers.3
 MAX_BRANCHES = 100  # complete plans evaluated at most (deterministic: every rank stops at the same one)
 NEGLIGIBLE_SHARE = 0.01  # a matrix below this share of its layer's matrix bytes is decided by communication
 
 
 def layer_pattern(name: str) -> str:
     """model.layers.3.mlp.up_proj.weight -> model.layers.*.mlp.up_proj.weight"""
-    return _LAYER_INDEX.sub(".*.", name)
+    return _LAYER_INDEX.sub(".*", name)
 
 
 def redistribute_bytes(src: Placement, dst: Placement, nbytes: float) -> float:
