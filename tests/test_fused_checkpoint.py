@@ -18,7 +18,8 @@ from distributed import run_ranks
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 TYPES = ("phi3", "gpt_bigcode")
-# layouts the dp=2 x tp=2 checkpoint is loaded into (GPT-BigCode: where its k/v rows are whole again)
+# layouts the dp=2 x tp=2 checkpoint is loaded into: tp=4 (GPT-BigCode's k/v rows whole again), and
+# dp=4 x tp=1 for Phi-3 (FSDP's chunks straddle q/k/v differently)
 LAYOUTS = {"phi3": ((4, 1), (1, 4)), "gpt_bigcode": ((4, 1),)}
 SEQ, BATCH = 8, 4
 
