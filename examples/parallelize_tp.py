@@ -58,7 +58,10 @@ def main():
         print("timings (s):", {k: round(v, 2) for k, v in model.timings.items()})
 
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    if rank != 0:  # every rank loads the reference; one progress bar is enough
+        hf_logging.disable_progress_bar()
     reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
     generator = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
