@@ -48,7 +48,8 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     if cp is not None:
         kind = getattr(meta_model.config, "model_type", type(meta_model).__name__)
         context_parallel_checks.check_graph(captured, kind)
-    layout = ShardLayout.for_config(meta_model.config, group.size)  # uneven splits by whole heads / columns / rows
+    # uneven splits by whole heads / columns / rows
+    layout = ShardLayout.for_config(meta_model.config, group.size).add_embedding_rows(meta_model)
     gplan = solve(captured, group.size, fixed=fixed, layout=layout)
     placements = output_placements(captured, gplan)
     sizes = output_split_sizes(captured, gplan)

@@ -1,7 +1,9 @@
-"""Training and distributed checkpoints of fused projections (segmented shards: Phi-3's ``qkv_proj``
-and ``gate_up_proj``, split on dim 0, where FSDP's chunk of the TP shard straddles q/k/v; GPT-BigCode's
-multi-query ``c_attn``, whose single k and v head every rank keeps whole; GPT-2's Conv1D ``c_attn``
-takes the same path on dim 1). Two clipped AdamW steps at dp=2 x tp=2 match one process (loss and
+"""Training and distributed checkpoints of shards that are not plain even splits: fused projections
+(segmented shards: Phi-3's ``qkv_proj`` and ``gate_up_proj``, split on dim 0, where FSDP's chunk of the
+TP shard straddles q/k/v; GPT-BigCode's multi-query ``c_attn``, whose single k and v head every rank
+keeps whole; GPT-2's Conv1D ``c_attn`` takes the same path on dim 1), and OPT's learned position table
+of an odd row count, split vocab-parallel in torch.chunk's uneven sizes (33/32 at tp=2, 17/17/17/14 at
+tp=4). Two clipped AdamW steps at dp=2 x tp=2 match one process (loss and
 global grad norm); saved with AdamW state, loaded bit-exactly into tp=4 and (Phi-3) into dp=4 x tp=1;
 resuming in the saving layout repeats the uninterrupted step; the consolidated export loads in
 transformers with the same logits."""
@@ -17,10 +19,11 @@ from distributed import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
-TYPES = ("phi3", "gpt_bigcode")
+TYPES = ("phi3", "gpt_bigcode", "opt")
+CONFIGS = {"opt": dict(max_position_embeddings=63)}  # + 2 (OPT's offset): 65 rows, uneven at tp=2 and 4
 # layouts the dp=2 x tp=2 checkpoint is loaded into: tp=4 (GPT-BigCode's k/v rows whole again), and
 # dp=4 x tp=1 for Phi-3 (FSDP's chunks straddle q/k/v differently)
-LAYOUTS = {"phi3": ((4, 1), (1, 4)), "gpt_bigcode": ((4, 1),)}
+LAYOUTS = {"phi3": ((4, 1), (1, 4)), "gpt_bigcode": ((4, 1),), "opt": ((4, 1),)}
 SEQ, BATCH = 8, 4
 
 
@@ -78,6 +81,7 @@ def _run(rank, world, paths, root):
         r = {}
         mesh, model, opt = _setup(path, tp=2, dp=2)
         r["plan"] = sorted({p.placement for p in model.plan.params if "[" in p.placement})
+        r["split"] = {p.name: p.split for p in model.plan.params if p.split}
         r["history"] = [_step(model, opt, mesh, step) for step in range(2)]
         r["saved"] = full_values(model, mesh)
         r["saved_state"] = full_values(model, mesh, lambda p: opt.state[p][state_key])
@@ -94,6 +98,7 @@ def _run(rank, world, paths, root):
             _step(model, opt, mesh, 0)  # creates optimizer state, then overwritten by the load
             load_checkpoint(ckpt, model, opt, mesh)
             r[f"loaded_{dp}x{tp}"] = full_values(model, mesh)
+            r[f"split_{dp}x{tp}"] = {p.name: p.split for p in model.plan.params if p.split}
             r[f"loaded_state_{dp}x{tp}"] = full_values(model, mesh, lambda p: opt.state[p][state_key])
         if rank == 0:  # as numpy: tensors would travel through shared memory that dies with the rank
             results[name] = {k: _numpy(v) for k, v in r.items()}
@@ -119,11 +124,15 @@ def test_fused_weights_checkpoint_across_layouts(tmp_path):
     from models import save_checkpoint
     from tiny_configs import tiny_config
 
-    paths = {t: save_checkpoint(tiny_config(t), str(tmp_path / t)) for t in TYPES}
+    paths = {t: save_checkpoint(tiny_config(t, **CONFIGS.get(t, {})), str(tmp_path / t)) for t in TYPES}
     results = run_ranks(4, _run, paths, str(tmp_path / "runs"), timeout=900)
     for name in TYPES:
         r = results[0][name]
-        assert r["plan"], (name, "expected segmented (fused) shards")
+        if name == "opt":
+            assert r["split"] == {"model.decoder.embed_positions.weight": ((33, 32),)}, r["split"]
+            assert r["split_1x4"] == {"model.decoder.embed_positions.weight": ((17, 17, 17, 14),)}, r["split_1x4"]
+        else:
+            assert r["plan"], (name, "expected segmented (fused) shards")
         if name == "gpt_bigcode":
             assert r["plan"] == ["S(0)[64,8R,8R]"], r["plan"]
         for (loss, norm), (ref_loss, ref_norm) in zip(r["history"], _single_process(paths[name])):

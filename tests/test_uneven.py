@@ -1,8 +1,8 @@
 """Uneven splits: tp need not divide the heads, the MLP width or the vocabulary.
 
 Heads split in whole kv groups (each kv head with its query heads), the MLP by columns,
-the vocabulary by rows, the first ranks taking one more; every rank's local graph uses its
-own sizes. Loss, gathered logits and the gradient of every parameter equal the
+the vocabulary by rows, the first ranks taking one more; other embedding tables (learned
+positions) by rows in torch.chunk's sizes; every rank's local graph uses its own sizes. Loss, gathered logits and the gradient of every parameter equal the
 single-device model (fp32, 1e-5).
 """
 from __future__ import annotations
@@ -96,11 +96,34 @@ def test_what_stays_impossible_is_refused_before_capture(overrides, tp, message)
         fxparallel.plan_model(tiny_config("llama", **overrides), tp)
 
 
-def test_dtensor_checkpoints_refuse_uneven_shards():
+def test_dtensor_checkpoints_refuse_uneven_shards_not_in_chunk_sizes():
+    from torch.distributed.tensor import Shard
+
     from fxparallel.runtime.dtensor import tp_placement
 
     with pytest.raises(NotImplementedError, match="uneven shard.*48/24.*torch.chunk"):
         tp_placement(ParamPlan("q.weight", (72, 72), "S(0)", "column", (), ((48, 24),)))
+    with pytest.raises(NotImplementedError, match="uneven shard.*33/33/32/32"):  # the first ranks one row more
+        tp_placement(ParamPlan("pos.weight", (130, 64), "S(0)", "vocab", (), ((33, 33, 32, 32),)))
+    # torch.chunk's sizes are what DTensor's Shard means (the checkpoint round trip: test_fused_checkpoint.py)
+    assert tp_placement(ParamPlan("pos.weight", (130, 64), "S(0)", "vocab", (), ((33, 33, 33, 31),))) == Shard(0)
+
+
+def test_learned_position_table_tp_does_not_divide_is_vocab_parallel():
+    """OPT's 2048 + 2 positions at tp=4: split by rows in torch.chunk's sizes. Split on the hidden
+    dim instead (the only even split), it sharded the residual stream: 3 all-gathers per layer."""
+    import fxparallel
+    from transformers import OPTConfig
+
+    config = OPTConfig(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=LAYERS,
+                       vocab_size=256, word_embed_proj_dim=64, max_position_embeddings=2048)
+    plan, _ = fxparallel.plan_model(config, 4)
+    positions = plan.param("model.decoder.embed_positions.weight")
+    assert (positions.placement, positions.split) == ("S(0)", ((513, 513, 513, 511),))
+    assert plan.uneven == {2050: (513, 513, 513, 511)}
+    assert plan.count("all_gather", "forward") == 1  # only the vocab-parallel cross-entropy's statistics
+    assert plan.count("all_reduce", "forward") == plan.count("all_reduce", "backward") == 2 * LAYERS + 1
+    assert not plan.fallbacks
 
 
 # ---- numerics on real gloo ranks ------------------------------------------------------------

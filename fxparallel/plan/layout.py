@@ -8,7 +8,10 @@ the first ranks taking one unit more:
   query heads, ``head_dim`` rows each), so every kv head stays with its query heads:
   9 query / 3 kv heads at tp=2 give kv heads 2/1 and query heads 6/3; with more
   ranks than kv heads, the kv heads are replicated and a unit is one query head;
-* MLP width and vocabulary: a unit is one column (one row): 100 at tp=3 gives 34/33/33.
+* MLP width and vocabulary: a unit is one column (one row): 100 at tp=3 gives 34/33/33;
+* any other embedding table's rows (learned positions), so it can be vocab-parallel
+  rather than split on the hidden dim. These take torch.chunk's sizes (OPT's 2050 at tp=4:
+  513/513/513/511), which DTensor's Shard describes, so distributed checkpoints keep them.
 
 The layout is a table ``full size -> per-rank sizes`` holding only the uneven sizes;
 every dimension of that size is split that way, so values that meet in an op (q and
@@ -26,6 +29,14 @@ def balanced(units: int, parts: int) -> tuple:
     """``units`` whole units over ``parts`` ranks, the first ``units % parts`` taking one more."""
     base, extra = divmod(units, parts)
     return tuple(base + (1 if r < extra else 0) for r in range(parts))
+
+
+def chunked(units: int, parts: int) -> Optional[tuple]:
+    """torch.chunk's sizes (``ceil(units / parts)`` each, the last rank the rest), or None where that
+    leaves a rank empty."""
+    size = -(-units // parts)
+    sizes = tuple(max(0, min(size, units - r * size)) for r in range(parts))
+    return sizes if all(sizes) else None
 
 
 @dataclass
@@ -100,6 +111,20 @@ class ShardLayout:
             if size and size % tp and size >= tp:
                 layout._add(size, balanced(size, tp))
         return layout
+
+    def add_embedding_rows(self, model) -> "ShardLayout":
+        """Uneven row splits for ``model``'s embedding tables whose row count tp does not divide.
+        Without them such a table (OPT's 2048 + 2 learned positions) could only be replicated or
+        split on its hidden dim, which shards the residual stream it is added to."""
+        import torch.nn as nn
+
+        if self.tp > 1:
+            for module in model.modules():
+                rows = getattr(module, "num_embeddings", None) if isinstance(module, nn.Embedding) else None
+                sizes = chunked(rows, self.tp) if isinstance(rows, int) and rows % self.tp else None
+                if sizes:
+                    self._add(rows, sizes)
+        return self
 
     def _add(self, full: int, sizes: tuple) -> None:
         # the first claim of a size wins: attention's head units also serve an MLP of the same width

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..plan.layout import chunked
 from ..plan.placement import Placement
 
 
@@ -30,13 +31,22 @@ def tp_placement(plan_param):
 
 
 def refuse_uneven(plan_param) -> None:
-    """DTensor's Shard gives rank r torch.chunk's r-th piece: not whole heads / the layout's sizes."""
-    if getattr(plan_param, "split", ()):
+    """DTensor's Shard gives rank r torch.chunk's r-th piece: an uneven split of other sizes (whole heads,
+    the first ranks one column more) has no DTensor placement."""
+    if getattr(plan_param, "split", ()) and not is_chunk_split(plan_param):
         raise NotImplementedError(
             f"{plan_param.name} is an uneven shard {plan_param.placement} {plan_param.split_text()} (tp does not "
-            "divide it); distributed checkpoints and export need even shards (DTensor's Shard uses torch.chunk "
-            "sizes): choose a tp size that divides the heads, MLP width and vocabulary"
+            "divide it); distributed checkpoints and export need even shards or torch.chunk sizes (DTensor's "
+            "Shard): choose a tp size that divides the heads, MLP width and vocabulary"
         )
+
+
+def is_chunk_split(plan_param) -> bool:
+    """An uneven plain shard whose per-rank sizes are torch.chunk's (learned position tables)."""
+    p = Placement.parse(plan_param.placement)
+    split = getattr(plan_param, "split", ())
+    return (len(split) == 1 and not p.segments and p.is_shard
+            and tuple(split[0]) == chunked(plan_param.shape[p.dim], len(split[0])))
 
 
 def segments_of(plan_param):
@@ -65,7 +75,7 @@ def global_view(tensor, plan_param, mesh) -> DTensor:
     the full model shape ``plan_param.shape`` on ``mesh.tp_dp_mesh``."""
     full = tuple(plan_param.shape)
     tp = tp_placement(plan_param)  # refuses what DTensor cannot describe (fused, uneven) first
-    tp_shard = tuple(plan_param.local_shape(mesh.tp))
+    tp_shard = tuple(plan_param.local_shape(mesh.tp, mesh.tp_rank))
     if tuple(tensor.shape) != tp_shard:  # a DTensor's shape is its shape over dp x cp: the TP shard
         raise ValueError(f"{plan_param.name}: tensor of shape {tuple(tensor.shape)} is not its tp={mesh.tp} "
                          f"shard {tp_shard}")
@@ -121,14 +131,21 @@ def full_tensor(tensor, plan_param, mesh) -> torch.Tensor:
     placement = tp_placement(plan_param)
     if isinstance(placement, Replicate) or mesh.tp == 1:
         return tensor
-    return _gather_tp(tensor, placement.dim, mesh)
+    return _gather_tp(tensor, placement.dim, mesh, plan_param.split[0] if plan_param.split else None)
 
 
-def _gather_tp(tensor, dim: int, mesh) -> torch.Tensor:
+def _gather_tp(tensor, dim: int, mesh, sizes=None) -> torch.Tensor:
+    """Concatenate every tp rank's ``tensor`` along ``dim``; ``sizes``: each rank's size there when
+    they differ (sent padded to the largest: all_gather takes equal shapes)."""
     if mesh.tp == 1:
         return tensor
+    if sizes is not None:
+        pad = [0, 0] * (tensor.dim() - 1 - dim) + [0, max(sizes) - tensor.shape[dim]]
+        tensor = torch.nn.functional.pad(tensor, pad)
     parts = [torch.empty_like(tensor) for _ in range(mesh.tp)]
     dist.all_gather(parts, tensor.contiguous(), group=mesh.tp_mesh.get_group())
+    if sizes is not None:
+        parts = [part.narrow(dim, 0, size) for part, size in zip(parts, sizes)]
     return torch.cat(parts, dim=dim)
 
 
