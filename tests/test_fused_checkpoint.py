@@ -1,10 +1,10 @@
 """Training and distributed checkpoints of shards that are not plain even splits: fused projections
 (segmented shards: Phi-3's ``qkv_proj`` and ``gate_up_proj``, split on dim 0, where FSDP's chunk of the
 TP shard straddles q/k/v; GPT-BigCode's multi-query ``c_attn``, whose single k and v head every rank
-keeps whole; GPT-2's Conv1D ``c_attn`` takes the same path on dim 1), and OPT's learned position table
-of an odd row count, split vocab-parallel in torch.chunk's uneven sizes (33/32 at tp=2, 17/17/17/14 at
-tp=4). Two clipped AdamW steps at dp=2 x tp=2 match one process (loss and
-global grad norm); saved with AdamW state, loaded bit-exactly into tp=4 and (Phi-3) into dp=4 x tp=1;
+keeps whole; GPT-2's Conv1D ``c_attn`` takes the same path on dim 1), and OPT's tied vocabulary and
+learned position table of odd sizes, split by rows in torch.chunk's uneven sizes (positions 33/32 at
+tp=2, 17/17/17/14 at tp=4; the vocabulary, tied to lm_head, 128/127 and 64/64/64/63). Two clipped
+AdamW steps at dp=2 x tp=2 match one process (loss and global grad norm); saved with AdamW state, loaded bit-exactly into tp=4 and (Phi-3) into dp=4 x tp=1;
 resuming in the saving layout repeats the uninterrupted step; the consolidated export loads in
 transformers with the same logits."""
 from __future__ import annotations
@@ -20,7 +20,11 @@ from distributed import run_ranks
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 TYPES = ("phi3", "gpt_bigcode", "opt")
-CONFIGS = {"opt": dict(max_position_embeddings=63)}  # + 2 (OPT's offset): 65 rows, uneven at tp=2 and 4
+# positions + 2 (OPT's offset): 65 rows; both tables uneven at tp=2 and tp=4
+CONFIGS = {"opt": dict(max_position_embeddings=63, vocab_size=255, word_embed_proj_dim=64)}
+OPT_SPLITS = {2: {"model.decoder.embed_tokens.weight": ((128, 127),), "model.decoder.embed_positions.weight": ((33, 32),)},
+              4: {"model.decoder.embed_tokens.weight": ((64, 64, 64, 63),),
+                  "model.decoder.embed_positions.weight": ((17, 17, 17, 14),)}}
 # layouts the dp=2 x tp=2 checkpoint is loaded into: tp=4 (GPT-BigCode's k/v rows whole again), and
 # dp=4 x tp=1 for Phi-3 (FSDP's chunks straddle q/k/v differently)
 LAYOUTS = {"phi3": ((4, 1), (1, 4)), "gpt_bigcode": ((4, 1),), "opt": ((4, 1),)}
@@ -129,8 +133,7 @@ def test_fused_weights_checkpoint_across_layouts(tmp_path):
     for name in TYPES:
         r = results[0][name]
         if name == "opt":
-            assert r["split"] == {"model.decoder.embed_positions.weight": ((33, 32),)}, r["split"]
-            assert r["split_1x4"] == {"model.decoder.embed_positions.weight": ((17, 17, 17, 14),)}, r["split_1x4"]
+            assert r["split"] == OPT_SPLITS[2] and r["split_1x4"] == OPT_SPLITS[4], (r["split"], r["split_1x4"])
         else:
             assert r["plan"], (name, "expected segmented (fused) shards")
         if name == "gpt_bigcode":

@@ -1,8 +1,8 @@
 """Uneven splits: tp need not divide the heads, the MLP width or the vocabulary.
 
-Heads split in whole kv groups (each kv head with its query heads), the MLP by columns,
-the vocabulary by rows, the first ranks taking one more; other embedding tables (learned
-positions) by rows in torch.chunk's sizes; every rank's local graph uses its own sizes. Loss, gathered logits and the gradient of every parameter equal the
+Heads split in whole kv groups (each kv head with its query heads, the first ranks taking one
+more), the MLP by columns, the vocabulary and other embedding tables (learned positions) by rows,
+in torch.chunk's sizes; every rank's local graph uses its own sizes. Loss, gathered logits and the gradient of every parameter equal the
 single-device model (fp32, 1e-5).
 """
 from __future__ import annotations
@@ -47,8 +47,10 @@ def test_layout_splits_whole_kv_groups_columns_and_rows():
     assert two.sizes(9) == (6, 3) and two.sizes(9 * 8) == (48, 24)  # query heads stay with their kv head
     assert two.sizes(1001) == (501, 500) and two.sizes(100) == (50, 50)
     three = ShardLayout.for_config(_config("llama"), 3)
-    assert three.sizes(100) == (34, 33, 33) and three.sizes(1001) == (334, 334, 333) and three.sizes(9) == (3, 3, 3)
-    assert [three.start(100, r) for r in range(3)] == [0, 34, 67]
+    assert three.sizes(100) == (34, 34, 32) and three.sizes(1001) == (334, 334, 333) and three.sizes(9) == (3, 3, 3)
+    assert [three.start(100, r) for r in range(3)] == [0, 34, 68]
+    # torch.chunk would leave ranks empty (9 rows at tp=8: 2/2/2/2/1/0/0/0): the first ranks one more
+    assert ShardLayout.for_config(tiny_config("llama", intermediate_size=9, hidden_size=64), 8).sizes(9) == (2,) + (1,) * 7
     # kv heads replicated (tp a multiple of them): each kv head's query heads over its ranks
     mqa = ShardLayout.for_config(tiny_config("llama", hidden_size=144, num_attention_heads=9, num_key_value_heads=3), 6)
     assert mqa.sizes(9) == (2, 1, 2, 1, 2, 1) and mqa.sizes(3) is None
@@ -191,5 +193,5 @@ def test_uneven_models_match_single_device(uneven_checkpoints, tp, families):
         assert [s["model.layers.0.self_attn.k_proj.weight"] for s in shapes] == [(16, 72), (8, 72)]
         phi3 = ShardingPlan.from_dict(per_rank[0]["phi3"]["plan"]).param("model.layers.0.self_attn.qkv_proj.weight")
         assert (phi3.placement, phi3.split) == ("S(0)[72,24,24]", ((48, 24), (16, 8), (16, 8)))
-    else:  # llama: MLP 34/33/33
-        assert [s["model.layers.0.mlp.down_proj.weight"] for s in shapes] == [(72, 34), (72, 33), (72, 33)]
+    else:  # llama: MLP 34/34/32 (torch.chunk sizes)
+        assert [s["model.layers.0.mlp.down_proj.weight"] for s in shapes] == [(72, 34), (72, 34), (72, 32)]

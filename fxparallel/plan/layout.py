@@ -1,17 +1,20 @@
 """How a sharded dimension is divided among the tp ranks: evenly, or unevenly in whole units.
 
 An even split gives every rank ``size // tp``. When tp does not divide a size the model
-fixes (attention heads, MLP width, vocabulary), the dimension is split in whole units,
-the first ranks taking one unit more:
+fixes (attention heads, MLP width, vocabulary), the dimension is split in whole units:
 
 * attention: a unit is one key/value head with its query heads (``n_heads / n_kv``
   query heads, ``head_dim`` rows each), so every kv head stays with its query heads:
   9 query / 3 kv heads at tp=2 give kv heads 2/1 and query heads 6/3; with more
-  ranks than kv heads, the kv heads are replicated and a unit is one query head;
-* MLP width and vocabulary: a unit is one column (one row): 100 at tp=3 gives 34/33/33;
-* any other embedding table's rows (learned positions), so it can be vocab-parallel
-  rather than split on the hidden dim. These take torch.chunk's sizes (OPT's 2050 at tp=4:
-  513/513/513/511), which DTensor's Shard describes, so distributed checkpoints keep them.
+  ranks than kv heads, the kv heads are replicated and a unit is one query head. The
+  first ranks take one unit more;
+* MLP width, vocabulary and any other embedding table's rows (learned positions, so that
+  table can be vocab-parallel rather than split on the hidden dim): a unit is one column
+  (one row), in torch.chunk's sizes: ``ceil(size / tp)`` each, the last rank the rest
+  (100 at tp=3: 34/34/32; OPT's 2050 positions at tp=4: 513/513/513/511). That is what
+  DTensor's Shard means, so distributed checkpoints keep these shards; the largest shard
+  is the same as with one more on the first ranks. Where it would leave a rank empty
+  (9 at tp=8), the first ranks take one more instead.
 
 The layout is a table ``full size -> per-rank sizes`` holding only the uneven sizes;
 every dimension of that size is split that way, so values that meet in an op (q and
@@ -37,6 +40,11 @@ def chunked(units: int, parts: int) -> Optional[tuple]:
     size = -(-units // parts)
     sizes = tuple(max(0, min(size, units - r * size)) for r in range(parts))
     return sizes if all(sizes) else None
+
+
+def by_rows(units: int, parts: int) -> tuple:
+    """A split in units of one row or column: torch.chunk's sizes where no rank is left empty."""
+    return chunked(units, parts) or balanced(units, parts)
 
 
 @dataclass
@@ -102,14 +110,14 @@ class ShardLayout:
                 # rather than leaving k_proj / v_proj replicated
                 q = balanced(heads, tp) if heads % tp else None
                 if (kv * head_dim) % tp:
-                    layout._add(kv * head_dim, balanced(kv * head_dim, tp))
+                    layout._add(kv * head_dim, by_rows(kv * head_dim, tp))
             if q is not None:
                 layout._add(heads * head_dim, tuple(h * head_dim for h in q))
                 layout._add(heads, q)
         for name in ("intermediate_size", "vocab_size"):
             size = config_int(config, name)
             if size and size % tp and size >= tp:
-                layout._add(size, balanced(size, tp))
+                layout._add(size, by_rows(size, tp))
         return layout
 
     def add_embedding_rows(self, model) -> "ShardLayout":
@@ -121,9 +129,8 @@ class ShardLayout:
         if self.tp > 1:
             for module in model.modules():
                 rows = getattr(module, "num_embeddings", None) if isinstance(module, nn.Embedding) else None
-                sizes = chunked(rows, self.tp) if isinstance(rows, int) and rows % self.tp else None
-                if sizes:
-                    self._add(rows, sizes)
+                if isinstance(rows, int) and rows % self.tp and rows >= self.tp:
+                    self._add(rows, by_rows(rows, self.tp))
         return self
 
     def _add(self, full: int, sizes: tuple) -> None:
