@@ -5,7 +5,7 @@ embeddings. Against the single-process
 transformers model: the number of units (layers + root), that inside a layer's forward no
 other layer is unsharded (the same probe sees every layer unsharded with root-only
 wrapping), loss and every gradient (1e-5), a few AdamW steps, a graph captured after
-wrapping (no labels), bf16 mixed precision; replicate mode and root-only wrapping (in bf16,
+wrapping (no labels), bf16 mixed precision (fp32 parameters, gradients and AdamW moments); replicate mode and root-only wrapping (in bf16,
 bit-identical to bf16 per-layer) at tp=1 only, to keep the test short; and that
 the graph split alone (no FSDP) gives bit-identical numbers to the unsplit graph.
 """
@@ -80,6 +80,8 @@ def _fsdp_run(path, mesh, mode="shard", mixed=None, per_layer=True, later_graph=
             out["grads"] = as_numpy(full_values(model, mesh, lambda p: p.grad))
             out["seen_train"] = list(seen)
     out["params"] = as_numpy(full_values(model, mesh))
+    out["dtypes"] = sorted({str(t.dtype) for p in model.parameters()  # parameters, gradients, AdamW moments
+                            for t in (p, p.grad, *(v for v in opt.state[p].values() if v.dim()))})
     if not later_graph:
         return out
     seen.clear()
@@ -260,6 +262,7 @@ def test_training_matches_single_process(world4, world2, references):
 
 def test_bf16_mixed_precision(world4, world2, references):
     for layout, layers in _runs(world4, world2, "bf16"):
+        assert layers["dtypes"] == ["torch.float32"], (layout, layers["dtypes"])  # bf16 compute, fp32 masters
         reference = references[FAMILY[layout]]
         for loss, ref in zip(layers["losses"], reference["losses"]):
             assert abs(loss - ref) < BF16_LOSS_TOL, (layout, layers["losses"], reference["losses"])
