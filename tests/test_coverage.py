@@ -17,8 +17,10 @@ TP2 = ("gpt2", "opt", "bloom", "falcon", "gptj", "gpt_neo", "gpt_bigcode", "code
        "mixtral", "olmo2")
 # at TP=4 also 3 kv heads over 4 ranks (transformers' tp plan crashes in view here): the kv heads are
 # replicated; 6 query heads split 2/2/1/1, so rank 1 uses query heads 2 and 3, of kv heads 1 and 2
-TP4 = ("phi3", "llama-kv3")  # OPT at TP=4: tests/test_sequence_parallel.py
-CONFIGS = {"llama-kv3": ("llama", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=8))}
+# and Falcon (x @ W.T) with an MLP width tp=4 does not divide (130: 33/33/33/31), its multi-query k and v whole
+TP4 = ("phi3", "llama-kv3", "falcon-ffn130")  # OPT at TP=4: tests/test_sequence_parallel.py
+CONFIGS = {"llama-kv3": ("llama", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=8)),
+           "falcon-ffn130": ("falcon", dict(ffn_hidden_size=130))}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,7 @@ def _check_all(rank, tp, paths):
         results[name]["replicated"] = [p.name for p in plan.params if len(p.shape) >= 2 and p.placement == "R"]
         results[name]["segmented"] = sorted({p.name.split(".")[-2] for p in plan.params if "[" in p.placement})
         results[name]["fallbacks"] = list(plan.fallbacks)
+        results[name]["splits"] = {p.name: (p.placement, p.split) for p in plan.params if p.split}
         results[name]["layer_collectives"] = [(c.kind, c.direction, c.bytes_per_token) for c in plan.collectives
                                               if ".layers." in c.where or ".h." in c.where]
         results[name]["layer_forward_calls"] = sum(c.count for c in plan.collectives if c.direction == "forward"
@@ -104,6 +107,12 @@ def test_architectures_without_transformers_plan(arch_checkpoints, tp, types):
             kv = results["llama-kv3"]["layer_gathers"]
             assert sorted(w.rsplit(".", 1)[-1] for w, _ in kv) == ["k_proj", "v_proj"], kv
             assert all(b == 96 for _, b in kv), kv
+            falcon = results["falcon-ffn130"]
+            assert [c for c in falcon["layer_collectives"] if c[1] == "forward"] == [("all_reduce", "forward", 256.0)]
+            assert falcon["layer_forward_calls"] == 2 and not falcon["layer_gathers"], falcon
+            mlp = {n.split(".", 3)[-1]: v for n, v in falcon["splits"].items() if ".h.0.mlp" in n}
+            assert mlp == {"mlp.dense_h_to_4h.weight": ("S(0)", ((33, 33, 33, 31),)),
+                           "mlp.dense_4h_to_h.weight": ("S(1)", ((33, 33, 33, 31),))}, falcon["splits"]
         else:
             # fused projections are split per part, not gathered; every matrix of the ten is split
             assert "c_attn" in results["gpt2"]["segmented"]

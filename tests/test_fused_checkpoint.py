@@ -2,8 +2,9 @@
 (segmented shards: Phi-3's ``qkv_proj`` and ``gate_up_proj``, split on dim 0, where FSDP's chunk of the
 TP shard straddles q/k/v; GPT-BigCode's multi-query ``c_attn``, whose single k and v head every rank
 keeps whole; GPT-2's Conv1D ``c_attn`` takes the same path on dim 1), and OPT's tied vocabulary and
-learned position table of odd sizes, split by rows in torch.chunk's uneven sizes (positions 33/32 at
-tp=2, 17/17/17/14 at tp=4; the vocabulary, tied to lm_head, 128/127 and 64/64/64/63). Two clipped
+learned position table and MLP width (``ffn_dim``) of odd sizes, split in torch.chunk's uneven sizes
+(positions 33/32 at tp=2, 17/17/17/14 at tp=4; the vocabulary, tied to lm_head, 128/127 and 64/64/64/63;
+the MLP 64/63 and 32/32/32/31). Two clipped
 AdamW steps at dp=2 x tp=2 match one process (loss and global grad norm); saved with AdamW state, loaded bit-exactly into tp=4 and (Phi-3) into dp=4 x tp=1;
 resuming in the saving layout repeats the uninterrupted step; the consolidated export loads in
 transformers with the same logits."""
@@ -20,11 +21,18 @@ from distributed import run_ranks
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 TYPES = ("phi3", "gpt_bigcode", "opt")
-# positions + 2 (OPT's offset): 65 rows; both tables uneven at tp=2 and tp=4
-CONFIGS = {"opt": dict(max_position_embeddings=63, vocab_size=255, word_embed_proj_dim=64)}
-OPT_SPLITS = {2: {"model.decoder.embed_tokens.weight": ((128, 127),), "model.decoder.embed_positions.weight": ((33, 32),)},
-              4: {"model.decoder.embed_tokens.weight": ((64, 64, 64, 63),),
-                  "model.decoder.embed_positions.weight": ((17, 17, 17, 14),)}}
+# positions + 2 (OPT's offset): 65 rows; both tables and the MLP width (``ffn_dim``) uneven at tp=2 and tp=4
+CONFIGS = {"opt": dict(max_position_embeddings=63, vocab_size=255, word_embed_proj_dim=64, ffn_dim=127)}
+
+
+def _opt_splits(vocab: tuple, positions: tuple, mlp: tuple, layers: int = 2) -> dict:
+    mlp_params = [f"model.decoder.layers.{i}.{p}" for i in range(layers) for p in ("fc1.weight", "fc1.bias", "fc2.weight")]
+    return {"model.decoder.embed_tokens.weight": (vocab,), "model.decoder.embed_positions.weight": (positions,),
+            **{name: (mlp,) for name in mlp_params}}
+
+
+OPT_SPLITS = {2: _opt_splits((128, 127), (33, 32), (64, 63)),
+              4: _opt_splits((64, 64, 64, 63), (17, 17, 17, 14), (32, 32, 32, 31))}
 # layouts the dp=2 x tp=2 checkpoint is loaded into: tp=4 (GPT-BigCode's k/v rows whole again), and
 # dp=4 x tp=1 for Phi-3 (FSDP's chunks straddle q/k/v differently)
 LAYOUTS = {"phi3": ((4, 1), (1, 4)), "gpt_bigcode": ((4, 1),), "opt": ((4, 1),)}

@@ -98,6 +98,41 @@ def test_what_stays_impossible_is_refused_before_capture(overrides, tp, message)
         fxparallel.plan_model(tiny_config("llama", **overrides), tp)
 
 
+def test_mlp_widths_under_every_config_name_split_unevenly():
+    """The MLP width is ``intermediate_size`` in most configs, but OPT's ``ffn_dim``, GPT-2 / GPT-BigCode's
+    ``n_inner``, Falcon's ``ffn_hidden_size`` and MoE expert widths name it too; left out, tp that does not
+    divide them could only replicate the MLP or shard the residual stream around it."""
+    from transformers import FalconConfig, GPTBigCodeConfig, OPTConfig, Qwen2MoeConfig
+
+    from fxparallel.plan.layout import mlp_widths
+
+    configs = [OPTConfig(ffn_dim=130), GPTBigCodeConfig(n_inner=130), FalconConfig(ffn_hidden_size=130),
+               Qwen2MoeConfig(intermediate_size=256, moe_intermediate_size=130, shared_expert_intermediate_size=70)]
+    for config in configs:
+        assert 130 in mlp_widths(config).values(), type(config).__name__
+        assert ShardLayout.for_config(config, 4).sizes(130) == (33, 33, 33, 31), type(config).__name__
+    assert ShardLayout.for_config(configs[-1], 4).sizes(70) == (18, 18, 18, 16)
+    assert "n_inner" not in mlp_widths(GPTBigCodeConfig())  # None: 4 x hidden, set by the model
+
+
+def test_an_uneven_mlp_width_named_n_inner_keeps_megatrons_plan():
+    """GPT-BigCode with n_inner=130 at tp=4: c_fc / c_proj split 33/33/33/31 by columns / rows, the same
+    plan as an even width; the forward has no gather besides the cross-entropy statistics (before, it
+    sharded the hidden dim: 4 gathers and 13 backward all-reduces)."""
+    import fxparallel
+    from transformers import GPTBigCodeConfig
+
+    config = GPTBigCodeConfig(n_embd=64, n_head=4, n_inner=130, n_layer=LAYERS, vocab_size=256, n_positions=64)
+    plan, _ = fxparallel.plan_model(config, 4)
+    for i in range(LAYERS):
+        assert plan.param(f"transformer.h.{i}.mlp.c_fc.weight").split == ((33, 33, 33, 31),)
+        assert plan.param(f"transformer.h.{i}.mlp.c_proj.weight").placement == "S(1)"
+    assert plan.count("all_gather", "forward") == 1 and not plan.fallbacks
+    # per token: Megatron's 2L+1 (the whole k/v rows' weight gradient is summed once per step besides)
+    assert sum(c.count for c in plan.collectives if c.kind == "all_reduce" and c.direction == "backward"
+               and not c.bytes_per_call) == 2 * LAYERS + 1
+
+
 def test_dtensor_checkpoints_refuse_uneven_shards_not_in_chunk_sizes():
     from torch.distributed.tensor import Shard
 

@@ -114,8 +114,7 @@ class ShardLayout:
             if q is not None:
                 layout._add(heads * head_dim, tuple(h * head_dim for h in q))
                 layout._add(heads, q)
-        for name in ("intermediate_size", "vocab_size"):
-            size = config_int(config, name)
+        for size in [*mlp_widths(config).values(), config_int(config, "vocab_size")]:
             if size and size % tp and size >= tp:
                 layout._add(size, by_rows(size, tp))
         return layout
@@ -177,6 +176,19 @@ def config_int(config, name) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+# config fields that hold an MLP's width: ``intermediate_size`` and its MoE / shared-expert variants,
+# OPT / XGLM / BART-style ``ffn_dim``, Falcon's ``ffn_hidden_size``, GPT-2's ``n_inner``, Llama 4's
+# ``intermediate_size_mlp``
+_MLP_WIDTH_SUFFIXES = ("intermediate_size", "ffn_dim", "ffn_hidden_size")
+_MLP_WIDTH_NAMES = ("n_inner", "intermediate_size_mlp")
+
+
+def mlp_widths(config) -> dict:
+    """``{field: width}`` for every MLP width ``config`` sets (dense, expert and shared-expert)."""
+    fields = getattr(config, "__dict__", {})
+    names = ["intermediate_size"] + [n for n in fields if n.endswith(_MLP_WIDTH_SUFFIXES) or n in _MLP_WIDTH_NAMES]
+    widths = {n: config_int(config, n) for n in names}  # getattr: ``intermediate_size`` may be an alias
+    return {n: w for n, w in widths.items() if w}
 
 
 def head_dim_of(config) -> Optional[int]:

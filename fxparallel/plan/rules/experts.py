@@ -69,18 +69,22 @@ def weight_segments(weight: fx.Node, dim: int, tp: int, find=None):
 
 
 def weight_choices(weight: fx.Node, ctx, first_dim: int = 1) -> list:
-    """Placements a weight may take: a shard of each divisible dim from ``first_dim`` on (an expert
-    weight's dim 0 is its experts), or replicated."""
+    """Placements a weight may take: a shard of each dim from ``first_dim`` on (an expert weight's dim 0
+    is its experts) that splits over the ranks, evenly or by the layout's uneven sizes (every fused
+    part, if the dim is fused), or replicated."""
     shape = weight.meta["example_value"].shape
     choices = []
     for d in range(first_dim, len(shape)):
         size = _static(shape[d])
-        if first_dim == 0 and size:  # a plain matrix (Falcon's weight.T): a multi-query part kept whole
+        if not size:
+            continue
+        if first_dim == 0:  # a plain matrix (Falcon's weight.T): a multi-query part kept whole
             found = weight_segments(weight, d, ctx.tp, lambda n: whole_segments(n, ctx.tp, ctx.head_dim, ctx.can_split))
             if found:
                 choices.append(S(d, found[0], whole=found[1]))
-        if size and size % ctx.tp == 0:
-            choices.append(S(d, weight_segments(weight, d, ctx.tp)))
+        segments = weight_segments(weight, d, ctx.tp, lambda n: output_segments(n, ctx.tp, ctx.can_split))
+        if segments or ctx.can_split(size):
+            choices.append(S(d, segments))
     return choices + [R]
 
 
@@ -146,11 +150,11 @@ def _grouped_mm(node, placements, ctx):
     rest = {i: R for i in tensor_inputs(node) if i not in (x, w)}
     k, n = _static(fw.shape[1]), _static(fw.shape[2])
     strategies = []
-    if n and n % ctx.tp == 0:
-        segments = output_segments(node, ctx.tp)
+    segments = output_segments(node, ctx.tp, ctx.can_split) if n else None
+    if segments or (n and ctx.can_split(n)):
         strategies.append(Strategy({x: R, w: S(2, segments), **rest}, S(1, segments), name="column",
                                    note="column-parallel experts (grouped_mm)"))
-    if k and k % ctx.tp == 0:
+    if k and ctx.can_split(k):
         strategies.append(Strategy({x: S(1), w: S(1), **rest}, P, own_bytes=ctx.bytes_per_token(node), name="row",
                                    note="row-parallel experts (grouped_mm)"))
     strategies.append(Strategy({x: R, w: R, **rest}, R, name="replicate"))
