@@ -12,9 +12,10 @@ from distributed import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
-# the ten types the coverage issue names, plus fused Phi-3, MoE Mixtral and OLMo-2 (q/k norm over all heads)
+# the ten types the coverage issue names, plus fused Phi-3, MoE Mixtral, OLMo-2 (q/k norm over all heads) and
+# GPT-OSS (experts' gate and up interleaved: gate_up[..., ::2], gate_up[..., 1::2])
 TP2 = ("gpt2", "opt", "bloom", "falcon", "gptj", "gpt_neo", "gpt_bigcode", "codegen", "mpt", "stablelm", "phi3",
-       "mixtral", "olmo2")
+       "mixtral", "olmo2", "gpt_oss")
 # at TP=4 also 3 kv heads over 4 ranks (transformers' tp plan crashes in view here): the kv heads are
 # replicated; 6 query heads split 2/2/1/1, so rank 1 uses query heads 2 and 3, of kv heads 1 and 2
 # and Falcon (x @ W.T) with an MLP width tp=4 does not divide (130: 33/33/33/31), its multi-query k and v whole
@@ -55,6 +56,9 @@ def _check_all(rank, tp, paths):
         results[name]["segmented"] = sorted({p.name.split(".")[-2] for p in plan.params if "[" in p.placement})
         results[name]["fallbacks"] = list(plan.fallbacks)
         results[name]["splits"] = {p.name: (p.placement, p.split) for p in plan.params if p.split}
+        results[name]["placements"] = {p.name: p.placement for p in plan.params}
+        results[name]["forward_all_reduces"] = sum(c.count for c in plan.collectives
+                                                   if c.kind == "all_reduce" and c.direction == "forward")
         results[name]["layer_collectives"] = [(c.kind, c.direction, c.bytes_per_token) for c in plan.collectives
                                               if ".layers." in c.where or ".h." in c.where]
         results[name]["layer_forward_calls"] = sum(c.count for c in plan.collectives if c.direction == "forward"
@@ -90,6 +94,16 @@ def test_architectures_without_transformers_plan(arch_checkpoints, tp, types):
             assert not [c for c in falcon if c[0] == "all_gather"], falcon
             assert [c for c in falcon if c[1] == "forward"] == [("all_reduce", "forward", 256.0)], falcon
             assert results["falcon"]["layer_forward_calls"] == 2, falcon  # 2 layers
+            # learned positions: the vocab-parallel token and position embeddings are added as partial sums
+            # and reduced once, Megatron's 2L+1 (was 2L+2: one all-reduce each)
+            for name in ("gpt2", "gpt_neo", "gpt_bigcode"):
+                assert results[name]["forward_all_reduces"] == 2 * 2 + 1, (name, results[name])
+            # GPT-OSS: the interleaved gate_up splits by columns like any column layer (each rank's block holds
+            # whole gate/up pairs, so the strided slices run on it as they are); Megatron's 2L+1 forward
+            oss = results["gpt_oss"]
+            assert {n.rsplit(".", 1)[-1]: v for n, v in oss["placements"].items() if ".layers.0.mlp.experts." in n} == \
+                {"gate_up_proj": "S(2)", "down_proj": "S(1)", "gate_up_proj_bias": "R", "down_proj_bias": "R"}, oss
+            assert oss["forward_all_reduces"] == 2 * 2 + 1 and not oss["layer_gathers"], oss
             # OLMo-2 normalises q and k over all heads: a partial sum of squares and a 4-byte all-reduce
             # per token, never a gather of the projection
             olmo = results["olmo2"]["layer_collectives"]

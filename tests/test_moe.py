@@ -147,3 +147,23 @@ def test_grouped_mm_experts_are_sharded_too(moe_checkpoints, tmp_path):
         json.dump(config, f)
     for rank, r in enumerate(run_ranks(2, _grouped_mm, path)):
         _assert_moe("qwen2_moe grouped_mm", 2, rank, r)
+
+
+@pytest.mark.parametrize("kernel", ["batched_mm", "grouped_mm"])
+def test_interleaved_gate_up_is_column_parallel_with_either_kernel(kernel):
+    """GPT-OSS interleaves gate and up (``gate_up[..., ::2]``, ``gate_up[..., 1::2]``): with either experts
+    kernel the experts split by columns and rows, Megatron's 2L+1 all-reduces forward (grouped_mm's plan
+    sharded the hidden dim before: 7 per layer). Numbers on ranks: tests/test_coverage.py (batched_mm)."""
+    import fxparallel
+    from tiny_configs import tiny_config
+
+    config = tiny_config("gpt_oss")
+    config._experts_implementation = kernel  # as parallelize() picks it by device (grouped_mm off CPU)
+    plan, local = fxparallel.plan_model(config, 2)
+    assert ("grouped_mm" in local.code) == (kernel == "grouped_mm")
+    layers = config.num_hidden_layers
+    for i in range(layers):
+        assert plan.param(f"model.layers.{i}.mlp.experts.gate_up_proj").placement == "S(2)"
+        assert plan.param(f"model.layers.{i}.mlp.experts.down_proj").placement == "S(1)"
+    assert plan.count("all_reduce", "forward") == 2 * layers + 1 and not plan.fallbacks
+    assert plan.count("all_gather", "forward") == 1  # the vocab-parallel cross-entropy statistics

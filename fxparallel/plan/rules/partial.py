@@ -75,10 +75,16 @@ def _scale(node, placements, ctx):
 
 
 def _add(node, placements, ctx):
+    """Two partial sums added: reduce the sum once rather than each addend. Worth it when the sum is no larger
+    than the addends together (GPT-2's token embeddings [batch, seq, hidden] plus its position embeddings
+    [1, seq, hidden], both vocab-parallel: one all-reduce, not two)."""
     inputs, partial = _partial_inputs(node, placements)
     operands = list(node.args[:2])
     if len(inputs) != 2 or len(partial) != 2 or not all(isinstance(a, fx.Node) for a in operands) or \
-            not all(_worth_carrying(node, x, ctx) for x in inputs):
+            any(len(x.users) != 1 or ctx.fake(x) is None for x in inputs) or ctx.fake(node) is None:
+        return []
+    out_elements = ctx.bytes_per_token(node) / ctx.fake(node).element_size()
+    if out_elements > sum(ctx.bytes_per_token(x) / ctx.fake(x).element_size() for x in inputs):
         return []
     if any(k not in ("alpha",) for k in node.kwargs) or len(node.args) > 2:
         return []

@@ -423,6 +423,8 @@ def _getitem(node, placements, ctx):
                 strategies.append(Strategy({x: p}, p.with_dim(o)))
             elif p.segments:
                 strategies.extend(segment_slice_strategy(node, x, p, index, ctx))
+            elif p.block is None:
+                strategies.extend(strided_slice_strategy(x, p, index, ctx))
     elif p.is_shard and p.whole and inputs == [x] and _one_item_list_as_slice(index, ctx.fake(x).shape):
         # ``fused[..., [-2], :]``: one head picked by a list, as the slice it equals (Falcon-7B's k and v)
         strategies.extend(segment_slice_strategy(node, x, p, _one_item_list_as_slice(index, ctx.fake(x).shape), ctx))
@@ -535,22 +537,46 @@ def _pad(node, placements, ctx):
 register(torch.nn.functional.pad)(_pad)
 
 
+def _sharded_item(items: tuple, ndim: int, dim: int) -> Optional[int]:
+    """Position in ``items`` (slices, ints, Ellipsis, None) of the item that indexes input dim ``dim``."""
+    consumed = sum(1 for i in items if isinstance(i, (int, slice)))
+    src = 0
+    for k, item in enumerate(items):
+        if item is Ellipsis:
+            src += ndim - consumed
+        elif item is not None:
+            if src == dim:
+                return k
+            src += 1
+    return None
+
+
+def strided_slice_strategy(x, p, index, ctx) -> list:
+    """``x[..., start::k]`` on the sharded dim, ``0 <= start < k``: every k-th element, as GPT-OSS splits its
+    interleaved gate/up (``gate_up[..., ::2]``, ``gate_up[..., 1::2]``). When each rank's block is a multiple
+    of k, the same slice of the block is the rank's block of the result (its elements are contiguous there),
+    so nothing is rewritten; the result's split must be the one the layout gives its size."""
+    items = index if isinstance(index, tuple) else (index,)
+    position = _sharded_item(items, ctx.ndim(x), p.dim)
+    sl = items[position] if position is not None else None
+    if not isinstance(sl, slice) or not isinstance(sl.step, int) or sl.step < 2:
+        return []
+    k, start, size = sl.step, sl.start or 0, ctx.fake(x).shape[p.dim]
+    if not isinstance(size, int) or size % k or not 0 <= start < k or (sl.stop is not None and sl.stop < size):
+        return []
+    sizes = ctx.split_sizes(size)
+    if sizes is None or any(s % k for s in sizes) or ctx.split_sizes(size // k) != tuple(s // k for s in sizes):
+        return []
+    out_dim = index_shard_dim(tuple(slice(None) if j == position else it for j, it in enumerate(items)),
+                              ctx.ndim(x), p.dim)
+    return [] if out_dim is None else [Strategy({x: p}, p.with_dim(out_dim), note="every k-th element of a shard")]
+
+
 def segment_slice_strategy(node, x, p, index, ctx) -> list:
     """``fused[..., a:b]`` where [a, b) is one segment of a segmented shard: a plain shard of it."""
     items = index if isinstance(index, tuple) else (index,)
     ndim = ctx.ndim(x)
-    # locate the item that indexes the sharded dim (only slices / Ellipsis / None allowed)
-    consumed = sum(1 for i in items if isinstance(i, (int, slice)))
-    src, position = 0, None
-    for k, item in enumerate(items):
-        if item is Ellipsis:
-            src += ndim - consumed
-        elif item is None:
-            continue
-        else:
-            if src == p.dim:
-                position = k
-            src += 1
+    position = _sharded_item(items, ndim, p.dim)  # the item that indexes the sharded dim
     if position is None or not isinstance(items[position], slice) or items[position].step not in (None, 1):
         return []
     sl = items[position]
