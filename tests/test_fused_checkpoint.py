@@ -4,8 +4,8 @@ TP shard straddles q/k/v; GPT-BigCode's multi-query ``c_attn``, whose single k a
 keeps whole; GPT-2's Conv1D ``c_attn`` takes the same path on dim 1), and OPT's tied vocabulary and
 learned position table and MLP width (``ffn_dim``) of odd sizes, split in torch.chunk's uneven sizes
 (positions 33/32 at tp=2, 17/17/17/14 at tp=4; the vocabulary, tied to lm_head, 128/127 and 64/64/64/63;
-the MLP 64/63 and 32/32/32/31). Two clipped
-AdamW steps at dp=2 x tp=2 match one process (loss and global grad norm); saved with AdamW state, loaded bit-exactly into tp=4 and (Phi-3) into dp=4 x tp=1;
+the MLP 64/63 and 32/32/32/31). Two clipped AdamW steps at dp=2 x tp=2 match one process (loss and global
+grad norm); saved with AdamW state, loaded bit-exactly into tp=4 and (Phi-3) into dp=4 x tp=1;
 resuming in the saving layout repeats the uninterrupted step; the consolidated export loads in
 transformers with the same logits."""
 from __future__ import annotations

@@ -39,6 +39,12 @@ def _config(family: str):
     raise KeyError(family)
 
 
+def per_token_all_reduces(plan: ShardingPlan, direction: str) -> int:
+    """All-reduces of activations (per token), not the once-per-step reductions of parameter gradients."""
+    return sum(c.count for c in plan.collectives if c.kind == "all_reduce" and c.direction == direction
+               and not c.bytes_per_call)
+
+
 # ---- the layout, the plan's record of it, and what stays impossible (no processes) ----------
 
 def test_layout_splits_whole_kv_groups_columns_and_rows():
@@ -129,8 +135,7 @@ def test_an_uneven_mlp_width_named_n_inner_keeps_megatrons_plan():
         assert plan.param(f"transformer.h.{i}.mlp.c_proj.weight").placement == "S(1)"
     assert plan.count("all_gather", "forward") == 1 and not plan.fallbacks
     # per token: Megatron's 2L+1 (the whole k/v rows' weight gradient is summed once per step besides)
-    assert sum(c.count for c in plan.collectives if c.kind == "all_reduce" and c.direction == "backward"
-               and not c.bytes_per_call) == 2 * LAYERS + 1
+    assert per_token_all_reduces(plan, "backward") == 2 * LAYERS + 1
 
 
 def test_dtensor_checkpoints_refuse_uneven_shards_not_in_chunk_sizes():
@@ -216,8 +221,7 @@ def test_uneven_models_match_single_device(uneven_checkpoints, tp, families):
         assert plan.fallbacks == [], plan.fallbacks
         if family != "llama-mqa":  # Megatron's 2L+1 all-reduces of activations each way, uneven or not
             for direction in ("forward", "backward"):
-                assert sum(c.count for c in plan.collectives if c.kind == "all_reduce" and c.direction == direction
-                           and not c.bytes_per_call) == 2 * LAYERS + 1, (family, direction)
+                assert per_token_all_reduces(plan, direction) == 2 * LAYERS + 1, (family, direction)
         # every rank's parameters have that rank's sizes
         for rank, results in enumerate(per_rank):
             for p in plan.params:

@@ -115,8 +115,7 @@ class ShardLayout:
                 layout._add(heads * head_dim, tuple(h * head_dim for h in q))
                 layout._add(heads, q)
         for size in [*mlp_widths(config).values(), config_int(config, "vocab_size")]:
-            if size and size % tp and size >= tp:
-                layout._add(size, by_rows(size, tp))
+            layout._add_rows(size)
         return layout
 
     def add_embedding_rows(self, model) -> "ShardLayout":
@@ -127,10 +126,14 @@ class ShardLayout:
 
         if self.tp > 1:
             for module in model.modules():
-                rows = getattr(module, "num_embeddings", None) if isinstance(module, nn.Embedding) else None
-                if isinstance(rows, int) and rows % self.tp and rows >= self.tp:
-                    self._add(rows, by_rows(rows, self.tp))
+                if isinstance(module, nn.Embedding):
+                    self._add_rows(module.num_embeddings)
         return self
+
+    def _add_rows(self, size) -> None:
+        """A split of ``size`` single rows (columns) where tp does not divide it and every rank gets one."""
+        if isinstance(size, int) and size % self.tp and size >= self.tp:
+            self._add(size, by_rows(size, self.tp))
 
     def _add(self, full: int, sizes: tuple) -> None:
         # the first claim of a size wins: attention's head units also serve an MLP of the same width

@@ -55,26 +55,26 @@ def _split_sizes(full_parts, tp: int, sizes=None, whole=()) -> list:
     return [[seg] * tp if i in whole else [seg // tp] * tp for i, seg in enumerate(full_parts)]
 
 
+def gather_parts(x: torch.Tensor, dim: int, process_group, world: int, sizes=None) -> list:
+    """Every rank's ``x`` along ``dim``, in rank order; ``sizes``: each rank's size there when they differ
+    (sent padded to the largest: all_gather takes equal shapes)."""
+    x = x.contiguous()
+    if sizes is not None and x.shape[dim] < max(sizes):
+        pad = list(x.shape)
+        pad[dim] = max(sizes) - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=process_group)
+    return parts if sizes is None else [p.narrow(dim, 0, n) for p, n in zip(parts, sizes)]
+
+
 def _all_gather(x: torch.Tensor, dim: int, handle: int, segments=None, sizes=None, whole=()) -> torch.Tensor:
     group = group_by_handle(handle)
     if group.size == 1:
         return x
-    x = x.contiguous()
     dim = dim % x.dim()
-    if sizes:
-        # uneven: each rank's local size, padded to the largest for the collective
-        local = [sum(s[r] for s in sizes) for r in range(group.size)]
-        longest = max(local)
-        if x.shape[dim] < longest:
-            pad = list(x.shape)
-            pad[dim] = longest - x.shape[dim]
-            x = torch.cat([x, x.new_zeros(pad)], dim=dim)
-        parts = [torch.empty_like(x) for _ in range(group.size)]
-        dist.all_gather(parts, x, group=group.process_group)
-        parts = [p.narrow(dim, 0, n) for p, n in zip(parts, local)]
-    else:
-        parts = [torch.empty_like(x) for _ in range(group.size)]
-        dist.all_gather(parts, x, group=group.process_group)
+    local = [sum(s[r] for s in sizes) for r in range(group.size)] if sizes else None  # uneven: each rank's size
+    parts = gather_parts(x, dim, group.process_group, group.size, local)
     if not segments and not sizes:
         return torch.cat(parts, dim=dim)
     # each rank holds its part of every segment: regroup segment by segment (a whole one from the first rank)

@@ -13,11 +13,11 @@ The view shares storage with the local tensor, so DCP loads into it in place.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..plan.layout import chunked
 from ..plan.placement import Placement
+from ..rewrite.collectives import gather_parts
 
 
 def tp_placement(plan_param):
@@ -135,18 +135,10 @@ def full_tensor(tensor, plan_param, mesh) -> torch.Tensor:
 
 
 def _gather_tp(tensor, dim: int, mesh, sizes=None) -> torch.Tensor:
-    """Concatenate every tp rank's ``tensor`` along ``dim``; ``sizes``: each rank's size there when
-    they differ (sent padded to the largest: all_gather takes equal shapes)."""
+    """Concatenate every tp rank's ``tensor`` along ``dim`` (``sizes``: each rank's size there when uneven)."""
     if mesh.tp == 1:
         return tensor
-    if sizes is not None:
-        pad = [0, 0] * (tensor.dim() - 1 - dim) + [0, max(sizes) - tensor.shape[dim]]
-        tensor = torch.nn.functional.pad(tensor, pad)
-    parts = [torch.empty_like(tensor) for _ in range(mesh.tp)]
-    dist.all_gather(parts, tensor.contiguous(), group=mesh.tp_mesh.get_group())
-    if sizes is not None:
-        parts = [part.narrow(dim, 0, size) for part, size in zip(parts, sizes)]
-    return torch.cat(parts, dim=dim)
+    return torch.cat(gather_parts(tensor, dim, mesh.tp_mesh.get_group(), mesh.tp, sizes), dim=dim)
 
 
 def _contiguous_stride(shape: tuple) -> tuple:

@@ -45,10 +45,13 @@ def _worth_carrying(node, x, ctx) -> bool:
     into an output with no more elements (broadcasting it up would cost more later)."""
     if len(x.users) != 1:
         return False
-    out, inp = ctx.fake(node), ctx.fake(x)
-    if out is None or inp is None:
+    if ctx.fake(node) is None or ctx.fake(x) is None:
         return False
-    return ctx.bytes_per_token(node) / out.element_size() <= ctx.bytes_per_token(x) / inp.element_size()
+    return _elements_per_token(node, ctx) <= _elements_per_token(x, ctx)
+
+
+def _elements_per_token(node, ctx) -> float:
+    return ctx.bytes_per_token(node) / ctx.fake(node).element_size()
 
 
 def _unary(node, placements, ctx):
@@ -83,8 +86,7 @@ def _add(node, placements, ctx):
     if len(inputs) != 2 or len(partial) != 2 or not all(isinstance(a, fx.Node) for a in operands) or \
             any(len(x.users) != 1 or ctx.fake(x) is None for x in inputs) or ctx.fake(node) is None:
         return []
-    out_elements = ctx.bytes_per_token(node) / ctx.fake(node).element_size()
-    if out_elements > sum(ctx.bytes_per_token(x) / ctx.fake(x).element_size() for x in inputs):
+    if _elements_per_token(node, ctx) > sum(_elements_per_token(x, ctx) for x in inputs):
         return []
     if any(k not in ("alpha",) for k in node.kwargs) or len(node.args) > 2:
         return []
