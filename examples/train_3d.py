@@ -2,7 +2,8 @@
 
     TP_SIZE=2 DP_SIZE=2 CP_SIZE=1 torchrun --nproc_per_node=4 examples/train_3d.py --steps 5
     TP_SIZE=1 DP_SIZE=1 CP_SIZE=2 torchrun --nproc_per_node=2 examples/train_3d.py --steps 5
-    ... examples/train_3d.py --steps 10 --resume              # continue from out/train_3d/checkpoints
+    ... examples/train_3d.py --steps 10 --resume              # continue from this layout's checkpoints
+    ... examples/train_3d.py --steps 10 --resume-from out/train_3d/dp2_tp2_cp1/checkpoints  # from another layout
     ... examples/train_3d.py --model DIR --dataset NAME       # your model, a `datasets` dataset
 
 By default it builds a small Llama locally (checkpoints/tiny-llama-train) and trains on a
@@ -10,6 +11,8 @@ synthetic token stream made locally (no hub, no `datasets`). Rank 0 logs the los
 the global batch's tokens), the gradient norm before clipping and tokens/s of each step.
 With CP_SIZE > 1 every sequence is split over the cp ranks (load-balanced causal chunks, exact
 attention over the whole sequence); --seq-len must then divide by 2 * CP_SIZE.
+Checkpoints go to out/train_3d/dp<DP>_tp<TP>_cp<CP>/checkpoints by default (one directory per layout:
+runs of different layouts never share steps); any layout loads any other's with --resume-from.
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ import torch.distributed as dist
 
 import fxparallel
 from fxparallel.runtime import (StepBatches, apply_data_parallel, dataset_token_stream, export_pretrained,
-                                init_mesh, latest_checkpoint, load_checkpoint, pack_tokens, save_checkpoint,
-                                synthetic_token_stream, train_step)
+                                init_mesh, latest_checkpoint, list_checkpoints, load_checkpoint, pack_tokens,
+                                save_checkpoint, synthetic_token_stream, train_step)
 
 
 def build_default_checkpoint(path: str) -> str:
@@ -37,6 +40,14 @@ def build_default_checkpoint(path: str) -> str:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     return path
+
+
+SAVE_ROOT = os.path.join("out", "train_3d")
+
+
+def default_save_dir(layout: dict) -> str:
+    """out/train_3d/dp2_tp2_cp1/checkpoints for {"dp": 2, "tp": 2, "cp": 1}."""
+    return os.path.join(SAVE_ROOT, f"dp{layout['dp']}_tp{layout['tp']}_cp{layout['cp']}", "checkpoints")
 
 
 def parse_args(argv=None):
@@ -54,10 +65,17 @@ def parse_args(argv=None):
     p.add_argument("--max-norm", type=float, default=1.0, help="clip the global gradient norm (0: no clipping)")
     p.add_argument("--dp-mode", choices=("shard", "replicate"), default="shard")
     p.add_argument("--mixed-precision", choices=("none", "bf16"), default="none")
-    p.add_argument("--save-dir", default="out/train_3d/checkpoints")
+    p.add_argument("--save-dir", default=None,
+                   help="checkpoint root (default: out/train_3d/dp<DP>_tp<TP>_cp<CP>/checkpoints, one per layout)")
     p.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps (and at the end); 0: never")
     p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    p.add_argument("--resume-from", default=None,
+                   help="continue from this checkpoint (a step directory, or a root: its latest), e.g. one saved "
+                        "with another layout; new checkpoints still go to --save-dir")
+    p.add_argument("--trust-metadata", action="store_true",
+                   help="also load a checkpoint that records no digest of its pickled .metadata (written by an older "
+                        "fxparallel): only for checkpoints whose origin you trust")
     p.add_argument("--export", default=None, help="write a consolidated Hugging Face directory here at the end")
     p.add_argument("--dataset", default=None, help="a `datasets` dataset name (default: synthetic tokens)")
     p.add_argument("--dataset-config", default=None)
@@ -92,6 +110,15 @@ def load_rows(args, model_path, vocab_size: int) -> torch.Tensor:
     return pack_tokens(stream, args.seq_len)
 
 
+def other_layouts_hint(args, save_dir: str) -> str:
+    """With the default --save-dir: where other layouts' checkpoints are (--resume-from loads them)."""
+    if args.save_dir is not None or not os.path.isdir(SAVE_ROOT):
+        return ""
+    dirs = (os.path.join(SAVE_ROOT, d, "checkpoints") for d in sorted(os.listdir(SAVE_ROOT)))
+    others = [d for d in dirs if d != save_dir and list_checkpoints(d)]
+    return f" (other layouts' checkpoints: {', '.join(others)}; --resume-from DIR loads one)" if others else ""
+
+
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -124,14 +151,16 @@ def main(argv=None):
               f"{args.seq_len} tokens, {data.rows.shape[0]} rows, FSDP mode {args.dp_mode}, "
               f"mixed precision {args.mixed_precision}", flush=True)
 
+    save_dir = args.save_dir or default_save_dir(mesh.layout())
     start = 0
-    if args.resume:
-        found = latest_checkpoint(args.save_dir)
+    if args.resume or args.resume_from:
+        found = args.resume_from or latest_checkpoint(save_dir)
         if found is None:
             if first:
-                print(f"--resume: no checkpoint in {args.save_dir}, starting from step 0", flush=True)
+                print(f"--resume: no checkpoint in {save_dir}, starting from step 0"
+                      f"{other_layouts_hint(args, save_dir)}", flush=True)
         else:
-            meta = load_checkpoint(found, model, optimizer, mesh)
+            meta = load_checkpoint(found, model, optimizer, mesh, trust_metadata=args.trust_metadata)
             start = meta["step"]
             if first:
                 print(f"resumed from {found} (step {start}, saved with layout {meta['layout']})", flush=True)
@@ -145,7 +174,7 @@ def main(argv=None):
             print(f"step {done:5d} | loss {metrics.loss:.4f} | grad norm {metrics.grad_norm:.4f} | "
                   f"{metrics.tokens_per_s:,.0f} tokens/s", flush=True)
         if args.save_every and (done % args.save_every == 0 or done == args.steps):
-            path = save_checkpoint(args.save_dir, model, optimizer, mesh, done, keep=args.keep)
+            path = save_checkpoint(save_dir, model, optimizer, mesh, done, keep=args.keep)
             if first:
                 print(f"saved {path}", flush=True)
 

@@ -1,13 +1,18 @@
-"""``parallelize``: the lifecycle, one function per stage.
+"""``parallelize``: the lifecycle, one function per stage, data flowing one way.
 
-resolve source -> check splits -> capture (meta) -> solve -> rewrite -> plan -> load weights.
+    resolve source -> check splits -> capture (meta model, Dynamo graph)
+      -> solve (GraphPlan: a placement and strategy per node, pure data)
+      -> rewrite (rewrite/passes.py: outputs, redistribute, gradient_reductions,
+         sequence_parallel, context_parallel, bind, split_by_layer)
+      -> report (ShardingPlan) -> load weights into this rank's shards.
+
 Timings of each stage are kept on the returned module (``model.timings``).
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -15,16 +20,15 @@ import torch.distributed as dist
 from .capture import build_meta_model, capture
 from .capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
 from .group import TPGroup, fake_group, resolve_tp_group
-from .load import (default_dtype, initialize, load_from_files, load_from_state_dict, resolve_checkpoint,
+from .load import (initialize, load_from_files, load_from_state_dict, resolve_checkpoint,
                    resolve_source)
+from .load.dtype import resolve_dtype
 from .module import LocalGraph, ParallelCausalLM
-from .plan.build import build_plan
 from .plan.layout import ShardLayout
 from .plan.solver import check_layer_symmetry, solve
-from .plan.validate import check_divisible
-from .rewrite import context_parallel, context_parallel_checks, localize, output_placements
-from .rewrite.layer_units import generate_layered_forward
-from .rewrite.local_graph import output_split_sizes
+from .plan.validate import check_splittable
+from .report import build_plan
+from .rewrite import PassContext, context_parallel, context_parallel_checks, run_passes
 
 log = logging.getLogger("fxparallel")
 
@@ -40,8 +44,8 @@ def _default_device(group: TPGroup) -> torch.device:
 
 
 def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None,
-               cp=None, sequence_parallel: bool = False):
-    """Capture, solve and rewrite one graph. Returns (LocalGraph, GraphPlan, reduced values, captured).
+               cp=None, sequence_parallel: bool = False, skip_passes=()) -> PassContext:
+    """Capture, solve and rewrite one graph; returns the context after every pass (rewrite/passes.py).
 
     ``cp``: the context-parallel group (or None): labels arrive shifted and attention spans the cp ranks."""
     captured = capture(meta_model, arguments, shape=shape, labels_shifted=cp is not None)
@@ -51,16 +55,15 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     # uneven splits by whole heads / columns / rows
     layout = ShardLayout.for_config(meta_model.config, group.size).add_embedding_rows(meta_model)
     gplan = solve(captured, group.size, fixed=fixed, layout=layout)
-    placements = output_placements(captured, gplan)
-    sizes = output_split_sizes(captured, gplan)
-    reduced = localize(captured, gplan, group, device, sequence_parallel=sequence_parallel)
-    if cp is not None:
-        context_parallel.apply_context_parallel(captured.gm.graph, cp)
-    forward, code, pieces = generate_layered_forward(captured.gm.graph, captured.params.values())
-    local = LocalGraph(arguments=arguments, forward=forward, outputs=captured.outputs,
-                       output_placements=placements, captured=captured, code=code, output_sizes=sizes,
-                       pieces=pieces)
-    return local, gplan, reduced, captured
+    ctx = PassContext(captured, gplan, group, device, sequence_parallel=sequence_parallel, cp=cp)
+    return run_passes(ctx, skip=skip_passes)
+
+
+def local_graph(ctx: PassContext, arguments) -> LocalGraph:
+    """What the module keeps of a rewritten graph: its code and what calling it needs."""
+    return LocalGraph(arguments=tuple(arguments), forward=ctx.forward, outputs=ctx.captured.outputs,
+                      output_placements=ctx.output_placements, guards=ctx.captured.shape_guards(),
+                      attributes=ctx.attributes, code=ctx.code, output_sizes=ctx.output_sizes, pieces=ctx.pieces)
 
 
 def _for_device(config, device: torch.device):
@@ -80,26 +83,36 @@ def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
     """The meta model of ``source``, after checking it can be split over ``tp`` ranks."""
     meta = build_meta_model(source.config, dtype=dtype, trust_remote_code=trust_remote_code,
                             model_class=source.model_class)
-    check_divisible(source.config, tp, meta)
+    check_splittable(source.config, tp, meta)
     return meta
 
 
-def _plan_training_graph(meta, group: TPGroup, device, dtype, cp=None, sequence_parallel: bool = False):
+def _plan_training_graph(meta, group: TPGroup, device, dtype, cp=None, sequence_parallel: bool = False,
+                         skip_passes=()):
     """Capture, solve and rewrite the training graph; returns (LocalGraph, GraphPlan, ShardingPlan)."""
     arguments = TRAINING_ARGUMENTS if cp is None else CONTEXT_PARALLEL_TRAINING_ARGUMENTS
-    local, gplan, reduced, captured = plan_graph(meta, arguments, group, device, cp=cp,
-                                                 sequence_parallel=sequence_parallel)
-    asymmetric = check_layer_symmetry(gplan.params)
+    ctx = plan_graph(meta, arguments, group, device, cp=cp, sequence_parallel=sequence_parallel,
+                     skip_passes=skip_passes)
+    asymmetric = check_layer_symmetry(ctx.gplan.params)
     if asymmetric:
         log.warning("layers with the same structure got different placements: %s", ", ".join(asymmetric))
-    plan = build_plan(meta, captured, gplan, captured.gm.graph, reduced, group.size, dtype,
-                      tokens=EXAMPLE_BATCH * EXAMPLE_SEQ, sequence_parallel=captured.sequence_parallel)
-    captured.release()
-    return local, gplan, plan
+    plan = build_plan(meta, ctx, dtype, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
+    return local_graph(ctx, arguments), ctx.gplan, plan
 
 
-def plan_model(model, tp: int, *, dtype: Optional[torch.dtype] = None, revision=None, cache_dir=None,
-               local_files_only=None, token=None, trust_remote_code: bool = False,
+def _vocabulary(meta) -> tuple:
+    """(embedding rows, logits) of the model: the ranges of token ids and labels."""
+    def rows(module):
+        weight = getattr(module, "weight", None)
+        return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+    embeddings = meta.get_input_embeddings() if hasattr(meta, "get_input_embeddings") else None
+    head = meta.get_output_embeddings() if hasattr(meta, "get_output_embeddings") else None
+    return (rows(embeddings) if embeddings is not None else None), (rows(head) if head is not None else None)
+
+
+def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, revision=None,
+               cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
                sequence_parallel: bool = False):
     """Plan only: capture, solve and rewrite for ``tp`` ranks without processes or weights.
 
@@ -107,19 +120,22 @@ def plan_model(model, tp: int, *, dtype: Optional[torch.dtype] = None, revision=
     """
     source = resolve_source(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                             token=token, trust_remote_code=trust_remote_code)
-    dtype = dtype or default_dtype(source.config)
+    dtype = resolve_dtype(dtype, torch_dtype, config=source.config)
     meta = _meta_model(source, tp, dtype, trust_remote_code)
     local, _, plan = _plan_training_graph(meta, fake_group(tp), torch.device("cpu"), dtype,
                                           sequence_parallel=sequence_parallel)
     return plan, local
 
 
-def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=None, revision=None,
-                cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
-                seed: int = 0, cp_group=None, sequence_parallel: bool = False) -> ParallelCausalLM:
+def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, device=None,
+                revision=None, cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
+                seed: int = 0, cp_group=None, sequence_parallel: bool = False,
+                skip_passes=()) -> ParallelCausalLM:
     """Make a Hugging Face causal LM tensor-parallel over ``tp_group``.
 
     ``model``: hub id, local directory, PretrainedConfig or PreTrainedModel.
+    ``dtype``: as transformers takes it (a torch.dtype, "bfloat16", "auto"; default: the
+    checkpoint's); ``torch_dtype`` is its deprecated alias.
     ``tp_group``: ProcessGroup or 1-D DeviceMesh.
     ``cp_group``: optional context-parallel ProcessGroup or 1-D DeviceMesh (size > 1: each
     rank then takes its load-balanced chunks of every sequence and labels already
@@ -129,6 +145,8 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
     ``sequence_parallel``: keep activations outside attention and MLP sharded along the
     sequence (same communication, less activation memory); the sequence length of every
     call must then divide by the tp size.
+    ``skip_passes``: optional rewrite passes to leave out (``rewrite/passes.py``), e.g.
+    ``("split_by_layer",)`` to run each graph as one piece (no per-layer FSDP units).
     """
     timings = {}
     t0 = time.perf_counter()
@@ -139,7 +157,7 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
                                   "use one of them")
     source = resolve_source(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                             token=token, trust_remote_code=trust_remote_code)
-    dtype = dtype or default_dtype(source.config)
+    dtype = resolve_dtype(dtype, torch_dtype, config=source.config)
     device = torch.device(device) if device is not None else _default_device(group)
     source.config = _for_device(source.config, device)
     if cp is not None:
@@ -152,20 +170,21 @@ def parallelize(model, tp_group, *, dtype: Optional[torch.dtype] = None, device=
     timings["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    local, gplan, plan = _plan_training_graph(meta, group, device, dtype, cp, sequence_parallel)
+    local, gplan, plan = _plan_training_graph(meta, group, device, dtype, cp, sequence_parallel, skip_passes)
     timings["capture+plan+rewrite"] = time.perf_counter() - t
     fixed = dict(gplan.params)
 
     def graph_factory(module, arguments, input_shape):
         shape = tuple(int(s) for s in input_shape)
-        g, _, _, captured_again = plan_graph(meta, arguments, group, module.device_, shape=shape, fixed=fixed, cp=cp,
-                                             sequence_parallel=sequence_parallel)
-        captured_again.release()
-        return g
+        ctx = plan_graph(meta, arguments, group, module.device_, shape=shape, fixed=fixed, cp=cp,
+                         sequence_parallel=sequence_parallel, skip_passes=module.skip_passes)
+        return local_graph(ctx, arguments)
 
     # weights: everything that can fail on input runs before any shard is written
     module = ParallelCausalLM(source.config, plan, group, device, dtype, graph_factory, cp_group=cp)
     module.sequence_parallel = sequence_parallel
+    module.skip_passes = tuple(skip_passes)
+    module.vocab_rows, module.label_classes = _vocabulary(meta)
     module.set_buffers(meta.fxparallel_buffers)
     module.add_graph(local)
     t = time.perf_counter()

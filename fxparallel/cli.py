@@ -2,7 +2,7 @@
 
 MODEL is a hub id (only its config is fetched), a local checkpoint directory, or a
 config.json path. ``--sp`` plans sequence parallelism on top. Exit codes: 0 done, 1 the
-library refused the input (message on stderr), 2 bad command line.
+library refused the input (a one-line message on stderr, no traceback), 2 bad command line.
 """
 from __future__ import annotations
 
@@ -62,19 +62,27 @@ def override_layers(config, layers: int) -> None:
 
 
 def _plan(args):
-    import torch
-
     from .api import plan_model
-    from .load import resolve_source
+    from .load import resolve_dtype, resolve_source
+    from .load.source import StrictDataclassError, invalid_config_error
 
     source = resolve_source(args.model, revision=args.revision, trust_remote_code=args.trust_remote_code)
     config = source.config
-    if args.layers is not None:
-        override_layers(config, args.layers)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    plan, _ = plan_model(config, args.tp, dtype=dtype, trust_remote_code=args.trust_remote_code,
-                         sequence_parallel=args.sp)
+    try:
+        if args.layers is not None:
+            override_layers(config, args.layers)
+        dtype = resolve_dtype(args.dtype) if args.dtype else None
+        plan, _ = plan_model(config, args.tp, dtype=dtype, trust_remote_code=args.trust_remote_code,
+                             sequence_parallel=args.sp)
+    except StrictDataclassError as err:  # transformers refused a value (e.g. set by --layers)
+        raise invalid_config_error(err, repr(args.model), getattr(config, "model_type", None),
+                                   type(config).__name__, list(config.to_dict())) from err
     return plan
+
+
+def one_line(err: Exception) -> str:
+    """The error's message on one line (the CLI prints one line per error, never a traceback)."""
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
 
 
 def run_plan(args) -> int:
@@ -86,7 +94,7 @@ def run_plan(args) -> int:
     try:
         plan = _plan(args)
     except FxParallelError as err:
-        print(f"fxparallel: error: {err}", file=sys.stderr)
+        print(f"fxparallel: error: {one_line(err)}", file=sys.stderr)
         return 1
     print(plan)
     if args.json:

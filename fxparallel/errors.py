@@ -19,3 +19,19 @@ class CheckpointError(FxParallelError):
 
 class GroupError(FxParallelError):
     """The tensor-parallel group is not usable."""
+
+
+class InputError(FxParallelError, ValueError):
+    """The arguments of a call are inconsistent (shapes, ranges, or across the ranks of a group)."""
+
+
+class ConfigError(FxParallelError, ValueError):
+    """The model's config is invalid (transformers' own validation refused it)."""
+
+
+class ArgumentError(FxParallelError, ValueError):
+    """An argument has a value fxparallel does not accept (e.g. an unknown dtype)."""
+
+
+class RankTimeoutError(GroupError, TimeoutError):
+    """A rank of the group did not reach an agreement point within the wait (FXPARALLEL_AGREE_TIMEOUT)."""

@@ -18,6 +18,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .errors import ShardingError
+from .inputs import check_arguments
 from .rewrite import collectives, context_parallel
 from .rewrite.layer_units import LayerPieces, install_layer_units
 
@@ -45,7 +46,8 @@ class LocalGraph:
     forward: Callable  # generated code; called with the module as ``self``
     outputs: tuple  # output names
     output_placements: dict  # name -> Placement
-    captured: object  # CapturedGraph (guards)
+    guards: object  # ShapeGuards: the argument shapes the code is valid for
+    attributes: dict  # attributes the code reads besides parameters and buffers (custom autograd bodies)
     code: str
     output_sizes: dict = field(default_factory=dict)  # name -> per-rank sizes along its sharded dim
     pieces: Optional[LayerPieces] = None  # per-layer pieces the root code calls (rewrite/layer_units.py)
@@ -76,8 +78,13 @@ class ParallelCausalLM(nn.Module):
         self.device_ = torch.device(device)
         self.dtype_ = dtype
         object.__setattr__(self, "_graphs", [])  # not submodules: they share our parameters
+        object.__setattr__(self, "_graph_of_shapes", {})  # (argument names, shapes) -> graph: no guard per call
         object.__setattr__(self, "_graph_factory", graph_factory)
         self.sequence_parallel = False  # set by parallelize: sequences must then divide by tp
+        self.skip_passes = ()  # rewrite passes left out of every graph (set by parallelize)
+        # token ids index this many embedding rows, labels this many logits (set by parallelize; None: unchecked)
+        self.vocab_rows: Optional[int] = None
+        self.label_classes: Optional[int] = None
         # decoder layers as modules the graphs call, so FSDP can make each one a unit
         self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params)
         for p in plan.params:
@@ -121,7 +128,7 @@ class ParallelCausalLM(nn.Module):
         return [self.get_submodule(p) for p in self._layer_paths]
 
     def _register_attributes(self, graph: LocalGraph) -> None:
-        for name, value in graph.captured.attributes.items():
+        for name, value in graph.attributes.items():
             object.__setattr__(self, name, value)  # not submodules: they hold no parameters of ours
 
     def graphs(self) -> list:
@@ -130,11 +137,16 @@ class ParallelCausalLM(nn.Module):
     def _graph_for(self, args: dict) -> LocalGraph:
         names = tuple(sorted(args))
         shapes = {k: tuple(v.shape) for k, v in args.items()}
-        for g in self._graphs:
-            if tuple(sorted(g.arguments)) == names and g.captured.holds_for(shapes):
-                return g
-        graph = self._graph_factory(self, tuple(n for n in ARGUMENTS if n in args), shapes["input_ids"])
-        self.add_graph(graph)
+        key = (names, tuple(shapes[n] for n in names))
+        graph = self._graph_of_shapes.get(key)
+        if graph is not None:
+            return graph
+        graph = next((g for g in self._graphs if tuple(sorted(g.arguments)) == names and g.guards.holds_for(shapes)),
+                     None)
+        if graph is None:
+            graph = self._graph_factory(self, tuple(n for n in ARGUMENTS if n in args), shapes["input_ids"])
+            self.add_graph(graph)
+        self._graph_of_shapes[key] = graph
         return graph
 
     def set_buffers(self, buffers: dict) -> None:
@@ -151,6 +163,7 @@ class ParallelCausalLM(nn.Module):
         args = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
                                   ("position_ids", position_ids), ("labels", labels)) if v is not None}
         args = {k: v.to(self.device_) for k, v in args.items()}
+        check_arguments(args, self.tp_group, self.vocab_rows, self.label_classes)
         if self.sequence_parallel and input_ids.shape[-1] % self.tp_group.size:
             raise ShardingError(f"sequence_parallel: the sequence length {input_ids.shape[-1]} of input_ids "
                                 f"{tuple(input_ids.shape)} does not divide by the tp size {self.tp_group.size}; "
@@ -173,6 +186,17 @@ class ParallelCausalLM(nn.Module):
             logits = collectives.all_gather(logits, placement.dim, self.tp_group.handle, None, uneven) if gather else None
         return ParallelCausalLMOutput(loss=results.get("loss"), logits=logits, local_logits=local_logits,
                                       vocab_range=vocab_range)
+
+    def _apply(self, fn, recurse=True):
+        """``model.to(dtype)``, ``.half()``, ``.cuda()``, ...: the graphs were captured for one dtype
+        and device (casts, constants), so a change would run them wrongly: refuse it, saying what to do."""
+        probe = fn(torch.empty(0, dtype=self.dtype_, device=self.device_))
+        if isinstance(probe, torch.Tensor) and (probe.dtype != self.dtype_ or probe.device != self.device_):
+            raise ShardingError(
+                f"this parallel model was captured and loaded in {str(self.dtype_).replace('torch.', '')} on "
+                f"{self.device_}; moving it to {str(probe.dtype).replace('torch.', '')} on {probe.device} is not "
+                f"supported: pass dtype= / device= to fxparallel.parallelize instead")
+        return super()._apply(fn, recurse)
 
     @property
     def cp_size(self) -> int:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -46,9 +48,23 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
     for p in procs:
         p.start()
     results, errors = {}, {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
+        while len(results) + len(errors) < world_size:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                # a rank that died before reporting (killed, or failed while starting) must not leave us waiting
+                silent = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and r not in errors]
+                if silent and queue.empty():
+                    time.sleep(1.0)  # its report may still be in flight
+                    if queue.empty():
+                        codes = {r: procs[r].exitcode for r in silent}
+                        raise AssertionError(f"ranks {silent} exited without reporting (exit codes {codes})")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no report from ranks {sorted(set(range(world_size)) - set(results) - set(errors))} "
+                                         f"within {timeout:.0f} s")
+                continue
             (results if status == "ok" else errors)[rank] = payload
     finally:
         for p in procs:

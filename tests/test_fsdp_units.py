@@ -96,16 +96,12 @@ def _split_vs_whole(path, mesh):
     """Plain parallelize (no FSDP), graph split by layer or kept whole: logits, loss, every gradient.
     Returns the differences and the split model."""
     import fxparallel
-    from fxparallel.rewrite import layer_units
 
     ids = _batches(mesh).global_batch_at(0)["input_ids"]
     results = {}
     for split in (True, False):
-        layer_units.SPLIT = split
-        try:
-            model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32)
-        finally:
-            layer_units.SPLIT = True
+        model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32,
+                                       skip_passes=() if split else ("split_by_layer",))
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         results[split] = {"model": model, "loss": out.loss.detach(), "logits": model(input_ids=ids).logits.detach(),
@@ -120,19 +116,18 @@ def _split_vs_whole(path, mesh):
 def _unsplit_graph_is_refused(model, mesh):
     """A later graph that could not be split cannot run on FSDP layer units: clear error."""
     from fxparallel.errors import ShardingError
-    from fxparallel.rewrite import layer_units
     from fxparallel.runtime import apply_data_parallel
 
     for p in model.parameters():
         p.grad = None
     model = apply_data_parallel(model, mesh)
-    layer_units.SPLIT = False
+    model.skip_passes = ("split_by_layer",)  # the next graph (a new argument set) stays whole
     try:
         model(input_ids=torch.zeros(2, 8, dtype=torch.long), attention_mask=torch.ones(2, 8, dtype=torch.long))
     except ShardingError as err:
         return str(err)
     finally:
-        layer_units.SPLIT = True
+        model.skip_passes = ()
     return None
 
 

@@ -150,14 +150,18 @@ def _bind(gm, example_inputs, model, example, output_names) -> CapturedGraph:
                 "argument; fxparallel cannot bind it"
             )
 
-    # Which argument dimension each size symbol comes from.
-    symbol_sources = {}
+    # Which argument dimension each size symbol comes from; the sizes captured as constants
+    # (Dynamo specializes 0 and 1) are valid only as they are.
+    symbol_sources, static_sizes = {}, {}
     for node in placeholders:
         if node.name in inputs:
             fake = node.meta["example_value"]
+            static_sizes[(inputs[node.name], "ndim")] = fake.dim()
             for dim, size in enumerate(fake.shape):
                 if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
                     symbol_sources.setdefault(size.node.expr, (inputs[node.name], dim))
+                elif isinstance(size, int):
+                    static_sizes[(inputs[node.name], dim)] = size
     symbols = {}
     for name, node in sym_placeholders.items():
         expr = node.meta["example_value"].node.expr
@@ -189,4 +193,5 @@ def _bind(gm, example_inputs, model, example, output_names) -> CapturedGraph:
         outputs=output_names,
         guards=guards,
         symbol_sources=symbol_sources,
+        static_sizes=static_sizes,
     )

@@ -1,6 +1,7 @@
 """What capture hands to the planner: one FX graph and how its inputs map back to the model."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -18,19 +19,27 @@ class CapturedGraph:
     # shape guards that must hold for this graph to be valid: (sympy expr, {symbol: (argument, dim)})
     guards: list = field(default_factory=list)
     symbol_sources: dict = field(default_factory=dict)  # sympy Symbol -> (argument, dim)
-    attributes: dict = field(default_factory=dict)  # attributes the local graph reads besides parameters/buffers
-    sequence_parallel: object = None  # SequenceParallelReport when the sequence-parallel pass ran
+    # (argument, dim) -> the size captured as a constant; (argument, "ndim") -> its number of dims
+    static_sizes: dict = field(default_factory=dict)
 
-    def release(self) -> None:
-        """Drop the graph (and the fake tensors in its metadata) once the local code exists;
-        only the guards and attributes are needed to run it."""
-        self.gm = None
+    def shape_guards(self) -> "ShapeGuards":
+        return ShapeGuards(tuple(self.guards), dict(self.symbol_sources), dict(self.static_sizes))
 
-    def placeholders(self) -> list[fx.Node]:
-        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+@dataclass(frozen=True)
+class ShapeGuards:
+    """The shapes a captured graph is valid for: all the code needs of the capture once it exists."""
+
+    guards: tuple  # sympy expressions over the size symbols
+    symbol_sources: dict  # sympy Symbol -> (argument, dim)
+    static_sizes: dict  # (argument, dim) -> constant size; (argument, "ndim") -> number of dims
 
     def holds_for(self, shapes: dict[str, tuple[int, ...]]) -> bool:
         """Do the shape guards captured with this graph hold for these argument shapes?"""
+        for (arg, dim), size in self.static_sizes.items():
+            shape = shapes.get(arg)
+            if shape is None or (len(shape) if dim == "ndim" else (shape[dim] if dim < len(shape) else None)) != size:
+                return False
         values = {}
         for sym, (arg, dim) in self.symbol_sources.items():
             if arg not in shapes or dim >= len(shapes[arg]):
@@ -40,3 +49,17 @@ class CapturedGraph:
             if not bool(expr.xreplace(values)):
                 return False
         return True
+
+
+_ROOT = re.compile(r"^[A-Za-z_]+\[[^\]]*\]\.?")
+
+
+def module_path(node) -> str:
+    """The Hugging Face module a graph node came from, e.g. model.layers.0.self_attn.o_proj."""
+    stack = node.meta.get("nn_module_stack") if node is not None else None
+    if not stack:
+        return "<top>"
+    path = list(stack.values())[-1][0]
+    path = _ROOT.sub("", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
+    return path or "<top>"

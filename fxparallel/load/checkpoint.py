@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import CheckpointError
-from .coordinate import agree, default_group, first_on_node, is_node_downloader
+from .coordinate import agree, default_group, first_on_node, heartbeat, is_node_downloader
 from .hub import INDEX, REFUSED, SINGLE, convert_hint, fetch, read_index
 
 
@@ -69,21 +69,21 @@ def resolve_checkpoint(name: str, hub_kwargs: dict, *, progress: bool = True, gr
             files = local_checkpoint(name)
         except Exception as err:  # noqa: BLE001 - shared with the group by agree
             error = err
-        agree(group, error, f"reading the checkpoint in {name}")
+        agree(group, error, f"reading the checkpoint in {name}", step="read checkpoint")
         return files
     downloader = is_node_downloader(group)
     path = None
     if downloader:
         try:
-            path = fetch(name, hub_kwargs, progress=progress and first_on_node())
+            path = fetch(name, hub_kwargs, progress=progress and first_on_node(), heartbeat=heartbeat(group))
         except Exception as err:  # noqa: BLE001
             error = err
-    agree(group, error, f"downloading {name!r}")
+    agree(group, error, f"downloading {name!r}", step="download checkpoint")
     try:
         if not downloader:  # the files are in this node's cache now
             path = fetch(name, {**hub_kwargs, "local_files_only": True})
         files = from_file(path)
     except Exception as err:  # noqa: BLE001
         error = err
-    agree(group, error, f"reading the cached checkpoint of {name!r}")
+    agree(group, error, f"reading the cached checkpoint of {name!r}", step="read cached checkpoint")
     return files

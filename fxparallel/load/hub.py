@@ -12,6 +12,7 @@ import logging
 import os
 
 from ..errors import CheckpointError
+from .progress import byte_bar
 
 log = logging.getLogger("fxparallel")
 
@@ -37,7 +38,7 @@ class DownloadProgress:
     which makes one per downloaded file: those stay silent and feed the bar. Nothing shows if nothing
     is downloaded."""
 
-    def __init__(self, repo_id: str, show: bool):
+    def __init__(self, repo_id: str, show: bool, heartbeat=None):
         from tqdm.auto import tqdm
 
         self.bar, self.total, self.downloaded = None, 0, 0
@@ -45,8 +46,7 @@ class DownloadProgress:
 
         def open_bar():
             if show and progress.bar is None:
-                progress.bar = tqdm(total=progress.total or None, unit="B", unit_scale=True, unit_divisor=1024,
-                                    desc=f"download {repo_id}", leave=False)
+                progress.bar = byte_bar(f"download {repo_id}", progress.total or None)
             return progress.bar
 
         class PerFile(tqdm):
@@ -57,6 +57,8 @@ class DownloadProgress:
 
             def update(self, n=1):
                 progress.downloaded += n or 0
+                if heartbeat is not None:
+                    heartbeat()
                 bar = open_bar()
                 if bar is not None and n:
                     if bar.total is not None and bar.n + n > bar.total:
@@ -160,9 +162,12 @@ def _will_download(repo_id: str, names: list, hub_kwargs: dict) -> int:
     return total
 
 
-def fetch(repo_id: str, hub_kwargs: dict, progress: bool = False) -> str:
-    """Fetch what a hub checkpoint needs; returns the cached path of its single file or of its index."""
-    bar = DownloadProgress(repo_id, progress)
+def fetch(repo_id: str, hub_kwargs: dict, progress: bool = False, heartbeat=None) -> str:
+    """Fetch what a hub checkpoint needs; returns the cached path of its single file or of its index.
+
+    ``heartbeat``: called as bytes arrive (see ``coordinate.heartbeat``: peers waiting for this download
+    wait as long as it progresses)."""
+    bar = DownloadProgress(repo_id, progress, heartbeat)
     try:
         if progress:
             bar.expect(_will_download(repo_id, [SINGLE], hub_kwargs))

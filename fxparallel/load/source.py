@@ -6,12 +6,18 @@ PreTrainedModel (on the meta device or with real weights).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from ..errors import CheckpointError, FxParallelError
+from ..errors import CheckpointError, ConfigError, FxParallelError
+
+try:  # transformers' configs are strict dataclasses: a bad field or value raises one of these
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # pragma: no cover - older huggingface_hub
+    StrictDataclassError = ()
 
 
 @dataclass
@@ -58,6 +64,55 @@ def _config_error(name: str, hub_kwargs: dict, err: Exception) -> str:
     return f"cannot load the config of hub id {name!r}: {err}"
 
 
+def _fields_named(message: str, keys) -> list:
+    """The config fields a validator's message speaks of, by name or in words ("number of attention heads")."""
+    found = []
+    for key in keys:
+        if not isinstance(key, str) or len(key) < 4:
+            continue
+        forms = {key, key.replace("_", " "), key.replace("num_", "number of ", 1).replace("_", " ")}
+        if any(re.search(rf"(?<![A-Za-z_]){re.escape(f)}(?![A-Za-z_])", message) for f in forms):
+            found.append(key)
+    return sorted(found)
+
+
+def invalid_config_error(err: Exception, where: str, model_type=None, config_class=None, keys=()) -> ConfigError:
+    """fxparallel's one-line error for transformers' strict-dataclass validation error ``err``."""
+    text = str(err)
+    cause = err.__cause__
+    detail = f"{type(cause).__name__}: {cause}" if cause is not None else text.split("\n", 1)[-1].strip()
+    detail = " ".join(detail.split())
+    field = re.search(r"for field '([^']+)'", text)
+    validator = re.search(r"for validator '([^']+)'", text)
+    if field:
+        fields = [field.group(1)]
+    else:
+        fields = _fields_named(str(cause) if cause is not None else text, keys)
+    what = (f"model_type {model_type!r}" if model_type else "the config") + (f" ({config_class})" if config_class else "")
+    named = ("config field " + ", ".join(fields) if len(fields) == 1 else
+             "config fields " + ", ".join(fields) if fields else "the config")
+    check = f" (transformers' check {validator.group(1)})" if validator else ""
+    return ConfigError(f"invalid config of {where}, {what}: {named}: {detail}{check}")
+
+
+def _invalid_loaded_config(name: str, hub_kwargs: dict, err: Exception) -> ConfigError:
+    """The error for a config file that transformers refuses to build: name its field and model type."""
+    model_type, config_class, keys = None, None, ()
+    try:
+        from transformers import PretrainedConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        raw, _ = PretrainedConfig.get_config_dict(name, **hub_kwargs)
+        model_type = raw.get("model_type")
+        keys = list(raw)
+        if model_type in CONFIG_MAPPING:
+            config_class = CONFIG_MAPPING[model_type].__name__
+    except Exception:  # noqa: BLE001 - only used to word the error
+        pass
+    where = name if not os.path.isdir(name) else os.path.join(name, "config.json")
+    return invalid_config_error(err, repr(where), model_type, config_class, keys)
+
+
 def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=None, token=None,
                    trust_remote_code=False) -> ModelSource:
     from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
@@ -77,6 +132,8 @@ def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=Non
         name = os.fspath(model)
         try:
             config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **hub_kwargs)
+        except StrictDataclassError as err:
+            raise _invalid_loaded_config(name, hub_kwargs, err) from err
         except (OSError, ValueError) as err:
             raise CheckpointError(_config_error(name, hub_kwargs, err)) from err
         _check_causal_lm(config, repr(name), trust_remote_code)
@@ -89,5 +146,5 @@ def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=Non
 def default_dtype(config) -> torch.dtype:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
+        dtype = getattr(torch, dtype[len("torch."):] if dtype.startswith("torch.") else dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32

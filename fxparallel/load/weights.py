@@ -16,7 +16,8 @@ import torch
 from ..errors import CheckpointError
 from .checkpoint import CheckpointFiles
 from .conversion import ConversionError, Stored, find_conversions
-from .coordinate import agree, first_on_node
+from .coordinate import agree, first_on_node, heartbeat
+from .progress import byte_bar
 from .safetensors_io import SafetensorsFile, byte_runs, normalize_index
 
 log = logging.getLogger("fxparallel")
@@ -198,10 +199,7 @@ def _converted_node(p, name: str, conv, header, problems: list):
 
 
 def _progress(total: int, rank: int, tp: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"loading rank {rank}/{tp} shards",
-                disable=not first_on_node(), leave=False)
+    return byte_bar(f"loading rank {rank}/{tp} shards", total, show=first_on_node())
 
 
 def load_from_files(module, plan, files: CheckpointFiles, rank: int, tp: int, *, progress: bool = True,
@@ -213,6 +211,7 @@ def load_from_files(module, plan, files: CheckpointFiles, rank: int, tp: int, *,
     group = getattr(getattr(module, "tp_group", None), "process_group", None)
     t0 = time.perf_counter()
     nbytes, error = 0, None
+    beat = heartbeat(group) if group is not None else None  # peers wait for a rank still reading
     try:
         reads, headers = _plan_reads(module, plan, files, rank, tp, meta_model)
         bar = _progress(sum(r.nbytes for r in reads), rank, tp) if progress else None
@@ -227,6 +226,8 @@ def load_from_files(module, plan, files: CheckpointFiles, rank: int, tp: int, *,
                     nbytes += handle.read_into(r.tensor, r.source, r.out)
                     if bar is not None:
                         bar.update(r.nbytes)
+                    if beat is not None:
+                        beat()
             finally:
                 if handle is not None:
                     handle.__exit__(None, None, None)
@@ -234,7 +235,7 @@ def load_from_files(module, plan, files: CheckpointFiles, rank: int, tp: int, *,
                     bar.close()
     except Exception as err:  # noqa: BLE001 - every rank must learn of it (agree re-raises)
         error = err
-    agree(group, error, "loading the checkpoint")
+    agree(group, error, "loading the checkpoint", step="load checkpoint")
     seconds = time.perf_counter() - t0
     log.info("rank %d read %.1f MiB of a %.1f MiB checkpoint (%.1f%%) in %.2f s", rank, nbytes / 2**20,
              files.total_bytes / 2**20, 100.0 * nbytes / max(files.total_bytes, 1), seconds)

@@ -221,7 +221,7 @@ class ShardingPlan:
                           if self.sequence_parallel else ""))
             for c in calls:
                 size = f"{c.bytes_per_call:>10.0f} B/call " if c.bytes_per_call else f"{c.bytes_per_token:>10.1f} B/token"
-                out.append(f"    {c.count:>4} x {c.kind:<14} {size}  {c.where}")
+                out.append(f"    {c.count:>4} x {c.kind:<14} {size}  {_shown(c.where)}")
         if self.uneven:
             out.append("uneven splits (size: per-rank sizes, whole heads / columns / rows): "
                        + ", ".join(f"{k}: {'/'.join(map(str, v))}" for k, v in sorted(self.uneven.items())))
@@ -232,7 +232,7 @@ class ShardingPlan:
             out.append(f"parameter memory per rank: {mb:.2f} MiB")
         if self.sequence_parallel_kept:
             out.append("left plain TP by sequence parallelism (a consumer is not token-wise):")
-            out.extend(f"  {k}" for k in self.sequence_parallel_kept)
+            out.extend(f"  {_shown(k)}" for k in self.sequence_parallel_kept)
         if self.fallbacks:
             out.append("replicated by fallback (gathered):")
             out.extend(f"  {f}" for f in self.fallbacks)
@@ -240,6 +240,16 @@ class ShardingPlan:
         if replicated:
             out.append("matrices left replicated: " + ", ".join(sorted({layer_pattern(n) for n in replicated})))
         return "\n".join(out)
+
+
+# module_path's name for ops of no submodule (the causal LM's own forward: loss, logits processing)
+TOP = "<top>"
+TOP_SHOWN = "(top-level forward, outside any submodule)"
+
+
+def _shown(where: str) -> str:
+    """A ``where`` as the report prints it: ``<top>`` said in words."""
+    return where.replace(TOP, TOP_SHOWN)
 
 
 def _itemsize(dtype: str) -> int:

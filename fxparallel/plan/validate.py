@@ -28,7 +28,7 @@ def _problem(field_name: str, what: str, value: int, tp: int):
     return None
 
 
-def check_divisible(config, tp: int, meta_model=None) -> None:
+def check_splittable(config, tp: int, meta_model=None) -> None:
     if tp < 1:
         raise ShardingError(f"tp size must be >= 1, got {tp}")
     config = text_config(config)

@@ -1,4 +1,5 @@
-"""Stage 3: rewrite the captured graph to local shapes with autograd-aware collectives."""
-from .local_graph import localize, output_placements
+"""Stage 3: rewrite the captured graph to local shapes with autograd-aware collectives,
+as an ordered list of passes (``passes.py``)."""
+from .passes import PASSES, PassContext, run_passes
 
-__all__ = ["localize", "output_placements"]
+__all__ = ["PASSES", "PassContext", "run_passes"]

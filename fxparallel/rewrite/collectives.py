@@ -16,13 +16,12 @@ partial gradient. Two ops keep that true:
 * ``sum_grad_rows``:  forward identity, backward all-reduce of the whole segments' rows of a
   weight's gradient (once per step, not per token)
 
-Sequence parallelism (``fxparallel.rewrite.sequence_parallel``) adds three ops on the
+Sequence parallelism (``fxparallel.rewrite.sequence_parallel``) adds two ops on the
 token dimension of activations (``dim``; with ``batch`` given, ``dim`` merges batch and
 sequence, batch outermost, and the op acts on the sequence inside it):
 
 * ``reduce_scatter_seq``:  forward reduce-scatter, backward all-gather  (partial -> sequence shard)
 * ``gather_seq_to_tp``:    forward all-gather,     backward reduce-scatter (shard -> value used on tp shards)
-* ``gather_seq``:          forward all-gather,     backward local slice  (shard -> replicated value)
 
 With a group of size 1 every op is the identity and runs no collective.
 
@@ -140,15 +139,6 @@ def _all_gather_seq(x: torch.Tensor, dim: int, handle: int, batch=None) -> torch
     return _token_merge(torch.cat(parts, dim=d), dim, batch)
 
 
-def _chunk_seq(x: torch.Tensor, dim: int, handle: int, batch=None) -> torch.Tensor:
-    group = group_by_handle(handle)
-    if group.size == 1:
-        return x
-    view, d = _token_view(x, dim, batch)
-    size = view.shape[d] // group.size
-    return _token_merge(view.narrow(d, group.rank * size, size).contiguous(), dim, batch)
-
-
 def _sequence_pair(fwd, bwd, name: str):
     """An autograd op along the sequence: ``fwd`` and, on the gradient, ``bwd``
     (each ``f(x, dim, handle, batch)``)."""
@@ -169,7 +159,6 @@ def _sequence_pair(fwd, bwd, name: str):
 
 _ReduceScatterSeq = _sequence_pair(_reduce_scatter_seq, _all_gather_seq, "_ReduceScatterSeq")
 _GatherSeqToTP = _sequence_pair(_all_gather_seq, _reduce_scatter_seq, "_GatherSeqToTP")
-_GatherSeq = _sequence_pair(_all_gather_seq, _chunk_seq, "_GatherSeq")
 
 
 class _AllReduce(torch.autograd.Function):
@@ -268,10 +257,6 @@ def gather_seq_to_tp(x, dim, handle, batch=None):
     return _GatherSeqToTP.apply(x, dim, handle, batch)
 
 
-def gather_seq(x, dim, handle, batch=None):
-    return _GatherSeq.apply(x, dim, handle, batch)
-
-
 all_reduce.FORWARD, all_reduce.BACKWARD = "all_reduce", None
 copy_to_tp.FORWARD, copy_to_tp.BACKWARD = None, "all_reduce"
 all_gather.FORWARD, all_gather.BACKWARD = "all_gather", None
@@ -280,8 +265,7 @@ partial_grad.FORWARD, partial_grad.BACKWARD = None, None
 sum_grad_rows.FORWARD, sum_grad_rows.BACKWARD = None, "all_reduce"
 reduce_scatter_seq.FORWARD, reduce_scatter_seq.BACKWARD = "reduce_scatter", "all_gather"
 gather_seq_to_tp.FORWARD, gather_seq_to_tp.BACKWARD = "all_gather", "reduce_scatter"
-gather_seq.FORWARD, gather_seq.BACKWARD = "all_gather", None
 
-COLLECTIVE_OPS = (all_reduce, copy_to_tp, all_gather, reduce_scatter_seq, gather_seq_to_tp, gather_seq, sum_grad_rows)
+COLLECTIVE_OPS = (all_reduce, copy_to_tp, all_gather, reduce_scatter_seq, gather_seq_to_tp, sum_grad_rows)
 GRADIENT_OF_CONSUMERS = (copy_to_tp, gather_seq_to_tp)
 """Ops whose backward collective acts on the gradient their (sharded) consumers send back."""

@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..errors import FxParallelError
-from ..group import TPGroup, _register, group_by_handle
+from ..group import TPGroup, group_by_handle, resolve_group
 
 SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -50,25 +50,8 @@ def resolve_cp_group(cp_group):
     """A ProcessGroup or 1-D DeviceMesh as a registered group; None when absent or of size 1."""
     if cp_group is None or isinstance(cp_group, TPGroup):
         return cp_group if cp_group is None or cp_group.size > 1 else None
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover
-        DeviceMesh = ()
-    if DeviceMesh and isinstance(cp_group, DeviceMesh):
-        if cp_group.ndim != 1:
-            raise ContextParallelError(f"cp_group is a {cp_group.ndim}-D DeviceMesh; pass the 1-D context-parallel "
-                                       "sub-mesh, e.g. mesh['cp']")
-        cp_group = cp_group.get_group()
-    if not dist.is_available() or not dist.is_initialized():
-        raise ContextParallelError("cp_group was given but torch.distributed is not initialized")
-    if not isinstance(cp_group, dist.ProcessGroup):
-        raise ContextParallelError(f"cp_group must be a ProcessGroup or a 1-D DeviceMesh, "
-                                   f"got {type(cp_group).__name__}")
-    rank = dist.get_rank(cp_group)
-    if rank < 0:
-        raise ContextParallelError("this process is not a member of cp_group")
-    size = dist.get_world_size(cp_group)
-    return _register(cp_group, rank, size) if size > 1 else None
+    group = resolve_group(cp_group, "cp_group", ContextParallelError)
+    return group if group.size > 1 else None
 
 
 def chunks_of(rank: int, cp: int) -> tuple:

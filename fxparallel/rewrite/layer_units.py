@@ -35,7 +35,6 @@ from torch import nn
 
 log = logging.getLogger("fxparallel")
 
-SPLIT = True  # switch for tests and benchmarks that compare with the unsplit graph
 _keys = itertools.count()
 
 
@@ -256,10 +255,10 @@ def _piece_graph(nodes: list, inputs: list, outputs: list, owner: str) -> fx.Gra
 def generate_layered_forward(graph: fx.Graph, param_names: Iterable[str]):
     """(root forward, code, LayerPieces or None). Falls back to the whole graph (pieces None),
     with a warning, when the graph does not split by layer."""
-    from .local_graph import generate_forward
+    from .bind import generate_forward
 
     container = layer_container(param_names)
-    if not SPLIT or container is None:
+    if container is None:
         forward, code = generate_forward(graph)
         return forward, code, None
     try:

@@ -1,6 +1,6 @@
 """Sequence parallelism: keep activations between attention and MLP sharded along the sequence.
 
-Runs on the local graph after the tensor-parallel passes (``local_graph.localize``), before
+Runs on the local graph after the tensor-parallel passes (``rewrite/passes.py``), before
 inputs are bound. In plain TP each row-parallel output (and the vocab-parallel embedding)
 is all-reduced, and the replicated result feeds token-wise ops (residual adds, norms,
 dropout) and then, through a ``copy_to_tp`` (backward all-reduce), the next column layers.
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ..errors import ShardingError
 from ..plan.rules.base import arg, norm_dim, requires_grad
 from . import collectives
-from .local_graph import insert_copy_to_tp
+from .gradient_reductions import insert_copy_to_tp
 
 ELEMENTWISE = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
@@ -390,7 +390,7 @@ def _same_dims(a, b) -> bool:
 
 
 def _where(node) -> str:
-    from ..plan.build import module_path
+    from ..capture.graph import module_path
     from ..plan.solver import layer_pattern
 
     return layer_pattern(module_path(node))

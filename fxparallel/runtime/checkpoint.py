@@ -11,21 +11,36 @@ beyond DCP's write buffers).
 
 Directory layout under the checkpoint root::
 
-    step_00000010/     a complete checkpoint: DCP files + fxparallel.json
-    latest             name of the newest complete checkpoint
-    .tmp-step_00000012 a save in progress (or a crashed one; removed by the next save)
+    step_00000010/      a complete checkpoint: DCP files + fxparallel.json (written last)
+    latest              name of the newest complete checkpoint (a plain step_* name)
+    .tmp-step_00000012  a save in progress (or a crashed one; removed by the next save)
+    .old-step_00000010  step_00000010 moved aside while it is saved again (a crash there
+                        leaves it: loading and listing use it, the next save puts it back)
+    .trash-step_...     a pruned checkpoint being deleted (removed by the next save)
 
-A save writes into the temporary directory and renames it only once every rank has
-written and the metadata is on disk, then updates ``latest``. A crash at any point
-leaves ``latest`` naming the previous, complete checkpoint; older ones are pruned
-only after the new one is in place. The root must be on a file system every rank
-sees (one directory for the job).
+A checkpoint is complete when its ``fxparallel.json`` is present and valid. A save
+writes into the temporary directory and renames it only once every rank has written
+and the metadata is on disk, then updates ``latest``; saving a step that exists moves
+the old directory aside, renames the new one in, then deletes the old one, so a crash
+at any point leaves a complete copy of every step. Older checkpoints are pruned only
+after the new one is in place, by renaming them to a trash name before deleting.
+
+What loading trusts: DCP's ``.metadata`` is a pickle, and unpickling runs code a
+crafted file contains. The save records the file's sha256 in ``fxparallel.json``; the
+load checks it before DCP reads the file and refuses a mismatch, and refuses
+checkpoints without a digest unless ``trust_metadata=True``. The digest catches a
+``.metadata`` replaced or damaged on its own; it is not a signature (whoever can write
+the directory can write a matching ``fxparallel.json``). ``latest`` is followed only if
+it names a ``step_*`` directory of the root. The root must be on a file system every
+rank sees (one directory for the job).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from typing import Optional
 
@@ -41,6 +56,9 @@ log = logging.getLogger("fxparallel")
 META = "fxparallel.json"
 LATEST = "latest"
 FORMAT = "fxparallel-dcp/1"
+DCP_METADATA = ".metadata"
+TMP, ASIDE, TRASH = ".tmp-", ".old-", ".trash-"  # prefixes of a step directory's name
+STEP_NAME = re.compile(r"step_([0-9]{8,})")  # step_dir_name's names; nothing else is a checkpoint
 
 
 def step_dir_name(step: int) -> str:
@@ -137,11 +155,44 @@ def _jsonable(v) -> bool:
 
 
 # ---- coordination ------------------------------------------------------------------
-def _agree(ok: bool, mesh) -> bool:
-    """True when every rank says ok (also a barrier)."""
-    flag = torch.tensor([0.0 if ok else 1.0], device=mesh.device)
-    dist.all_reduce(flag)
-    return flag.item() == 0
+def _on_rank0(mesh, fn, what: str, after: str = "") -> None:
+    """Run ``fn`` on rank 0 only (collective): if it fails, every rank raises the same CheckpointError
+    (``what`` failed: the error, then ``after``)."""
+    message = None
+    if mesh.rank == 0:
+        try:
+            fn()
+        except CheckpointError as err:
+            message = str(err)
+        except (OSError, TypeError, ValueError) as err:
+            message = f"{what} failed: {type(err).__name__}: {err}{after}"
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise CheckpointError(box[0])
+
+
+def _everywhere(mesh, fn, what: str):
+    """Run ``fn`` (returning ``(result, key)``) on every rank (collective) and return its result.
+
+    If it raised a CheckpointError on any rank, every rank raises that error; if the ranks' keys
+    differ (they found different checkpoints), every rank raises that. Either way no rank goes on
+    into a DCP collective that another rank would never join."""
+    message, result, key = None, None, None
+    try:
+        result, key = fn()
+    except CheckpointError as err:
+        message = str(err)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (message, key))
+    for rank, (msg, _) in enumerate(gathered):
+        if msg is not None:
+            raise CheckpointError(msg if msg == message else f"rank {rank}: {msg}")
+    if len({repr(k) for _, k in gathered}) > 1:
+        found = "; ".join(f"rank {r}: {k}" for r, (_, k) in enumerate(gathered))
+        raise CheckpointError(f"the ranks found different checkpoints for {what} ({found}); the checkpoint root "
+                              "must be one directory that every rank sees with the same content")
+    return result
 
 
 def _write_text(path: str, text: str) -> None:
@@ -154,31 +205,217 @@ def _write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def list_checkpoints(root: str) -> list:
-    """Complete checkpoints under ``root``, oldest first: [(step, directory)]."""
-    if not os.path.isdir(root):
+# ---- what is on disk ---------------------------------------------------------------
+def _marker(directory: str):
+    """(its fxparallel.json as a dict, None) when ``directory`` is a complete checkpoint, else
+    (None, why not). Complete: the marker, written last by a save, is present and valid."""
+    path = os.path.join(directory, META)
+    if not os.path.isdir(directory):
+        return None, f"{directory} does not exist"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None, f"{directory} has no {META} (a save writes it last: the save, or a delete, was interrupted)"
+    except OSError as err:
+        return None, f"{path} cannot be read ({type(err).__name__}: {err})"
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        return None, f"{path} is not valid JSON ({type(err).__name__}: {err})"
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        return None, f"{path} has format {found!r}, expected {FORMAT!r}"
+    if not isinstance(meta.get("step"), int):
+        return None, f"{path} records no integer step"
+    return meta, None
+
+
+def _read_meta(directory: str) -> dict:
+    meta, why = _marker(directory)
+    if meta is None:
+        raise CheckpointError(f"{why}; the checkpoint cannot be loaded. Restore {directory} from a copy, or load "
+                              "another step (list_checkpoints gives the complete ones)")
+    return meta
+
+
+def _step_entries(root: str, prefix: str = ""):
+    """(step, entry) for each entry of ``root`` named ``prefix`` + a step directory name."""
+    try:
+        entries = os.listdir(root)
+    except OSError:
         return []
-    found = []
-    for entry in os.listdir(root):
+    out = []
+    for entry in entries:
+        if entry.startswith(prefix):
+            m = STEP_NAME.fullmatch(entry[len(prefix):])
+            if m:
+                out.append((int(m.group(1)), entry))
+    return out
+
+
+def list_checkpoints(root: str) -> list:
+    """Complete checkpoints under ``root``, oldest first: [(step, directory)].
+
+    A step whose directory is missing but which a re-save interrupted between its renames left
+    as ``.old-step_N`` is listed with that directory (the next save renames it back)."""
+    found = {}
+    for step, entry in _step_entries(root):
+        if _marker(os.path.join(root, entry))[0] is not None:
+            found[step] = os.path.join(root, entry)
+    for step, entry in _step_entries(root, ASIDE):
         path = os.path.join(root, entry)
-        if entry.startswith("step_") and os.path.exists(os.path.join(path, META)):
-            try:
-                found.append((int(entry[len("step_"):]), path))
-            except ValueError:
-                continue
-    return sorted(found)
+        if step not in found and _marker(path)[0] is not None:
+            log.warning("%s is incomplete or missing; using %s, the copy a re-save of that step moved aside "
+                        "before it was interrupted (the next save puts it back)",
+                        os.path.join(root, entry[len(ASIDE):]), path)
+            found[step] = path
+    return sorted(found.items())
+
+
+def _read_latest(root: str) -> Optional[str]:
+    """The step directory name ``root/latest`` holds, or None without one; never a path elsewhere."""
+    pointer = os.path.join(root, LATEST)
+    try:
+        with open(pointer, "rb") as f:
+            raw = f.read(4096)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise CheckpointError(f"cannot read {pointer} ({type(err).__name__}: {err}); delete it to use the newest "
+                              "complete checkpoint") from None
+    name = raw.decode("utf-8", "replace").strip()
+    if not STEP_NAME.fullmatch(name):
+        shown = name if len(name) <= 100 else name[:100] + "..."
+        raise CheckpointError(f"{pointer} names {shown!r}, which is not a checkpoint directory of {root} (a name "
+                              "like step_00000010: no '/', no '..'); refusing to follow it. Write the name of one of "
+                              "its step_* directories into it, or delete it to use the newest complete checkpoint")
+    return name
 
 
 def latest_checkpoint(root: str) -> Optional[str]:
-    """The directory ``latest`` names (else the newest complete one), or None."""
-    pointer = os.path.join(root, LATEST)
-    if os.path.exists(pointer):
-        with open(pointer) as f:
-            path = os.path.join(root, f.read().strip())
-        if os.path.exists(os.path.join(path, META)):
-            return path
+    """The complete checkpoint ``root/latest`` names (else the newest complete one), or None.
+
+    ``latest`` must hold a step directory name of ``root`` (CheckpointError otherwise: it is never
+    followed elsewhere). When the directory it names is missing or incomplete (deleted by hand to
+    roll back, say), this logs a warning naming both and returns the newest complete checkpoint."""
+    name = _read_latest(root)
     found = list_checkpoints(root)
-    return found[-1][1] if found else None
+    if name is None:
+        return found[-1][1] if found else None
+    step = int(STEP_NAME.fullmatch(name).group(1))
+    for s, path in found:
+        if s == step and os.path.basename(path) in (name, ASIDE + name):
+            return path
+    _, why = _marker(os.path.join(root, name))
+    fallback = found[-1][1] if found else None
+    log.warning("%s names %s, but %s; %s", os.path.join(root, LATEST), name, why,
+                f"using the newest complete checkpoint, {fallback}, instead" if fallback
+                else "there is no other complete checkpoint")
+    return fallback
+
+
+def _latest_or_none(root: str) -> str:
+    try:
+        return latest_checkpoint(root) or "none"
+    except CheckpointError:
+        return "unknown"
+
+
+def _metadata_digest(directory: str) -> str:
+    h = hashlib.sha256()
+    with open(os.path.join(directory, DCP_METADATA), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _identity(model, mesh) -> dict:
+    """What wrote a checkpoint: the layout, the model type and a fingerprint of its parameters'
+    names and full shapes (the same for every layout of one model)."""
+    params = sorted((p.name, [int(d) for d in p.shape]) for p in model.plan.params)
+    return {"layout": mesh.layout(), "model_type": model.plan.model_type,
+            "model_fingerprint": hashlib.sha256(json.dumps(params).encode()).hexdigest()[:16]}
+
+
+def _describe(identity: dict) -> str:
+    layout = identity.get("layout")
+    text = ", ".join(f"{k}={v}" for k, v in layout.items()) if isinstance(layout, dict) else repr(layout)
+    return (f"layout {text} (model {identity.get('model_type')}, parameter fingerprint "
+            f"{identity.get('model_fingerprint') or 'not recorded'})")
+
+
+# ---- housekeeping (rank 0) ---------------------------------------------------------
+LEFTOVER = re.compile(r"(\.tmp-|\.trash-(\.old-)?)step_[0-9]{8,}")
+
+
+def _delete(root: str, path: str) -> None:
+    """Rename to a trash name (no longer a checkpoint, at once), then delete."""
+    trash = os.path.join(root, TRASH + os.path.basename(path))
+    if os.path.lexists(trash):
+        shutil.rmtree(trash)
+    os.rename(path, trash)
+    shutil.rmtree(trash)
+
+
+def _recover(root: str) -> None:
+    """Finish what a re-save interrupted between its renames left: ``.old-step_N`` goes back to
+    ``step_N`` when that is not complete, else it is deleted."""
+    for _, entry in _step_entries(root, ASIDE):
+        aside, final = os.path.join(root, entry), os.path.join(root, entry[len(ASIDE):])
+        if _marker(final)[0] is not None or _marker(aside)[0] is None:
+            _delete(root, aside)
+        else:
+            if os.path.lexists(final):
+                _delete(root, final)
+            os.rename(aside, final)
+            log.warning("restored %s from %s (a save of that step had been interrupted)", final, aside)
+
+
+def _refuse_foreign_overwrite(final: str, identity: dict) -> None:
+    """Saving a step that a run with another layout or model wrote is refused (different runs
+    sharing one root would otherwise overwrite each other's steps)."""
+    meta, _ = _marker(final)
+    if meta is None:
+        return
+    differs = [k for k, v in identity.items() if meta.get(k) is not None and meta[k] != v]
+    if differs:
+        raise CheckpointError(f"refusing to overwrite {final}: it was written with {_describe(meta)}, this run has "
+                              f"{_describe(identity)}. Save runs of different layouts or models into different "
+                              "directories (e.g. one named after the layout; loading it into this layout works), or "
+                              "delete it first to replace it")
+
+
+def _move_in(tmp: str, final: str, root: str) -> None:
+    """Rename the new checkpoint into place. An existing one is moved aside first and deleted
+    after: a crash between leaves ``.old-<step>``, which listing, loading and the next save use."""
+    aside = os.path.join(root, ASIDE + os.path.basename(final))
+    if os.path.lexists(final):
+        if os.path.lexists(aside):
+            _delete(root, aside)
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    if os.path.lexists(aside):
+        _delete(root, aside)
+
+
+def _prune(root: str, keep: int, final: str) -> None:
+    for _, old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        if old != final:
+            try:
+                _delete(root, old)
+            except OSError as err:
+                log.warning("could not delete old checkpoint %s: %s", old, err)
+
+
+def _remove_leftovers(root: str) -> None:
+    """Temporary directories of crashed saves and trash of interrupted deletes."""
+    for entry in os.listdir(root):
+        if LEFTOVER.fullmatch(entry):
+            try:
+                shutil.rmtree(os.path.join(root, entry))
+            except OSError as err:
+                log.warning("could not delete leftover %s: %s", os.path.join(root, entry), err)
 
 
 # ---- save / load -------------------------------------------------------------------
@@ -189,24 +426,27 @@ def save_checkpoint(root: str, model, optimizer, mesh, step: int, *, extra: Opti
     ``extra``: JSON-serializable data to keep with it (e.g. a scheduler's state).
     ``keep``: how many complete checkpoints to keep (older ones are deleted after
     the new one is complete).
+
+    Saving a step that exists replaces it atomically; it is refused (CheckpointError naming both)
+    when the existing one was written with another layout or model. Temporary directories of
+    crashed saves are removed once this one is complete.
     """
     import torch.distributed.checkpoint as dcp
 
     name = step_dir_name(step)
     final = os.path.join(root, name)
-    tmp = os.path.join(root, ".tmp-" + name)
-    ok = True
-    if mesh.rank == 0:
-        try:
-            os.makedirs(root, exist_ok=True)
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)  # left by a crashed save
-            os.makedirs(tmp)
-        except OSError as err:
-            log.error("cannot create %s: %s", tmp, err)
-            ok = False
-    if not _agree(ok, mesh):
-        raise CheckpointError(f"rank 0 could not create the checkpoint directory {tmp}")
+    tmp = os.path.join(root, TMP + name)
+    identity = _identity(model, mesh)
+
+    def prepare():
+        os.makedirs(root, exist_ok=True)
+        _recover(root)
+        _refuse_foreign_overwrite(final, identity)
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp)  # left by a crashed save of this step
+        os.makedirs(tmp)
+
+    _on_rank0(mesh, prepare, f"creating the checkpoint directory {tmp}")
 
     with_optimizer = optimizer is not None and _optimizer_has_state(model, optimizer)
     state = state_dict_views(model, optimizer, mesh, with_optimizer)
@@ -214,29 +454,22 @@ def save_checkpoint(root: str, model, optimizer, mesh, step: int, *, extra: Opti
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))  # raises on every rank if any rank failed
     except dcp.CheckpointException as err:  # a BaseException: turn it into an ordinary error
         raise CheckpointError(f"saving {final} failed ({_failures(err)}); the previous checkpoint "
-                              f"({latest_checkpoint(root) or 'none'}) is kept") from None
+                              f"({_latest_or_none(root)}) is kept") from None
 
-    error = None
-    if mesh.rank == 0:
-        try:
-            meta = {"format": FORMAT, "step": step, "layout": mesh.layout(), "model_type": model.plan.model_type,
-                    "optimizer_state": with_optimizer,
-                    "param_groups": _group_hyperparameters(optimizer) if optimizer is not None else None,
-                    "extra": extra or {}}
-            _write_text(os.path.join(tmp, META), json.dumps(meta, indent=2))
-            if os.path.exists(final):  # saving the same step again: replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _write_text(os.path.join(root, LATEST), name)
-            for _, old in list_checkpoints(root)[:-keep] if keep > 0 else []:
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
-        except (OSError, TypeError, ValueError) as err:
-            error = err
-    if not _agree(error is None, mesh):
-        if error is not None:
-            raise CheckpointError(f"finishing checkpoint {final} failed: {error}") from error
-        raise CheckpointError(f"rank 0 failed to finish checkpoint {final}; the previous one is kept")
+    def finish():  # every rank has written (dcp.save ends with a barrier)
+        meta = {"format": FORMAT, "step": step, **identity, "metadata_sha256": _metadata_digest(tmp),
+                "optimizer_state": with_optimizer,
+                "param_groups": _group_hyperparameters(optimizer) if optimizer is not None else None,
+                "extra": extra or {}}
+        _write_text(os.path.join(tmp, META), json.dumps(meta, indent=2))  # last: now it is complete
+        _move_in(tmp, final, root)
+        _write_text(os.path.join(root, LATEST), name)
+        _prune(root, keep, final)
+        _remove_leftovers(root)
+
+    _on_rank0(mesh, finish, f"finishing checkpoint {final}",
+              after="; the checkpoints saved before it are kept (listing and loading find them; the next save "
+                    "tidies up)")
     return final
 
 
@@ -244,24 +477,80 @@ def _failures(err) -> str:
     """'rank 1: OSError: disk full' for each failed rank of a DCP CheckpointException."""
     parts = []
     for rank, (exc, _) in sorted(err.failures.items()):
-        parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        parts.append(f"rank {rank}: {type(exc).__name__}: {exc or '(no message)'}")
     return "; ".join(parts)
 
 
 def _resolve(path: str) -> str:
     if os.path.exists(os.path.join(path, META)):
-        return path
+        return path  # a checkpoint directory (its fxparallel.json is checked next)
+    base = os.path.basename(os.path.normpath(path))
+    if STEP_NAME.fullmatch(base):  # a step directory, missing or incomplete
+        aside = os.path.join(os.path.dirname(os.path.normpath(path)), ASIDE + base)
+        if _marker(aside)[0] is not None:
+            log.warning("%s is missing; using %s, the copy a re-save of that step moved aside before it was "
+                        "interrupted (the next save puts it back)", path, aside)
+            return aside
+        raise CheckpointError(f"{_marker(path)[1]}: not a complete checkpoint. Load another step "
+                              "(list_checkpoints gives the complete ones)")
     found = latest_checkpoint(path)
     if found is None:
-        raise CheckpointError(f"no complete checkpoint in {path} (no {META} there nor in a step_* subdirectory)")
+        raise CheckpointError(f"no complete checkpoint in {path} (no valid {META} there nor in a step_* subdirectory)")
     return found
 
 
+def _check_metadata_digest(directory: str, meta: dict, trust_metadata: bool) -> None:
+    """DCP unpickles ``.metadata``: compare it with the digest the save recorded before it does."""
+    path = os.path.join(directory, DCP_METADATA)
+    expected = meta.get("metadata_sha256")
+    if expected is None:
+        if trust_metadata:
+            return
+        raise CheckpointError(f"{os.path.join(directory, META)} records no sha256 of {path} (a checkpoint from before "
+                              "fxparallel recorded one); DCP unpickles that file, which runs any code a crafted one "
+                              "holds, so it is not read. If you trust where this checkpoint comes from, pass "
+                              "trust_metadata=True to load_checkpoint (a new save of it records the digest)")
+    try:
+        actual = _metadata_digest(directory)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete. Restore {directory} from a copy, or "
+                              "load another step") from None
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err})") from None
+    if actual != expected:
+        raise CheckpointError(f"{path} was modified after it was written (its sha256 is {actual[:16]}..., "
+                              f"{META} records {str(expected)[:16]}...); refusing to unpickle it. Restore the "
+                              "checkpoint from a copy you trust, or load another step")
+
+
 def _check_against_metadata(state: dict, directory: str) -> None:
-    """Clear errors for a checkpoint of another model, before DCP reads anything."""
+    """Clear errors for a damaged checkpoint or one of another model, before DCP reads any tensor."""
     import torch.distributed.checkpoint as dcp
 
-    saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    path = os.path.join(directory, DCP_METADATA)
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+        saved = metadata.state_dict_metadata
+    except Exception as err:  # noqa: BLE001 - unpickling garbage raises about any type
+        raise CheckpointError(f"{path} cannot be read as DCP metadata ({type(err).__name__}: {err}); the file is "
+                              f"damaged. Restore {directory} from a copy, or load another step") from None
+    ends = {}  # data file -> the end of the last byte range .metadata places in it
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if isinstance(rel, str):
+            ends[rel] = max(ends.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, end in sorted(ends.items()):
+        file = os.path.join(directory, rel)
+        if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+            raise CheckpointError(f"{path} places data in {rel!r}, outside {directory}; refusing to read it")
+        try:
+            size = os.path.getsize(file)
+        except OSError:
+            raise CheckpointError(f"{file} is missing; {path} places tensor data in it. The checkpoint is incomplete: "
+                                  f"restore {directory} from a complete copy, or load another step") from None
+        if size < end:
+            raise CheckpointError(f"{file} is truncated: {size} bytes, but {path} places tensor data up to byte "
+                                  f"{end} in it. Restore {directory} from a complete copy, or load another step")
     missing = [k for k in state if k not in saved]
     if missing:
         raise CheckpointError(f"checkpoint {directory} lacks {len(missing)} tensor(s) the model needs: "
@@ -273,27 +562,34 @@ def _check_against_metadata(state: dict, directory: str) -> None:
                                   f"{list(value.shape)}")
 
 
-def load_checkpoint(path: str, model, optimizer, mesh) -> dict:
+def load_checkpoint(path: str, model, optimizer, mesh, *, trust_metadata: bool = False) -> dict:
     """Load ``path`` (a checkpoint directory, or a root: its latest) into ``model`` and ``optimizer``
     in place, whatever layout it was saved with (collective). Returns its metadata
-    (``step``, ``layout``, ``extra``, ...)."""
+    (``step``, ``layout``, ``extra``, ...).
+
+    DCP's ``.metadata`` is a pickle: it is read only when its sha256 equals the one the save
+    recorded in ``fxparallel.json``. ``trust_metadata=True`` also reads checkpoints that record
+    none (older ones); a digest that does not match is refused either way."""
     import torch.distributed.checkpoint as dcp
 
-    directory = _resolve(path)
-    with open(os.path.join(directory, META)) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{directory}/{META} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    def locate():
+        directory = _resolve(path)
+        meta = _read_meta(directory)
+        _check_metadata_digest(directory, meta, trust_metadata)
+        return (directory, meta), (meta["step"], meta.get("metadata_sha256"))
+
+    directory, meta = _everywhere(mesh, locate, path)
     with_optimizer = optimizer is not None and meta.get("optimizer_state", False)
     if with_optimizer:
         init_optimizer_state(model, optimizer)
     write_backs = []
     state = state_dict_views(model, optimizer, mesh, with_optimizer, write_backs)
-    _check_against_metadata(state, directory)
+    _everywhere(mesh, lambda: (_check_against_metadata(state, directory), None), path)
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
     except dcp.CheckpointException as err:
-        raise CheckpointError(f"loading {directory} failed ({_failures(err)})") from None
+        raise CheckpointError(f"loading {directory} failed ({_failures(err)}); a file of it may be damaged: restore "
+                              "it from a copy, or load another step") from None
     with torch.no_grad():
         for write_back in write_backs:
             write_back()

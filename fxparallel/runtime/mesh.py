@@ -3,8 +3,9 @@
 Sizes come from arguments, else from the ``TP_SIZE``, ``DP_SIZE`` and ``CP_SIZE``
 environment variables (``TP_SIZE`` and ``CP_SIZE`` default to 1, ``DP_SIZE`` to
 whatever fills the world). Rank ``r`` sits at mesh coordinate
-``(r // (tp*cp), (r // cp) % tp, r % cp)``: the ranks of one tensor-parallel group
-are adjacent (on one node when tp <= GPUs per node).
+``(r // (tp*cp), (r // cp) % tp, r % cp)``: the ranks of one context-parallel group are
+adjacent, and those of one tensor-parallel group sit cp apart (adjacent when cp == 1, then on
+one node when tp <= GPUs per node; with cp > 1, one node must hold tp * cp GPUs for that).
 
 Sub-meshes:
 

@@ -2,8 +2,9 @@
 
 A rule looks at one FX node and the current placements of its tensor inputs and
 returns the ways the op can run locally (``Strategy``), cheapest-first by
-preference. The solver picks one; the rewriter applies it. An op without a rule
-runs on replicated inputs (the always-correct fallback).
+preference. The solver picks one; the rewrite applies it. A strategy is data: where
+the node itself must change, it names a ``LocalOp`` that ``rewrite/local_ops.py``
+carries out. An op without a rule runs on replicated inputs (the always-correct fallback).
 """
 from __future__ import annotations
 
@@ -32,8 +33,29 @@ class Strategy:
     output: PlacementOut
     note: str = ""
     own_bytes: float = 0.0  # communication the op itself performs (bytes per token)
-    rewrite: Optional[Callable] = None  # (node, RewriteContext) -> None, makes the node local
+    local: Optional["LocalOp"] = None  # how the rewrite makes the node local, if it must change it
     name: str = ""
+
+
+@dataclass(frozen=True)
+class LocalOp:
+    """What the rewrite must change in a node to run it on local shards, as data: ``kind`` names
+    an entry of ``rewrite/local_ops.py``'s table, ``args`` its parameters (sizes, placements).
+
+    Kinds: ``vocab_parallel_embedding``, ``vocab_parallel_cross_entropy``, ``bias_after_reduce``
+    (bias_index, dense), ``local_split_sizes`` (placement), ``mean_of_full`` (parts),
+    ``local_view_size`` (dim, full, segmented), ``block_view_size`` (dim, block),
+    ``segment_slice`` (placement, position, segment)."""
+
+    kind: str
+    args: tuple = ()  # (name, value) pairs, so the op is hashable and compares by value
+
+    @classmethod
+    def of(cls, kind: str, **args) -> "LocalOp":
+        return cls(kind, tuple(sorted(args.items())))
+
+    def kwargs(self) -> dict:
+        return dict(self.args)
 
 
 @dataclass

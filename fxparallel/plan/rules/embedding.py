@@ -7,19 +7,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..placement import P, R, S
-from .base import Strategy, arg, register
-
-
-def _vocab_parallel(node: fx.Node, ctx):
-    from ...rewrite.functional import vocab_parallel_embedding
-
-    ids, weight = node.args[0], node.args[1]
-    padding_idx = arg(node, 2, "padding_idx")
-    vocab = ctx.full_size(weight, 0)
-    node.target = vocab_parallel_embedding
-    node.args = (ids, weight, ctx.shard_start(vocab), ctx.local_size(vocab),
-                 padding_idx if isinstance(padding_idx, int) else None)
-    node.kwargs = {}
+from .base import LocalOp, Strategy, register
 
 
 def _embedding(node, placements, ctx):
@@ -31,7 +19,7 @@ def _embedding(node, placements, ctx):
     strategies = []
     if ctx.can_split(vocab):
         strategies.append(Strategy({ids: R, w: S(0)}, P, note="vocab-parallel embedding", name="vocab",
-                                   own_bytes=ctx.bytes_per_token(node), rewrite=_vocab_parallel))
+                                   own_bytes=ctx.bytes_per_token(node), local=LocalOp.of("vocab_parallel_embedding")))
     if ctx.can_split(hidden):
         strategies.append(Strategy({ids: R, w: S(1)}, S(last), note="hidden-parallel embedding", name="hidden"))
     strategies.append(Strategy({ids: R, w: R}, R, note="replicated embedding", name="replicate"))

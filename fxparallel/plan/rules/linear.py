@@ -17,30 +17,8 @@ import torch
 import torch.fx as fx
 
 from ..placement import P, R, S
-from .base import Strategy, arg, handles_blocks, handles_whole, register, tensor_inputs
+from .base import LocalOp, Strategy, arg, handles_blocks, handles_whole, register, tensor_inputs
 from .fused import output_segments, whole_segments
-
-
-def _bias_after_reduce(bias_index: int, dense_target=None):
-    """Rewrite ``op(..., bias)`` on partial sums into ``all_reduce(op(...)) + bias``."""
-
-    def apply(node: fx.Node, ctx):
-        args = list(node.args)
-        bias = args[bias_index] if len(args) > bias_index else node.kwargs.get("bias")
-        if len(args) > bias_index:
-            args[bias_index] = None
-        kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
-        if dense_target is not None:  # addmm(bias, x, w) -> mm(x, w)
-            node.target = dense_target
-            args = [a for i, a in enumerate(args) if i != bias_index]
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("beta", "alpha")}
-        node.args, node.kwargs = tuple(args), kwargs
-        reduced = ctx.all_reduce_after(node)
-        with ctx.graph.inserting_after(reduced):
-            added = ctx.graph.call_function(operator.add, (reduced, bias))
-        ctx.replace_uses(reduced, added)
-
-    return apply
 
 
 def _column_with_whole(node, ctx, x, weights: dict, out_dim: int, note: str) -> list:
@@ -78,7 +56,7 @@ def _linear(node, placements, ctx):
         if bias:
             strategies.append(Strategy({x: S(ctx.ndim(x) - 1), w: S(1), **{k: R for k in bias}}, R,
                                        note="row-parallel linear (bias added after the all-reduce)",
-                                       own_bytes=nbytes, rewrite=_bias_after_reduce(2), name="row"))
+                                       own_bytes=nbytes, local=LocalOp.of("bias_after_reduce", bias_index=2, dense=False), name="row"))
         else:
             strategies.append(Strategy({x: S(ctx.ndim(x) - 1), w: S(1)}, P, note="row-parallel linear",
                                        own_bytes=nbytes, name="row"))
@@ -107,7 +85,7 @@ def _addmm(node, placements, ctx):
                                    note=note, name="column"))
     if ctx.can_split(in_features):
         strategies.append(Strategy({b: R, x: S(1), w: S(0)}, R, own_bytes=nbytes,
-                                   rewrite=_bias_after_reduce(0, torch.mm),
+                                   local=LocalOp.of("bias_after_reduce", bias_index=0, dense=True),
                                    note="row-parallel (Conv1D, bias added after the all-reduce)", name="row"))
     strategies.append(Strategy({b: R, x: R, w: R}, R, note="replicated (Conv1D)", name="replicate"))
     return strategies

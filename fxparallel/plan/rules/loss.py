@@ -6,22 +6,10 @@ cross-entropy). The backward needs no communication.
 """
 from __future__ import annotations
 
-import torch.fx as fx
 import torch.nn.functional as F
 
 from ..placement import R, S
-from .base import Strategy, arg, register, tensor_inputs
-
-
-def _rewrite(node: fx.Node, ctx):
-    from ...rewrite.functional import vocab_parallel_cross_entropy
-
-    logits, target = node.args[0], arg(node, 1, "target")
-    vocab = ctx.full_size(logits, 1)
-    node.target = vocab_parallel_cross_entropy
-    node.args = (logits, target, ctx.shard_start(vocab), ctx.group_handle,
-                 arg(node, 4, "ignore_index", -100), arg(node, 6, "reduction", "mean"))
-    node.kwargs = {}
+from .base import LocalOp, Strategy, arg, register, tensor_inputs
 
 
 def _cross_entropy(node, placements, ctx):
@@ -37,7 +25,7 @@ def _cross_entropy(node, placements, ctx):
     )
     if simple:
         strategies.append(Strategy({logits: S(1), target: R}, R, note="vocab-parallel cross-entropy",
-                                   own_bytes=8.0 * ctx.tp, rewrite=_rewrite, name="vocab"))
+                                   own_bytes=8.0 * ctx.tp, local=LocalOp.of("vocab_parallel_cross_entropy"), name="vocab"))
     strategies.append(Strategy({i: R for i in inputs}, R))
     return strategies
 

@@ -7,12 +7,10 @@ the input is gathered.
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from ..placement import R, S
-from .base import Strategy, arg, handles_whole, norm_dim, register, tensor_inputs
+from .base import LocalOp, Strategy, arg, handles_whole, norm_dim, register, tensor_inputs
 
 
 def _along(node, placements, ctx, dim_index, dim_name, default_dim, n_out, keeps_dim=True):
@@ -33,29 +31,10 @@ def _along(node, placements, ctx, dim_index, dim_name, default_dim, n_out, keeps
         if sizes == tuple(p.segments) and (is_split or not p.whole):
             # a whole segment comes out replicated (plan/placement.py)
             strategies.append(Strategy({x: p}, tuple(R if i in p.whole else S(dim) for i in range(n)),
-                                       rewrite=_local_split_sizes(p), note="split of a fused projection into its "
+                                       local=LocalOp.of("local_split_sizes", placement=p), note="split of a fused projection into its "
                                        "segments"))
     strategies.append(Strategy({i: R for i in tensor_inputs(node)}, tuple(R for _ in range(n))))
     return strategies
-
-
-def _local_split_sizes(p):
-    def apply(node, rctx):
-        args = list(node.args)
-        if node.target in ("split", torch.split):
-            local = rctx.local_parts(p)  # this rank's part of each segment (may be uneven; a whole one entire)
-            if len(args) > 1:
-                args[1] = local
-                node.args = tuple(args)
-            else:
-                key = "split_size_or_sections" if "split_size_or_sections" in node.kwargs else "split_size"
-                node.kwargs = {**node.kwargs, key: local}
-        # chunk(k): equal segments have equal local parts (same size, same split)
-        for user in list(node.users):
-            if user.target is operator.getitem and user.args[1] in p.whole:
-                rctx.partial_grad_after(user)
-
-    return apply
 
 
 def _chunk(node, placements, ctx):

@@ -8,13 +8,12 @@ token instead of gathering the projection.
 """
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.nn.functional as F
 
 from ..placement import P, R
-from .base import Strategy, arg, handles_blocks, norm_dim, register, tensor_inputs
+from .base import LocalOp, Strategy, arg, handles_blocks, norm_dim, register, tensor_inputs
 
 _REDUCE = ["mean", "sum", "amax", "amin", "prod", "std", "var", "norm", "logsumexp", "any", "all", "argmax",
            "argmin", "count_nonzero"]
@@ -53,28 +52,13 @@ def _reduce(node, placements, ctx):
         elif dims is not None and node.target in _LINEAR:
             mean = node.target in ("mean", torch.mean)
             strategies.append(Strategy({x: p}, P, own_bytes=ctx.bytes_per_token(node),
-                                       rewrite=_mean_of_full(p, int(ctx.size(x, p.dim))) if mean else None,
+                                       local=LocalOp.of("mean_of_full", parts=tuple(p.parts(int(ctx.size(x, p.dim))))) if mean else None,
                                        note="partial sum over the sharded dimension"))
     strategies.append(Strategy({x: R}, R))
     return strategies
 
 
 _LINEAR = ("sum", "mean", torch.sum, torch.mean)
-
-
-def _mean_of_full(p, full: int):
-    """A local mean divides by the local count; the all-reduced sum of the local means must be
-    the mean over the full dimension: scale each by local / full."""
-
-    parts = p.parts(full)
-
-    def rewrite(node, rctx):
-        local = sum(rctx.local_size(s) for s in parts)
-        with rctx.graph.inserting_after(node):
-            scaled = rctx.graph.call_function(operator.mul, (node, local / sum(parts)))
-        rctx.replace_uses(node, scaled)
-
-    return rewrite
 
 
 register(*_REDUCE, *_SHAPE_KEEPING, torch.mean, torch.sum, torch.amax, torch.softmax, torch.log_softmax,

@@ -1,43 +1,31 @@
-"""Turn the solver's answer and the rewritten graph into a ShardingPlan (data)."""
+"""Stage 4, the report: the ShardingPlan (data) derived from the solver's plan and the final,
+rewritten graph: every parameter's placement and why, every collective with its bytes."""
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 
 import torch
 
-from ..rewrite import collectives
-from ..rewrite.functional import vocab_parallel_cross_entropy
-from .layout import uneven_split
-from .placement import Placement
-from .plan import UNUSED, CollectivePlan, ParamPlan, ShardingPlan
-from .rules.base import bytes_per_token
-from .solver import GraphPlan, layer_pattern
+from .capture.graph import module_path
+from .plan.layout import uneven_split
+from .plan.placement import Placement
+from .plan.plan import UNUSED, CollectivePlan, ParamPlan, ShardingPlan
+from .plan.rules.base import bytes_per_token
+from .plan.solver import layer_pattern
+from .rewrite import collectives
+from .rewrite.functional import vocab_parallel_cross_entropy
+from .rewrite.passes import PassContext
 
-_ROOT = re.compile(r"^[A-Za-z_]+\[[^\]]*\]\.?")
-
-
-def module_path(node) -> str:
-    """The Hugging Face module a graph node came from, e.g. model.layers.0.self_attn.o_proj."""
-    stack = node.meta.get("nn_module_stack") if node is not None else None
-    if not stack:
-        return "<top>"
-    path = list(stack.values())[-1][0]
-    path = _ROOT.sub("", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
-    return path or "<top>"
-
-
-def _gradient_consumers(node):
+def _gradient_consumers(node, passed_up: set):
     """The ops whose input gradient a copy_to_tp reduces (through values it was passed up from)."""
     for user in node.users:
-        if user.meta.get("fxparallel_passes_grad_reduction"):
-            yield from _gradient_consumers(user)
+        if user in passed_up:
+            yield from _gradient_consumers(user, passed_up)
         else:
             yield user
 
 
-def _where(node, direction: str = "forward") -> str:
+def _where(node, direction: str, passed_up: set) -> str:
     """Name the module whose value a collective acts on, as a layer pattern: for the backward
     collective of a value used on shards the modules that consume it, otherwise the module
     that produced it."""
@@ -45,7 +33,7 @@ def _where(node, direction: str = "forward") -> str:
             direction == "backward" and node.target in collectives.GRADIENT_OF_CONSUMERS):
         if node.args[0].op in ("placeholder", "get_attr"):
             return f"gradient of parameter {layer_pattern(str(node.args[0].target))}"
-        users = sorted({layer_pattern(module_path(u)) for u in _gradient_consumers(node)})
+        users = sorted({layer_pattern(module_path(u)) for u in _gradient_consumers(node, passed_up)})
         return "gradient of the input of " + ", ".join(users)
     source = node.args[0] if node.args and hasattr(node.args[0], "meta") else node
     while source is not None and source.op == "call_function" and source.target in (
@@ -57,7 +45,7 @@ def _where(node, direction: str = "forward") -> str:
     return layer_pattern(module_path(source))
 
 
-def collect_collectives(graph, tokens: int, tp: int) -> list:
+def collect_collectives(graph, tokens: int, tp: int, passed_up: set = frozenset()) -> list:
     counts: "OrderedDict[tuple, int]" = OrderedDict()
     for node in graph.nodes:
         if node.op != "call_function":
@@ -80,25 +68,25 @@ def collect_collectives(graph, tokens: int, tp: int) -> list:
             per_token, per_call = bytes_per_token(source, tokens), 0.0
         for direction, kind in (("forward", fn.FORWARD), ("backward", fn.BACKWARD)):
             if kind:
-                key = (kind, direction, _where(node, direction), per_token, per_call)
+                key = (kind, direction, _where(node, direction, passed_up), per_token, per_call)
                 counts[key] = counts.get(key, 0) + 1
     return [CollectivePlan(kind=k[0], direction=k[1], where=k[2], bytes_per_token=k[3], count=n, bytes_per_call=k[4])
             for k, n in counts.items()]
 
 
-def build_plan(model, captured, gplan: GraphPlan, graph, reduced_values, tp: int, dtype: torch.dtype,
-               tokens: int, sequence_parallel=None) -> ShardingPlan:
-    """``sequence_parallel``: the SequenceParallelReport when that pass ran."""
+def build_plan(model, ctx: PassContext, dtype: torch.dtype, tokens: int) -> ShardingPlan:
+    """The report of one rewritten graph (``ctx`` after every pass) of ``model`` (the meta model)."""
+    captured, gplan, tp = ctx.captured, ctx.gplan, ctx.group.size
     aliases = OrderedDict()
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
-    node_of_param = {captured.params[n.name]: n for n in captured.placeholders() if n.name in captured.params}
-    reduced_names = {captured.params.get(v.name) for v in reduced_values if v.op == "placeholder"}
-    on_sequence = {captured.params.get(v.name) for v in getattr(sequence_parallel, "reduced", [])
-                   if v.op == "placeholder"}
+    # the passed values are nodes of the captured graph; bind erased the placeholders, their names stay
+    reduced_names = {captured.params.get(v.name) for v in ctx.reduced if v.op == "placeholder"}
+    sequence = ctx.sequence_report
+    on_sequence = {captured.params.get(v.name) for v in (sequence.reduced if sequence else []) if v.op == "placeholder"}
     params = []
     for names in aliases.values():
-        canonical = next((n for n in names if n in node_of_param), names[0])
+        canonical = names[0]
         others = tuple(n for n in names if n != canonical)
         shape = tuple(dict(model.named_parameters(remove_duplicate=False))[canonical].shape)
         if canonical not in gplan.params:
@@ -119,11 +107,11 @@ def build_plan(model, captured, gplan: GraphPlan, graph, reduced_values, tp: int
         tp=tp,
         params=params,
         # with one rank every collective is the identity and sends nothing
-        collectives=collect_collectives(graph, tokens, tp) if tp > 1 else [],
+        collectives=collect_collectives(captured.gm.graph, tokens, tp, ctx.passed_up) if tp > 1 else [],
         fallbacks=fallbacks,
         dtype=str(dtype).replace("torch.", ""),
-        sequence_parallel=sequence_parallel is not None,
-        sequence_parallel_kept=list(getattr(sequence_parallel, "kept", [])),
+        sequence_parallel=sequence is not None,
+        sequence_parallel_kept=list(sequence.kept) if sequence else [],
         uneven=dict(gplan.layout.uneven) if gplan.layout is not None else {},
     )
 

@@ -1,0 +1,125 @@
+"""Shape arithmetic the view and indexing rules share: which output dimension a sharded input
+dimension becomes through a reshape or a basic index, if it survives whole.
+
+Reshapes are matched by groups of dimensions with equal products (symbolic sizes compared as
+sympy expressions); a shard survives a reshape only if it is the outermost dimension of its group
+on both sides, so each rank's chunk stays contiguous."""
+from __future__ import annotations
+
+from typing import Optional
+
+import sympy
+import torch
+
+
+def _expr(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+
+
+def _hint(size) -> int:
+    if isinstance(size, torch.SymInt):
+        return int(size.node.hint)
+    return int(size)
+
+
+def _same(a, b) -> bool:
+    return sympy.expand(_expr(a) - _expr(b)) == 0
+
+
+def dim_groups(in_shape, out_shape) -> Optional[list]:
+    """Pair dims of a reshape: a list of (input dims, output dims) with equal element counts."""
+    i = j = 0
+    groups = []
+    n_in, n_out = len(in_shape), len(out_shape)
+    try:
+        while i < n_in or j < n_out:
+            if i < n_in and j < n_out and _same(in_shape[i], out_shape[j]):
+                groups.append(([i], [j]))
+                i, j = i + 1, j + 1
+                continue
+            if i < n_in and _hint(in_shape[i]) == 1:
+                groups.append(([i], []))
+                i += 1
+                continue
+            if j < n_out and _hint(out_shape[j]) == 1:
+                groups.append(([], [j]))
+                j += 1
+                continue
+            gi, gj = [i], [j]
+            pi, pj = _expr(in_shape[i]), _expr(out_shape[j])
+            hi, hj = _hint(in_shape[i]), _hint(out_shape[j])
+            i, j = i + 1, j + 1
+            while sympy.expand(pi - pj) != 0:
+                if hi < hj:
+                    gi.append(i)
+                    pi, hi = pi * _expr(in_shape[i]), hi * _hint(in_shape[i])
+                    i += 1
+                else:
+                    gj.append(j)
+                    pj, hj = pj * _expr(out_shape[j]), hj * _hint(out_shape[j])
+                    j += 1
+            groups.append((gi, gj))
+    except IndexError:
+        return None
+    return groups
+
+
+def reshape_shard_dim(in_shape, out_shape, dim: int, tp: int, split_sizes=None) -> Optional[int]:
+    """Output dim that carries input shard ``dim`` through a reshape, or None if it cannot.
+
+    ``split_sizes(size)``: each rank's part of a dimension (default: even); the input's and the
+    output's parts must be proportional, so every rank's block stays the same elements."""
+    if split_sizes is None:
+        split_sizes = lambda n: (n // tp,) * tp if isinstance(n, int) and n % tp == 0 else None  # noqa: E731
+    groups = dim_groups(in_shape, out_shape)
+    if groups is None:
+        return None
+    for gi, gj in groups:
+        if dim in gi:
+            outer_in = [d for d in gi if _hint(in_shape[d]) != 1]
+            outer_out = [d for d in gj if _hint(out_shape[d]) != 1]
+            if not outer_in or outer_in[0] != dim or not outer_out:
+                return None
+            o = outer_out[0]
+            size, full = out_shape[o], in_shape[dim]
+            if isinstance(size, int) and _same(size, full):
+                return o  # the sharded dim passes unchanged, and so does its split
+            out_parts, in_parts = split_sizes(size), split_sizes(full)
+            if out_parts is None or in_parts is None:
+                return None
+            if any(i * size != j * full for i, j in zip(in_parts, out_parts)):
+                return None  # e.g. whole heads on one side, whole columns on the other
+            return o
+    return None
+
+
+def index_shard_dim(index, ndim: int, dim: int) -> Optional[int]:
+    """Output dim of input dim ``dim`` after basic indexing ``x[index]``, or None."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    consumed = sum(1 for i in index if isinstance(i, (int, slice)))
+    out = 0
+    src = 0
+    for item in index:
+        if item is None:
+            out += 1
+        elif item is Ellipsis:
+            span = ndim - consumed
+            if src <= dim < src + span:
+                return out + (dim - src)
+            src += span
+            out += span
+        elif isinstance(item, int):
+            if src == dim:
+                return None
+            src += 1
+        elif isinstance(item, slice):
+            if src == dim:
+                return out if item == slice(None) else None
+            src += 1
+            out += 1
+        else:
+            return None  # tensor or symbolic index
+    if dim >= src:
+        return out + (dim - src)
+    return None

@@ -1,0 +1,79 @@
+"""Pass: gradient reductions. A replicated value that requires grad and is consumed on shards
+gets a ``copy_to_tp`` (identity forward, all-reduce backward), one per value, shared by all
+its sharded consumers (q, k and v share one). A value used only on shards and made from one
+other value (a MoE block's ``x.repeat_interleave(k).unsqueeze(-1)`` in front of the experts)
+passes the reduction up to that value, so the block's consumers share one all-reduce."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..plan.grad_reduction import reduction_point
+from ..plan.placement import Placement
+from ..plan.rules.base import requires_grad
+from ..plan.solver import GraphPlan
+from . import collectives
+
+
+def _hoist_reductions(sharded_consumers: dict, passed_up: set) -> dict:
+    """Move a gradient all-reduce from a value to the one value it is made from, when every use of it is on
+    shards: its whole gradient is then partial, and an op's backward is linear in the gradient, so reducing
+    before or after the op gives the same sum. Never across a collective."""
+    consumers = {v: list(dict.fromkeys(c)) for v, c in sharded_consumers.items()}
+    moved = True
+    while moved:
+        moved = False
+        for value, users in list(consumers.items()):
+            if value.op not in ("call_function", "call_method") or set(value.users) != set(users):
+                continue
+            if value.target in collectives.COLLECTIVE_OPS or value.target in (collectives.local_chunk,
+                                                                               collectives.partial_grad):
+                continue
+            sources = [n for n in value.all_input_nodes if requires_grad(n)]  # ids, masks: no gradient
+            if len(sources) != 1:
+                continue
+            del consumers[value]
+            consumers.setdefault(sources[0], []).append(value)
+            passed_up.add(value)
+            moved = True
+    return consumers
+
+
+def insert_gradient_reductions(graph: fx.Graph, sharded_consumers: dict, handle: int, gplan: GraphPlan,
+                               passed_up: set) -> list:
+    """Returns the replicated values whose gradient is all-reduced. ``passed_up`` receives the
+    values whose reduction moved to the value they are made from (the report names their consumers)."""
+    sharded_consumers = _hoist_reductions(sharded_consumers, passed_up)
+    reduced = []
+    for value, consumers in sharded_consumers.items():
+        if not requires_grad(value):
+            continue
+        if value.target is collectives.partial_grad and set(value.users) <= set(consumers):
+            # a whole segment used only on shards: its gradient is already partial, as the weight
+            # it came from expects (plan/placement.py): neither all-reduce it nor keep one rank's
+            value.replace_all_uses_with(value.args[0])
+            graph.erase_node(value)
+            continue
+        point = reduction_point(value, lambda n: isinstance(gplan.placements.get(n), Placement)
+                                and gplan.placements[n].is_replicate)
+        if point is not value and next(iter(value.users)) in consumers:
+            # reduce on the smallest tensor of the reshape chain that made the value (plan/grad_reduction.py)
+            insert_copy_to_tp(graph, point, list(point.users), handle)
+            reduced.append(point)
+            continue
+        insert_copy_to_tp(graph, value, consumers, handle)
+        reduced.append(value)
+    return reduced
+
+
+def insert_copy_to_tp(graph: fx.Graph, value: fx.Node, users, handle: int) -> fx.Node:
+    """Put ``copy_to_tp(value)`` (identity forward, all-reduce of the gradient backward) between
+    ``value`` and ``users``; after the last placeholder if ``value`` is one."""
+    anchor = value
+    if value.op == "placeholder":
+        anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(anchor):
+        f = graph.call_function(collectives.copy_to_tp, (value, handle))
+    f.meta["example_value"] = value.meta.get("example_value")
+    for user in set(users):
+        user.replace_input_with(value, f)
+    return f

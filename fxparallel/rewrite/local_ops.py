@@ -1,0 +1,112 @@
+"""The table of local ops: how a node changes to run on local shards, one function per
+``LocalOp`` kind a rule may name (``plan/rules/base.py``). Rules decide; this file edits.
+
+Each function takes the node, the ``GraphEditor`` and the op's arguments."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..plan.placement import Placement
+from ..plan.rules.base import LocalOp, arg
+from .editor import GraphEditor
+from .functional import vocab_parallel_cross_entropy as _vocab_ce
+from .functional import vocab_parallel_embedding as _vocab_embedding
+from .view_sizes import block_view_size, local_view_size
+
+
+def vocab_parallel_embedding(node: fx.Node, editor: GraphEditor) -> None:
+    """Each rank looks up its range of rows; ids outside it give zeros (summed later)."""
+    ids, weight = node.args[0], node.args[1]
+    padding_idx = arg(node, 2, "padding_idx")
+    vocab = editor.full_size(weight, 0)
+    node.target = _vocab_embedding
+    node.args = (ids, weight, editor.shard_start(vocab), editor.local_size(vocab),
+                 padding_idx if isinstance(padding_idx, int) else None)
+    node.kwargs = {}
+
+
+def vocab_parallel_cross_entropy(node: fx.Node, editor: GraphEditor) -> None:
+    logits, target = node.args[0], arg(node, 1, "target")
+    vocab = editor.full_size(logits, 1)
+    node.target = _vocab_ce
+    node.args = (logits, target, editor.shard_start(vocab), editor.group_handle,
+                 arg(node, 4, "ignore_index", -100), arg(node, 6, "reduction", "mean"))
+    node.kwargs = {}
+
+
+def bias_after_reduce(node: fx.Node, editor: GraphEditor, bias_index: int, dense: bool) -> None:
+    """``op(..., bias)`` on partial sums becomes ``all_reduce(op(...)) + bias``; ``dense``:
+    the op is ``addmm(bias, x, w)``, which becomes ``mm(x, w)``."""
+    args = list(node.args)
+    bias = args[bias_index] if len(args) > bias_index else node.kwargs.get("bias")
+    if len(args) > bias_index:
+        args[bias_index] = None
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
+    if dense:
+        node.target = torch.mm
+        args = [a for i, a in enumerate(args) if i != bias_index]
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("beta", "alpha")}
+    node.args, node.kwargs = tuple(args), kwargs
+    reduced = editor.all_reduce_after(node)
+    with editor.graph.inserting_after(reduced):
+        added = editor.graph.call_function(operator.add, (reduced, bias))
+    editor.replace_uses(reduced, added)
+
+
+def local_split_sizes(node: fx.Node, editor: GraphEditor, placement: Placement) -> None:
+    """``fused.split(sizes)`` into the segments of a segmented shard: this rank's part of each
+    (a whole segment entire; its getitem gets a partial gradient)."""
+    args = list(node.args)
+    if node.target in ("split", torch.split):
+        local = editor.local_parts(placement)
+        if len(args) > 1:
+            args[1] = local
+            node.args = tuple(args)
+        else:
+            key = "split_size_or_sections" if "split_size_or_sections" in node.kwargs else "split_size"
+            node.kwargs = {**node.kwargs, key: local}
+    # chunk(k): equal segments have equal local parts (same size, same split)
+    for user in list(node.users):
+        if user.target is operator.getitem and user.args[1] in placement.whole:
+            editor.partial_grad_after(user)
+
+
+def mean_of_full(node: fx.Node, editor: GraphEditor, parts: tuple) -> None:
+    """A local mean divides by the local count; the all-reduced sum of the local means must be
+    the mean over the full dimension: scale each by local / full."""
+    local = sum(editor.local_size(s) for s in parts)
+    with editor.graph.inserting_after(node):
+        scaled = editor.graph.call_function(operator.mul, (node, local / sum(parts)))
+    editor.replace_uses(node, scaled)
+
+
+def segment_slice(node: fx.Node, editor: GraphEditor, placement: Placement, index, position: int,
+                  segment: int) -> None:
+    """``fused[..., a:b]`` of one segment (``index``: as planned, a one-item list index already
+    read as its slice): the slice of this rank's part of that segment."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    parts = editor.local_parts(placement)  # this rank's parts (may be uneven; a whole one entire)
+    start = sum(parts[:segment])
+    items[position] = slice(start, start + parts[segment])
+    node.args = (node.args[0], tuple(items) if isinstance(index, tuple) else items[0])
+    if segment in placement.whole:
+        editor.partial_grad_after(node)
+
+
+LOCAL_OPS = {
+    "vocab_parallel_embedding": vocab_parallel_embedding,
+    "vocab_parallel_cross_entropy": vocab_parallel_cross_entropy,
+    "bias_after_reduce": bias_after_reduce,
+    "local_split_sizes": local_split_sizes,
+    "mean_of_full": mean_of_full,
+    "local_view_size": local_view_size,
+    "block_view_size": block_view_size,
+    "segment_slice": segment_slice,
+}
+
+
+def apply_local_op(node: fx.Node, op: LocalOp, editor: GraphEditor) -> None:
+    LOCAL_OPS[op.kind](node, editor, **op.kwargs())

@@ -1,0 +1,148 @@
+"""The rewrite stage: an explicit, ordered list of passes over one ``PassContext``.
+
+The captured graph is rewritten in place, from full shapes to this rank's local code. The
+solver's ``GraphPlan`` is keyed by the captured nodes; the passes before ``bind`` never erase
+a planned node, so the plan stays valid through them (``bind`` erases the placeholders, and
+the report reads only names and the final graph after it).
+
+    outputs              placement and per-rank sizes of each graph output (before it changes)
+    redistribute         collectives and local slices between placements; nodes made local
+    gradient_reductions  copy_to_tp on replicated values used on shards
+    sequence_parallel    all-reduces -> reduce-scatter / all-gather along the sequence (opt-in)
+    context_parallel     sdpa -> attention over the cp group's chunks (with a cp group)
+    bind                 parameters, buffers and sizes bound; the graph becomes runnable
+    split_by_layer       one piece of code per decoder layer (FSDP units), root code calls them
+
+Skip a pass by name (``run_passes(ctx, skip=...)``); add one by adding a row to ``PASSES``.
+With ``FXPARALLEL_DEBUG=1`` the graph is linted after every pass.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from ..capture.graph import CapturedGraph
+from ..group import TPGroup
+from ..plan.placement import Placement
+from ..plan.solver import GraphPlan
+from .bind import bind_inputs
+from .context_parallel import apply_context_parallel
+from .editor import GraphEditor
+from .gradient_reductions import insert_gradient_reductions
+from .layer_units import generate_layered_forward
+from .redistribute import insert_redistributions
+from .sequence_parallel import SequenceParallelReport, apply_sequence_parallel
+
+
+@dataclass
+class PassContext:
+    """What the passes share. Inputs first; the rest is filled in by the passes, in order."""
+
+    captured: CapturedGraph
+    gplan: GraphPlan
+    group: TPGroup
+    device: torch.device
+    sequence_parallel: bool = False
+    cp: Optional[TPGroup] = None  # the context-parallel group, if any
+    # filled in by the passes
+    output_placements: dict = field(default_factory=dict)  # output name -> Placement
+    output_sizes: dict = field(default_factory=dict)  # output name -> per-rank sizes along its sharded dim
+    sharded_consumers: dict = field(default_factory=dict)  # replicated value -> consumers that use it on shards
+    reduced: list = field(default_factory=list)  # values whose gradient is all-reduced
+    passed_up: set = field(default_factory=set)  # values whose gradient reduction moved to their source
+    sequence_report: Optional[SequenceParallelReport] = None
+    attributes: dict = field(default_factory=dict)  # attributes the code reads besides parameters/buffers
+    forward: Optional[Callable] = None  # the generated code
+    code: str = ""
+    pieces: object = None  # LayerPieces, when split by layer
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.captured.gm.graph
+
+
+def record_outputs(ctx: PassContext) -> None:
+    out = next(n for n in ctx.graph.nodes if n.op == "output")
+    layout = ctx.gplan.layout
+    for name, value in zip(ctx.captured.outputs, out.args[0]):
+        p = ctx.gplan.placements.get(value) if isinstance(value, fx.Node) else None
+        ctx.output_placements[name] = p
+        if isinstance(p, Placement) and p.is_shard and not p.segments:
+            full = int(value.meta["example_value"].shape[p.dim])  # gathering it, or naming this rank's range
+            ctx.output_sizes[name] = layout.sizes(full) if layout else None
+
+
+def redistribute(ctx: PassContext) -> None:
+    editor = GraphEditor(ctx.graph, ctx.group, ctx.gplan.layout)
+    ctx.sharded_consumers = insert_redistributions(ctx.graph, ctx.gplan, editor)
+
+
+def gradient_reductions(ctx: PassContext) -> None:
+    ctx.reduced += insert_gradient_reductions(ctx.graph, ctx.sharded_consumers, ctx.group.handle, ctx.gplan,
+                                              ctx.passed_up)
+
+
+def sequence_parallel(ctx: PassContext) -> None:
+    ctx.sequence_report = apply_sequence_parallel(ctx.graph, ctx.captured, ctx.group)
+    ctx.reduced += ctx.sequence_report.reduced
+
+
+def context_parallel(ctx: PassContext) -> None:
+    apply_context_parallel(ctx.graph, ctx.cp)
+
+
+def bind(ctx: PassContext) -> None:
+    bind_inputs(ctx.graph, ctx.captured, ctx.device, ctx.attributes)
+
+
+def split_by_layer(ctx: PassContext) -> None:
+    ctx.forward, ctx.code, ctx.pieces = generate_layered_forward(ctx.graph, ctx.captured.params.values())
+
+
+def _generate_whole(ctx: PassContext) -> None:
+    """Code of the whole graph, when ``split_by_layer`` is skipped."""
+    ctx.forward, ctx.code, ctx.pieces = generate_layered_forward(ctx.graph, ())
+
+
+# (name, pass, runs when); the order is the order they run in
+PASSES = (
+    ("outputs", record_outputs, lambda ctx: True),
+    ("redistribute", redistribute, lambda ctx: True),
+    ("gradient_reductions", gradient_reductions, lambda ctx: True),
+    ("sequence_parallel", sequence_parallel, lambda ctx: ctx.sequence_parallel and ctx.group.size > 1),
+    ("context_parallel", context_parallel, lambda ctx: ctx.cp is not None),
+    ("bind", bind, lambda ctx: True),
+    ("split_by_layer", split_by_layer, lambda ctx: True),
+)
+OPTIONAL = ("sequence_parallel", "context_parallel", "split_by_layer")  # the passes one may skip
+
+
+def _lint(graph: fx.Graph) -> None:
+    """FX's structural checks. After ``bind`` the attributes live on the parallel module, not on
+    Dynamo's, so the check that get_attr targets exist is left out (no owning module)."""
+    owner = graph._owning_module
+    graph._owning_module = None
+    try:
+        graph.lint()
+    finally:
+        graph._owning_module = owner
+
+
+def run_passes(ctx: PassContext, skip=()) -> PassContext:
+    unknown = set(skip) - set(OPTIONAL)
+    if unknown:
+        raise ValueError(f"skip_passes: {sorted(unknown)} cannot be skipped; optional passes: {list(OPTIONAL)}")
+    debug = os.environ.get("FXPARALLEL_DEBUG", "") not in ("", "0")
+    for name, apply, runs in PASSES:
+        if name in skip or not runs(ctx):
+            continue
+        apply(ctx)
+        if debug:
+            _lint(ctx.graph)
+    if ctx.forward is None:
+        _generate_whole(ctx)
+    return ctx

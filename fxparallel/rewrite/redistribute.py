@@ -1,0 +1,123 @@
+"""Pass: redistribute. Where a consumer needs another placement than its input has, insert the
+collective (all-gather, all-reduce) or local slice; make each node local as its strategy's
+``LocalOp`` says (head counts in views, vocabulary ranges, bias after the reduction); reduce
+partial graph outputs. Parameters with whole segments are read through ``sum_grad_rows``."""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from ..plan.layout import uneven_split
+from ..plan.placement import R, Placement, is_sharded
+from ..plan.solver import GraphPlan
+from . import collectives
+from .editor import GraphEditor
+from .local_ops import apply_local_op
+
+
+def uneven_sizes(node: fx.Node, p: Placement, layout) -> Optional[tuple]:
+    """Per-rank sizes of ``node``'s shard ``p``, one tuple per segment (or of its block), if uneven;
+    None if even."""
+    value = node.meta.get("example_value")
+    if not p.is_shard or not isinstance(value, torch.Tensor):
+        return None
+    return uneven_split(p, int(value.shape[p.dim]), layout)
+
+
+def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: int, before: fx.Node,
+                  layout=None, rank: int = 0) -> list:
+    """Insert the ops that turn ``node`` from ``src`` into ``dst``; returns the new nodes, last one last."""
+    steps = []
+    value = node
+    with graph.inserting_before(before):
+        if src.is_partial:
+            value = graph.call_function(collectives.all_reduce, (value, handle))
+            steps.append(value)
+        elif src.is_shard and dst != src:
+            steps += _blockwise(graph, value, src, layout.local(src.block, rank) if src.block else None,
+                                lambda v, d: graph.call_function(collectives.all_gather, (
+                                    v, d, handle, src.segments, uneven_sizes(node, src, layout), src.whole)))
+            value = steps[-1]
+        if dst.is_shard:
+            steps += _blockwise(graph, value, dst, dst.block,
+                                lambda v, d: graph.call_function(collectives.local_chunk, (
+                                    v, d, handle, dst.segments, uneven_sizes(node, dst, layout), dst.whole)))
+    for s in steps:
+        s.meta["example_value"] = node.meta.get("example_value")
+    return steps
+
+
+def _blockwise(graph, value: fx.Node, p: Placement, block: Optional[int], collective) -> list:
+    """``collective(value, dim)`` on ``p``'s dim, or for a blocked shard (``block`` elements per block
+    in ``value``) on the block factor: unflatten it, gather or chunk it, flatten back."""
+    if p.block is None:
+        return [collective(value, p.dim)]
+    blocks = graph.call_method("unflatten", (value, p.dim, (-1, block)))
+    done = collective(blocks, p.dim + 1)
+    return [blocks, done, graph.call_method("flatten", (done, p.dim, p.dim + 1))]
+
+
+def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, editor: GraphEditor) -> dict:
+    """Returns, per replicated value, the consumers that use it on shards."""
+    group = editor.group
+    _sum_whole_rows(graph, gplan, editor)
+    cache = {}
+    sharded_consumers = defaultdict(list)
+    for node in list(graph.nodes):
+        strategy = gplan.strategies.get(node)
+        if strategy is None:
+            continue
+        out_sharded = is_sharded(strategy.output)
+        for planned, req in strategy.inputs.items():
+            if req is None:
+                continue
+            cur = gplan.placements.get(planned, R)
+            inp = editor.current(planned)  # a rewrite may have replaced it (e.g. bias added after the reduction)
+            if cur == req:
+                if cur.is_replicate and out_sharded:
+                    sharded_consumers[inp].append(node)
+                continue
+            key = (inp, req)
+            if key not in cache:
+                steps = _redistribute(graph, inp, cur, req, group.handle, node, editor.layout, group.rank)
+                cache[key] = steps[-1]
+                for step in steps:
+                    if step.target is collectives.local_chunk:
+                        source = step.args[0]
+                        sharded_consumers[source].append(step)
+            node.replace_input_with(inp, cache[key])
+            if req.is_replicate and out_sharded:
+                # a gathered/reduced value used on shards: its gradient is partial too
+                sharded_consumers[cache[key]].append(node)
+        if strategy.local is not None:
+            apply_local_op(node, strategy.local, editor)
+    # graph outputs: partial sums are reduced; shards stay local (the module gathers on request)
+    out = next(n for n in graph.nodes if n.op == "output")
+    new_args = []
+    for value in out.args[0]:
+        if isinstance(value, fx.Node) and isinstance(gplan.placements.get(value), Placement) and gplan.placements[value].is_partial:
+            if (value, R) in cache:  # already reduced for a consumer inside the graph: one all-reduce serves both
+                value = cache[(value, R)]
+            else:
+                with graph.inserting_before(out):
+                    value = graph.call_function(collectives.all_reduce, (value, group.handle))
+        new_args.append(value)
+    out.args = (tuple(new_args),)
+    return sharded_consumers
+
+
+def _sum_whole_rows(graph: fx.Graph, gplan: GraphPlan, editor: GraphEditor) -> None:
+    """Parameters with whole segments (plan/placement.py) are read through ``sum_grad_rows``: the
+    gradient of those rows is partial on each rank, summed there once per step."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in placeholders:
+        p = gplan.placements.get(node)
+        if not (isinstance(p, Placement) and p.whole):
+            continue
+        with graph.inserting_after(placeholders[-1]):
+            summed = graph.call_function(collectives.sum_grad_rows, (
+                node, p.dim, p.whole_ranges(editor.local_size), editor.group_handle))
+        editor.replace_uses(node, summed)

@@ -1,0 +1,37 @@
+"""rewrite/local_ops.py: what each LocalOp does to a node, per rank (fake group, no processes)."""
+import torch
+import torch.nn.functional as F
+from rule_graphs import capture, node
+
+from fxparallel.group import fake_group
+from fxparallel.plan.layout import ShardLayout
+from fxparallel.plan.rules.base import LocalOp
+from fxparallel.rewrite.editor import GraphEditor
+from fxparallel.rewrite.functional import vocab_parallel_embedding
+from fxparallel.rewrite.local_ops import apply_local_op
+
+
+def test_vocab_parallel_embedding_reads_this_ranks_rows():
+    # 100 rows at tp=3: torch.chunk's 34/34/32; rank 2 starts at 68
+    gm = capture(lambda ids, w: F.embedding(ids, w), ("ids", (3, 5)), (100, 16), params=(1,))
+    n = node(gm, F.embedding)
+    editor = GraphEditor(gm.graph, fake_group(3, rank=2), ShardLayout(3, {100: (34, 34, 32)}))
+    apply_local_op(n, LocalOp.of("vocab_parallel_embedding"), editor)
+    assert n.target is vocab_parallel_embedding and n.args[2:4] == (68, 32)
+
+
+def test_view_size_becomes_local():
+    gm = capture(lambda x: x.view(3, 5, 4, 8), (3, 5, 32))
+    n = node(gm, "view")
+    apply_local_op(n, LocalOp.of("local_view_size", dim=2, full=4, segmented=None),
+                   GraphEditor(gm.graph, fake_group(2, rank=1)))
+    assert tuple(n.args[1:]) == (3, 5, 2, 8)
+
+
+def test_mean_of_full_rescales_the_local_mean():
+    gm = capture(lambda x: x.mean(-1), (3, 5, 10))
+    n = node(gm, "mean")
+    apply_local_op(n, LocalOp.of("mean_of_full", parts=(10,)),
+                   GraphEditor(gm.graph, fake_group(3, rank=2), ShardLayout(3, {10: (4, 4, 2)})))
+    scaled = next(iter(n.users))
+    assert scaled.args == (n, 2 / 10)

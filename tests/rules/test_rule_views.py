@@ -1,0 +1,34 @@
+"""plan/rules/views.py and dim_maps.py: a shard follows its dimension through reshapes and
+transposes; spelled-out sizes of the sharded dim are rewritten to local sizes."""
+import torch
+from rule_graphs import capture, inputs_of, node, strategies
+
+from fxparallel.plan.layout import ShardLayout
+from fxparallel.plan.placement import R, S
+from fxparallel.plan.rules.base import LocalOp
+from fxparallel.plan.rules.dim_maps import index_shard_dim, reshape_shard_dim
+
+
+def test_head_split_survives_a_view_into_heads():
+    gm = capture(lambda x: x.view(3, 5, 4, 8), (3, 5, 32))
+    (x,) = inputs_of(gm)
+    found = strategies(node(gm, "view"), {x: S(2)})
+    assert found[0].output == S(2) and found[0].local == LocalOp.of("local_view_size", dim=2, full=4,
+                                                                      segmented=None)
+    assert found[-1].output == R
+
+
+def test_transpose_moves_the_sharded_dim():
+    gm = capture(lambda x: x.transpose(1, 2), (3, 5, 4, 8))
+    (x,) = inputs_of(gm)
+    assert strategies(node(gm, "transpose"), {x: S(2)})[0].output == S(1)
+
+
+def test_dim_maps():
+    assert reshape_shard_dim((3, 5, 32), (3, 5, 4, 8), 2, 2) == 2  # outermost of its group
+    assert reshape_shard_dim((3, 5, 4, 8), (3, 5, 32), 3, 2) is None  # inner dim: chunks not contiguous
+    # 6 heads of 8 at tp=4 split by whole heads (2/2/1/1): only a split the layout knows is kept
+    layout = ShardLayout(4, {6: (2, 2, 1, 1), 48: (16, 16, 8, 8)})
+    assert reshape_shard_dim((3, 48), (3, 6, 8), 1, 4, layout.sizes) == 1
+    assert index_shard_dim((slice(None), 0), 3, 2) == 1
+    assert index_shard_dim((Ellipsis, slice(0, 4)), 3, 2) is None
