@@ -24,7 +24,7 @@ from .load import (initialize, load_from_files, load_from_state_dict, resolve_ch
                    resolve_source)
 from .load.dtype import resolve_dtype
 from .module import LocalGraph, ParallelCausalLM
-from .plan.layout import ShardLayout
+from .plan.layout import ShardLayout, text_config
 from .plan.solver import check_layer_symmetry, solve
 from .plan.validate import check_splittable
 from .report import build_plan
@@ -44,11 +44,14 @@ def _default_device(group: TPGroup) -> torch.device:
 
 
 def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None,
-               cp=None, sequence_parallel: bool = False, skip_passes=()) -> PassContext:
+               cp=None, sequence_parallel: bool = False, skip_passes=(), cache_length=None) -> PassContext:
     """Capture, solve and rewrite one graph; returns the context after every pass (rewrite/passes.py).
 
-    ``cp``: the context-parallel group (or None): labels arrive shifted and attention spans the cp ranks."""
-    captured = capture(meta_model, arguments, shape=shape, labels_shifted=cp is not None)
+    ``cp``: the context-parallel group (or None): labels arrive shifted and attention spans the cp ranks.
+    ``cache_length``: a generation graph with a static KV cache of that length (capture/cache.py); it
+    runs without sequence parallelism (decode steps have one token)."""
+    captured = capture(meta_model, arguments, shape=shape, labels_shifted=cp is not None, cache_length=cache_length)
+    sequence_parallel = sequence_parallel and cache_length is None
     if cp is not None:
         kind = getattr(meta_model.config, "model_type", type(meta_model).__name__)
         context_parallel_checks.check_graph(captured, kind)
@@ -59,11 +62,23 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     return run_passes(ctx, skip=skip_passes)
 
 
-def local_graph(ctx: PassContext, arguments) -> LocalGraph:
+def local_graph(ctx: PassContext, arguments, cache_length=None) -> LocalGraph:
     """What the module keeps of a rewritten graph: its code and what calling it needs."""
     return LocalGraph(arguments=tuple(arguments), forward=ctx.forward, outputs=ctx.captured.outputs,
                       output_placements=ctx.output_placements, guards=ctx.captured.shape_guards(),
-                      attributes=ctx.attributes, code=ctx.code, output_sizes=ctx.output_sizes, pieces=ctx.pieces)
+                      attributes=ctx.attributes, code=ctx.code, output_sizes=ctx.output_sizes, pieces=ctx.pieces,
+                      state=_state_shapes(ctx), cache_length=cache_length)
+
+
+def _state_shapes(ctx: PassContext) -> dict:
+    """KV cache argument -> (full shape, local shape, dtype); None stands for the batch dim."""
+    shapes = {}
+    for name, (full, placement, dtype) in ctx.state_layout.items():
+        local = list(full)
+        if placement is not None and placement.is_shard:
+            local[placement.dim] = ctx.gplan.layout.local(full[placement.dim], ctx.group.rank)
+        shapes[name] = (tuple(full), tuple(local), dtype)
+    return shapes
 
 
 def _for_device(config, device: torch.device):
@@ -109,6 +124,44 @@ def _vocabulary(meta) -> tuple:
     embeddings = meta.get_input_embeddings() if hasattr(meta, "get_input_embeddings") else None
     head = meta.get_output_embeddings() if hasattr(meta, "get_output_embeddings") else None
     return (rows(embeddings) if embeddings is not None else None), (rows(head) if head is not None else None)
+
+
+def _position_limit(meta):
+    """The positions a learned position table holds (GPT-2's wpe, OPT's embed_positions: another embedding
+    table with max_position_embeddings rows, plus OPT's offset of 2), or None (rotary and the like)."""
+    limit = getattr(text_config(meta.config), "max_position_embeddings", None)
+    inputs = meta.get_input_embeddings() if hasattr(meta, "get_input_embeddings") else None
+    if not isinstance(limit, int):
+        return None
+    for module in meta.modules():
+        if isinstance(module, torch.nn.Embedding) and module is not inputs and 0 <= module.num_embeddings - limit <= 2:
+            return limit
+    return None
+
+
+def _sliding_window(config):
+    """The smallest window of the model's sliding-window attention layers, or None."""
+    from transformers import StaticCache
+
+    try:
+        layers = StaticCache(config=config, max_cache_len=1 << 30).layers  # allocates nothing yet
+    except Exception:  # noqa: BLE001 - a config transformers cannot build a cache for: generate says so later
+        return None
+    windows = [layer.max_cache_len for layer in layers if getattr(layer, "is_sliding", False)]
+    return min(windows) if windows else None
+
+
+def _generation_config(source, config):
+    """The checkpoint's generation_config.json where there is one (as transformers loads it), else the
+    defaults the model config implies."""
+    from transformers import GenerationConfig
+
+    if source.checkpoint is not None:
+        try:
+            return GenerationConfig.from_pretrained(source.checkpoint, **source.hub_kwargs)
+        except OSError:  # the checkpoint has none
+            pass
+    return GenerationConfig.from_model_config(config)
 
 
 def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, revision=None,
@@ -174,17 +227,23 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     timings["capture+plan+rewrite"] = time.perf_counter() - t
     fixed = dict(gplan.params)
 
-    def graph_factory(module, arguments, input_shape):
+    def graph_factory(module, arguments, input_shape, cache_length=None):
         shape = tuple(int(s) for s in input_shape)
         ctx = plan_graph(meta, arguments, group, module.device_, shape=shape, fixed=fixed, cp=cp,
-                         sequence_parallel=sequence_parallel, skip_passes=module.skip_passes)
-        return local_graph(ctx, arguments)
+                         sequence_parallel=sequence_parallel, skip_passes=module.skip_passes,
+                         cache_length=cache_length)
+        for name, placement in ctx.gplan.params.items():  # the cache's placement holds for every later graph
+            fixed.setdefault(name, placement)
+        return local_graph(ctx, arguments, cache_length)
 
     # weights: everything that can fail on input runs before any shard is written
     module = ParallelCausalLM(source.config, plan, group, device, dtype, graph_factory, cp_group=cp)
     module.sequence_parallel = sequence_parallel
     module.skip_passes = tuple(skip_passes)
     module.vocab_rows, module.label_classes = _vocabulary(meta)
+    module.position_limit = _position_limit(meta)
+    module.sliding_window = _sliding_window(meta.config)
+    module.generation_config = _generation_config(source, meta.config)
     module.set_buffers(meta.fxparallel_buffers)
     module.add_graph(local)
     t = time.perf_counter()

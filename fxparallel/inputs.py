@@ -24,8 +24,9 @@ FINGERPRINT = ("input_ids", "attention_mask", "position_ids", "labels")
 _FIELDS = 12  # ndim, batch, seq, presence bits, 4 checksums, ids min / max, labels bad count, spare
 
 
-def shape_problem(args: dict) -> Optional[str]:
-    """What is wrong with the shapes of one call's arguments, or None."""
+def shape_problem(args: dict, mask_length: Optional[int] = None) -> Optional[str]:
+    """What is wrong with the shapes of one call's arguments, or None. ``mask_length``: with a KV cache
+    the attention mask spans the cache: [batch, mask_length]."""
     ids = args["input_ids"]
     if ids.dim() != 2:
         return f"input_ids must be [batch, sequence], got shape {tuple(ids.shape)}"
@@ -33,7 +34,13 @@ def shape_problem(args: dict) -> Optional[str]:
         return f"input_ids {tuple(ids.shape)} is empty: give at least one token in one sequence"
     if ids.is_floating_point():
         return f"input_ids must hold integer token ids, got {ids.dtype}"
-    for name in ("attention_mask", "position_ids", "labels"):
+    mask = args.get("attention_mask")
+    if mask is not None and mask_length is not None:
+        if tuple(mask.shape) != (ids.shape[0], mask_length):
+            return (f"attention_mask has shape {tuple(mask.shape)}; with a KV cache of {mask_length} tokens it must "
+                    f"be [batch, {mask_length}] (1 for tokens to attend to, including positions not written yet)")
+    for name in ("position_ids", "labels") if mask_length is not None else ("attention_mask", "position_ids",
+                                                                            "labels"):
         value = args.get(name)
         if value is not None and tuple(value.shape) != tuple(ids.shape):
             return f"{name} has shape {tuple(value.shape)} but input_ids has {tuple(ids.shape)}: they must match"
@@ -65,10 +72,11 @@ def fingerprint(args: dict, classes: Optional[int], problem: bool) -> torch.Tens
                                                 zero + int(problem)])])
 
 
-def check_arguments(args: dict, group, vocab: Optional[int], classes: Optional[int]) -> None:
+def check_arguments(args: dict, group, vocab: Optional[int], classes: Optional[int],
+                    mask_length: Optional[int] = None) -> None:
     """Shapes, ranges and (over ``group``, a TPGroup) equality of the arguments of one call. Every
     rank takes part in the exchange before anything is raised, so all raise together."""
-    problem = shape_problem(args)
+    problem = shape_problem(args, mask_length)
     mine = fingerprint(args, classes, problem is not None)
     if group is not None and group.process_group is not None and group.size > 1:
         rows = [torch.empty_like(mine) for _ in range(group.size)]

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .errors import ShardingError
@@ -50,6 +51,8 @@ class LocalGraph:
     attributes: dict  # attributes the code reads besides parameters and buffers (custom autograd bodies)
     code: str
     output_sizes: dict = field(default_factory=dict)  # name -> per-rank sizes along its sharded dim
+    state: dict = field(default_factory=dict)  # KV cache argument -> (full shape, local shape, dtype)
+    cache_length: Optional[int] = None  # a generation graph's static cache length
     pieces: Optional[LayerPieces] = None  # per-layer pieces the root code calls (rewrite/layer_units.py)
 
 
@@ -68,7 +71,7 @@ def _set_path(root: nn.Module, dotted: str, value, kind: str):
         module.register_buffer(leaf, value, persistent=False)
 
 
-class ParallelCausalLM(nn.Module):
+class ParallelCausalLM(nn.Module, GenerationMixin):
     def __init__(self, config, plan, group, device, dtype, graph_factory, cp_group=None):
         super().__init__()
         self.config = config
@@ -85,6 +88,10 @@ class ParallelCausalLM(nn.Module):
         # token ids index this many embedding rows, labels this many logits (set by parallelize; None: unchecked)
         self.vocab_rows: Optional[int] = None
         self.label_classes: Optional[int] = None
+        self.position_limit: Optional[int] = None  # rows of a learned position table: longest generation
+        self.sliding_window: Optional[int] = None  # smallest sliding attention window: longest generation
+        self.generation_config = None  # the checkpoint's (set by parallelize), as in transformers
+        object.__setattr__(self, "_last_graph", None)
         # decoder layers as modules the graphs call, so FSDP can make each one a unit
         self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params)
         for p in plan.params:
@@ -134,17 +141,35 @@ class ParallelCausalLM(nn.Module):
     def graphs(self) -> list:
         return list(self._graphs)
 
-    def _graph_for(self, args: dict) -> LocalGraph:
-        names = tuple(sorted(args))
+    def _graph_for(self, args: dict, cache=None) -> LocalGraph:
+        """The graph for these arguments (and KV cache), captured on first use of an argument set or a
+        shape outside every graph's guards; a shape seen before costs a dictionary lookup."""
+        arguments = tuple(n for n in ARGUMENTS if n in args)
         shapes = {k: tuple(v.shape) for k, v in args.items()}
-        key = (names, tuple(shapes[n] for n in names))
+        if cache is not None and not cache.layout:  # its layout is that of any graph of its length
+            known = next((g for g in self._graphs if g.cache_length == cache.length), None)
+            if known is None:
+                known = self._graph_factory(self, arguments, shapes["input_ids"], cache_length=cache.length)
+                self.add_graph(known)
+            cache.layout = dict(known.state)
+        names = tuple(sorted(args))
+        if cache is not None:  # the cache is checked at its full (captured) shapes
+            batch = shapes["input_ids"][0]
+            for name, (full, _, _) in cache.layout.items():
+                shapes[name] = tuple(batch if s is None else s for s in full)
+            names = tuple(sorted(shapes))
+        key = (names, tuple(shapes[n] for n in names), cache.length if cache is not None else None)
         graph = self._graph_of_shapes.get(key)
         if graph is not None:
             return graph
-        graph = next((g for g in self._graphs if tuple(sorted(g.arguments)) == names and g.guards.holds_for(shapes)),
-                     None)
+        graph = next((g for g in self._graphs if tuple(sorted(g.arguments)) == tuple(sorted(args))
+                      and g.cache_length == (cache.length if cache is not None else None)
+                      and g.guards.holds_for(shapes)), None)
         if graph is None:
-            graph = self._graph_factory(self, tuple(n for n in ARGUMENTS if n in args), shapes["input_ids"])
+            if cache is None:
+                graph = self._graph_factory(self, arguments, shapes["input_ids"])
+            else:
+                graph = self._graph_factory(self, arguments, shapes["input_ids"], cache_length=cache.length)
             self.add_graph(graph)
         self._graph_of_shapes[key] = graph
         return graph
@@ -155,22 +180,35 @@ class ParallelCausalLM(nn.Module):
 
     # ---- forward -------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, gather_logits=None,
-                **unsupported):
+                past_key_values=None, use_cache=None, return_dict=None, check_inputs=True, **unsupported):
+        """The model's forward on this rank's shards: same arguments and outputs as the Hugging Face model
+        (see the README's "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
+        earlier call) runs with a static KV cache sharded by heads (``generation/cache.py``) and returns
+        it as ``past_key_values``; ``check_inputs=False`` skips the per-call checks (``inputs.py``)."""
         if unsupported:
-            raise TypeError(f"fxparallel models take {', '.join(ARGUMENTS)}; got unsupported {sorted(unsupported)}")
+            raise TypeError(f"fxparallel models take {', '.join(ARGUMENTS)}, past_key_values, use_cache, "
+                            f"gather_logits, return_dict; got unsupported {sorted(unsupported)}")
         if input_ids is None:
             raise TypeError("input_ids is required")
+        cache = self._cache_for(past_key_values, use_cache, input_ids, attention_mask)
         args = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
                                   ("position_ids", position_ids), ("labels", labels)) if v is not None}
         args = {k: v.to(self.device_) for k, v in args.items()}
-        check_arguments(args, self.tp_group, self.vocab_rows, self.label_classes)
-        if self.sequence_parallel and input_ids.shape[-1] % self.tp_group.size:
+        if check_inputs:
+            check_arguments(args, self.tp_group, self.vocab_rows, self.label_classes,
+                            mask_length=cache.length if cache is not None else None)
+        if self.sequence_parallel and cache is None and input_ids.shape[-1] % self.tp_group.size:
             raise ShardingError(f"sequence_parallel: the sequence length {input_ids.shape[-1]} of input_ids "
                                 f"{tuple(input_ids.shape)} does not divide by the tp size {self.tp_group.size}; "
                                 f"pad the batch to a multiple of {self.tp_group.size}")
         if self.cp_group is not None:
             args = context_parallel.prepare_arguments(args, self.cp_group, self.plan.model_type)
-        graph = self._graph_for(args)
+        graph = self._graph_for(args, cache)
+        if cache is not None:
+            if not cache.allocated:
+                cache.allocate(input_ids.shape[0], self.device_)
+            args.update(cache.tensors)
+        self._last_graph = graph
         results = dict(zip(graph.outputs, graph.forward(self, **args)))
         logits = results["logits"]
         placement = graph.output_placements.get("logits")
@@ -184,8 +222,61 @@ class ParallelCausalLM(nn.Module):
             uneven = (tuple(sizes),) if sizes and len(set(sizes)) > 1 else None
             local_logits = logits
             logits = collectives.all_gather(logits, placement.dim, self.tp_group.handle, None, uneven) if gather else None
-        return ParallelCausalLMOutput(loss=results.get("loss"), logits=logits, local_logits=local_logits,
-                                      vocab_range=vocab_range)
+        out = ParallelCausalLMOutput(loss=results.get("loss"), logits=logits, local_logits=local_logits,
+                                     vocab_range=vocab_range, past_key_values=cache)
+        return out if return_dict is not False else out.to_tuple()
+
+    def _cache_for(self, past_key_values, use_cache, input_ids, attention_mask):
+        """The KV cache of this call: the one given, a new one (``use_cache=True``), or None."""
+        from .generation.cache import ParallelCache, cache_length
+
+        if past_key_values is not None:
+            if not isinstance(past_key_values, ParallelCache):
+                raise TypeError(f"past_key_values must be the ParallelCache an earlier call returned (or that "
+                                f"model.new_cache() makes), got {type(past_key_values).__name__}")
+            if use_cache is False:
+                raise TypeError("past_key_values was given with use_cache=False")
+            return past_key_values
+        if not use_cache:
+            return None
+        if self.cp_group is not None:
+            raise ShardingError("use_cache is not supported under context parallelism (cp_group)")
+        if attention_mask is not None and attention_mask.shape[-1] != input_ids.shape[-1]:
+            return ParallelCache(attention_mask.shape[-1])  # the mask spans the cache: its length is the cache's
+        return ParallelCache(cache_length(input_ids.shape[-1]))
+
+    def new_cache(self, length: int):
+        """A static KV cache of ``length`` tokens for ``forward(..., past_key_values=cache)``; the attention
+        mask of every call with it must then span the whole cache ([batch, length]: 1 for tokens to attend
+        to, positions not yet written included)."""
+        from .generation.cache import ParallelCache
+
+        return ParallelCache(length)
+
+    def output_sizes(self, name: str):
+        """Per-rank sizes along the sharded dim of output ``name`` of the last call (uneven splits)."""
+        return self._last_graph.output_sizes.get(name) if self._last_graph is not None else None
+
+    # ---- Hugging Face model behaviour ------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.device_
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.dtype_
+
+    def can_generate(self) -> bool:
+        return True
+
+    def generate(self, input_ids=None, attention_mask=None, generation_config=None, streamer=None, **kwargs):
+        """transformers' ``generate`` for decoder-only models (greedy search and sampling) on the parallel
+        model, with a static KV cache sharded by heads: see ``generation/loop.py``. Every rank returns the
+        same tokens."""
+        from .generation.loop import generate
+
+        return generate(self, input_ids, attention_mask=attention_mask, generation_config=generation_config,
+                        streamer=streamer, **kwargs)
 
     def _apply(self, fn, recurse=True):
         """``model.to(dtype)``, ``.half()``, ``.cuda()``, ...: the graphs were captured for one dtype

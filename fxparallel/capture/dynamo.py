@@ -15,6 +15,7 @@ import torch
 import torch._dynamo
 
 from ..errors import CaptureError
+from .cache import argument_name, cache_tensors, meta_cache
 from .graph import CapturedGraph
 
 # Example sizes at capture: small primes that no model dimension is likely to equal,
@@ -23,11 +24,14 @@ EXAMPLE_BATCH = 3
 EXAMPLE_SEQ = 13
 
 
-def _forward_fn(model, input_names, output_names, labels_shifted=False):
+def _forward_fn(model, input_names, output_names, labels_shifted=False, cache=None):
     def run(**kwargs):
         if labels_shifted:  # context parallelism: the loss takes labels as given (transformers' shift_labels)
             kwargs["shift_labels"] = kwargs["labels"]
-        out = model(**kwargs, use_cache=False, return_dict=True)
+        if cache is not None:
+            out = model(**kwargs, past_key_values=cache, use_cache=True, return_dict=True)
+        else:
+            out = model(**kwargs, use_cache=False, return_dict=True)
         return tuple(getattr(out, name) for name in output_names)
 
     # A fresh code object per capture: Dynamo caches by code object, so this capture
@@ -59,17 +63,32 @@ def _dynamo_message(err: Exception) -> str:
 
 
 def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ),
-            device: str = "meta", labels_shifted: bool = False) -> CapturedGraph:
+            device: str = "meta", labels_shifted: bool = False, cache_length=None) -> CapturedGraph:
     """Capture ``model(**inputs)`` for the given argument names; returns the graph and its bindings.
 
     Dimensions of ``shape`` larger than 1 are dynamic; a size of 1 is captured as such
     (Dynamo specializes sizes 0 and 1), so decoding with one token gets its own graph.
     ``labels_shifted``: the labels are already shifted by one (context parallelism), so
     they are passed to the model as ``shift_labels`` too and its loss does not shift them.
+    ``cache_length``: capture with a static KV cache of that many tokens (``cache.py``): its
+    tensors become arguments (``past_<layer>_<field>``), the attention mask spans the cache.
     """
     output_names = ("loss", "logits") if "labels" in input_names else ("logits",)
-    example = {}
+    example, state, cache = {}, {}, None
+    if cache_length is not None:
+        cache = meta_cache(model, shape[0], cache_length)
+        for name, t in cache_tensors(cache).items():
+            if shape[0] > 1 and t.dim() > 0:
+                torch._dynamo.mark_dynamic(t, 0)
+            example[name] = t
+            state[name] = t
     for name in input_names:
+        if name == "attention_mask" and cache is not None:  # the mask spans the whole cache
+            t = torch.ones(shape[0], cache_length, dtype=torch.long, device=device)
+            if shape[0] > 1:
+                torch._dynamo.mark_dynamic(t, 0)
+            example[name] = t
+            continue
         if name == "attention_mask":
             t = torch.ones(*shape, dtype=torch.long, device=device)
         elif name == "position_ids":
@@ -87,7 +106,7 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
         seen.append((gm, list(example_inputs)))
         return gm.forward
 
-    fn = _forward_fn(model, input_names, output_names, labels_shifted and "labels" in input_names)
+    fn = _forward_fn(model, input_names, output_names, labels_shifted and "labels" in input_names, cache)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
     # Models build small constants with torch.tensor(..., device=x.device); on the meta device
     # those are meta tensors, which the fake-tensor mode must accept as inputs.
@@ -97,7 +116,7 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
     fake_tensor_tls.allow_non_fake_inputs_override = True
     try:
         with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
-            compiled(**example)
+            compiled(**{k: v for k, v in example.items() if k not in state})
     except Exception as err:  # Dynamo raises many exception types; all mean "not capturable whole"
         kind = type(model).__name__
         raise CaptureError(f"{kind} could not be captured as one graph: {_dynamo_message(err)}") from err
@@ -106,27 +125,47 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
     if len(seen) != 1:
         raise CaptureError(f"expected one captured graph, Dynamo produced {len(seen)}")
     gm, example_inputs = seen[0]
-    return _bind(gm, example_inputs, model, example, output_names)
+    return _bind(gm, example_inputs, model, example, output_names, set(state))
 
 
 def _finite(bound) -> bool:
     return bound is not None and isinstance(bound, sympy.Integer)
 
 
+def _source_name(source) -> str:
+    name = getattr(source, "name", "")
+    return str(name() if callable(name) else name)
+
+
+def _argument_of_source(source_name: str, example: dict):
+    """The argument a Dynamo source reads: ``L['kwargs']['input_ids']`` -> input_ids; a cache tensor,
+    ``L['cache'].layers[3].keys`` -> past_3_keys (capture/cache.py)."""
+    found = re.search(r"\['(\w+)'\]$", source_name)
+    if found and found.group(1) in example:
+        return found.group(1)
+    found = re.search(r"\.layers\[(\d+)\]\.(\w+)$", source_name)
+    if found and argument_name(int(found.group(1)), found.group(2)) in example:
+        return argument_name(int(found.group(1)), found.group(2))
+    return None
+
+
 def _add_replaced_symbols(env, example, symbol_sources) -> None:
-    """Sizes Dynamo replaced by an equal one (position_ids' [b, s] by input_ids') no longer appear
-    in any fake shape, but the guards still name them: bind them to their own argument's size."""
+    """Sizes Dynamo replaced by an equal one (position_ids' [b, s] by input_ids', a KV cache's batch by
+    input_ids') no longer appear in any fake shape, but the guards still name them: bind them to their
+    own argument's size, found from the symbol's source (the argument it was read from)."""
     for sym, sources in env.var_to_sources.items():
         if sym in symbol_sources:
             continue
         for source in sources:
-            found = re.search(r"\['(\w+)'\]$", str(getattr(getattr(source, "base", None), "name", "")))
-            if found and found.group(1) in example and isinstance(getattr(source, "idx", None), int):
-                symbol_sources[sym] = (found.group(1), source.idx)
+            base, idx = getattr(source, "base", None), getattr(source, "idx", None)
+            name = getattr(base, "name", "")
+            argument = _argument_of_source(str(name() if callable(name) else name), example)
+            if argument is not None and isinstance(idx, int):
+                symbol_sources[sym] = (argument, idx)
                 break
 
 
-def _bind(gm, example_inputs, model, example, output_names) -> CapturedGraph:
+def _bind(gm, example_inputs, model, example, output_names, state_names=frozenset()) -> CapturedGraph:
     param_names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         param_names.setdefault(id(p), name)
@@ -184,8 +223,10 @@ def _bind(gm, example_inputs, model, example, output_names) -> CapturedGraph:
                     guards.append(sympy.Ge(sym, int(vr.lower)))
                 if _finite(vr.upper):
                     guards.append(sympy.Le(sym, int(vr.upper)))
+    state = {node: arg for node, arg in inputs.items() if arg in state_names}
     return CapturedGraph(
         gm=gm,
+        state=state,
         params=params,
         buffers=buffers,
         inputs=inputs,

@@ -13,7 +13,7 @@ class CapturedGraph:
     # placeholder name -> what it stands for
     params: dict[str, str]  # -> canonical parameter name
     buffers: dict[str, str]  # -> buffer name
-    inputs: dict[str, str]  # -> forward argument name (input_ids, labels, ...)
+    inputs: dict[str, str]  # -> forward argument name (input_ids, labels, ..., past_<layer>_<field>)
     symbols: dict[str, tuple[str, int]]  # symbolic size placeholder -> (argument, dim)
     outputs: tuple[str, ...]  # names of the graph outputs, e.g. ("loss", "logits")
     # shape guards that must hold for this graph to be valid: (sympy expr, {symbol: (argument, dim)})
@@ -21,6 +21,9 @@ class CapturedGraph:
     symbol_sources: dict = field(default_factory=dict)  # sympy Symbol -> (argument, dim)
     # (argument, dim) -> the size captured as a constant; (argument, "ndim") -> its number of dims
     static_sizes: dict = field(default_factory=dict)
+    # placeholder name -> argument name, for the KV cache tensors among the inputs: state the solver
+    # places like a parameter and the graph writes in place (capture/cache.py)
+    state: dict = field(default_factory=dict)
 
     def shape_guards(self) -> "ShapeGuards":
         return ShapeGuards(tuple(self.guards), dict(self.symbol_sources), dict(self.static_sizes))

@@ -55,6 +55,13 @@ MAX_BRANCHES = 100  # complete plans evaluated at most (deterministic: every ran
 NEGLIGIBLE_SHARE = 0.01  # a matrix below this share of its layer's matrix bytes is decided by communication
 
 
+def state_name(argument: str) -> str:
+    """The dotted name a cache tensor is planned under: past_3_keys -> past_key_values.3.keys (its
+    layer pattern groups the layers, as for parameters)."""
+    _, layer, field = argument.split("_", 2)
+    return f"past_key_values.{layer}.{field}"
+
+
 def layer_pattern(name: str) -> str:
     """model.layers.3.mlp.up_proj.weight -> model.layers.*.mlp.up_proj.weight"""
     return _LAYER_INDEX.sub(".*", name)
@@ -111,6 +118,8 @@ class Solver:
         for n in self.nodes:
             if n.op == "placeholder" and n.name in captured.params:
                 self.param_nodes[n] = captured.params[n.name]
+            elif n.op == "placeholder" and n.name in captured.state:  # KV cache: placed like a parameter
+                self.param_nodes[n] = state_name(captured.state[n.name])
         self.negligible = negligible_matrices(self.param_nodes)
         self.best: Optional[GraphPlan] = None
         self.explored = 0

@@ -5,7 +5,7 @@ solver's ``GraphPlan`` is keyed by the captured nodes; the passes before ``bind`
 a planned node, so the plan stays valid through them (``bind`` erases the placeholders, and
 the report reads only names and the final graph after it).
 
-    outputs              placement and per-rank sizes of each graph output (before it changes)
+    outputs              placement and per-rank sizes of each graph output, and the KV cache layout
     redistribute         collectives and local slices between placements; nodes made local
     gradient_reductions  copy_to_tp on replicated values used on shards
     sequence_parallel    all-reduces -> reduce-scatter / all-gather along the sequence (opt-in)
@@ -50,6 +50,7 @@ class PassContext:
     cp: Optional[TPGroup] = None  # the context-parallel group, if any
     # filled in by the passes
     output_placements: dict = field(default_factory=dict)  # output name -> Placement
+    state_layout: dict = field(default_factory=dict)  # KV cache argument -> (full shape, Placement, dtype)
     output_sizes: dict = field(default_factory=dict)  # output name -> per-rank sizes along its sharded dim
     sharded_consumers: dict = field(default_factory=dict)  # replicated value -> consumers that use it on shards
     reduced: list = field(default_factory=list)  # values whose gradient is all-reduced
@@ -66,6 +67,12 @@ class PassContext:
 
 
 def record_outputs(ctx: PassContext) -> None:
+    """How each output is placed (and split), and each KV cache argument, before the graph changes."""
+    for node in ctx.graph.nodes:
+        if node.op == "placeholder" and node.name in ctx.captured.state:
+            value = node.meta["example_value"]
+            full = tuple(s if isinstance(s, int) else None for s in value.shape)  # None: the batch
+            ctx.state_layout[ctx.captured.state[node.name]] = (full, ctx.gplan.placements.get(node), value.dtype)
     out = next(n for n in ctx.graph.nodes if n.op == "output")
     layout = ctx.gplan.layout
     for name, value in zip(ctx.captured.outputs, out.args[0]):

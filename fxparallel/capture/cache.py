@@ -1,0 +1,63 @@
+"""The KV cache a generation graph is captured with: transformers' own ``StaticCache`` on the meta
+device, sized for ``length`` tokens.
+
+Its tensors (per layer: keys, values, and the count of tokens written) become graph inputs;
+the model's own code writes them in place (``index_copy_``, ``add_``), so the rewritten graph
+updates this rank's shard of the cache where the model updates the whole. The cache is first
+filled once eagerly on meta (free: nothing is computed), so each layer allocates its tensors
+with the shapes its own code asks for (any number of kv heads, head size, sliding windows)."""
+from __future__ import annotations
+
+import torch
+
+# argument names of the cache tensors in the generated code: past_<layer>_<field>
+FIELDS = ("keys", "values", "cumulative_length")
+
+
+def argument_name(layer: int, field: str) -> str:
+    return f"past_{layer}_{field}"
+
+
+def meta_cache(model, batch: int, length: int):
+    """A StaticCache for ``model`` (on meta) whose layers hold their tensors, for ``batch`` rows."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    ids = torch.zeros(batch, 1, dtype=torch.long, device="meta")
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    for layer in cache.layers:  # back to empty: the graph is captured for a cache that is being filled
+        length_so_far = getattr(layer, "cumulative_length", None)
+        if isinstance(length_so_far, torch.Tensor):
+            layer.cumulative_length = torch.zeros((), dtype=length_so_far.dtype, device="meta")
+        if hasattr(layer, "cumulative_length_int"):  # sliding-window layers also count in Python
+            layer.cumulative_length_int = 0
+            # ... and report that count as the query offset of the mask: read the tensor instead, so the
+            # graph takes the offset from the cache it is given, not the count it was captured at
+            layer.get_seq_length = _tensor_count(layer)
+    return cache
+
+
+def _tensor_count(layer):
+    def get_seq_length():
+        return layer.cumulative_length
+
+    return get_seq_length
+
+
+def sliding_windows(cache) -> list:
+    """The windows of the cache's sliding-window layers. Their code chooses between writing and rolling
+    by a Python count of the tokens so far, which the captured graphs hold as it was at capture (an
+    empty cache): they are right while the tokens fit in the window."""
+    return sorted({layer.max_cache_len for layer in cache.layers if getattr(layer, "is_sliding", False)})
+
+
+def cache_tensors(cache) -> dict:
+    """argument name -> the cache tensor it stands for."""
+    found = {}
+    for i, layer in enumerate(cache.layers):
+        for field in FIELDS:
+            value = getattr(layer, field, None)
+            if isinstance(value, torch.Tensor):
+                found[argument_name(i, field)] = value
+    return found

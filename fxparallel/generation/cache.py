@@ -1,0 +1,48 @@
+"""``ParallelCache``: this rank's part of a static KV cache, as the graphs captured with a cache
+(``capture/cache.py``) read and write it.
+
+Each cache tensor of the captured model is placed by the solver like a parameter: split by kv
+heads where attention is (each rank holds 1/TP of the cache, uneven head splits as in the
+forward), replicated where the kv heads are (more ranks than kv heads). The tensors are
+allocated once per ``generate`` call for its batch and a length rounded up to ``LENGTH_STEP``,
+so prompts of other lengths reuse the same graphs."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+LENGTH_STEP = 128  # cache lengths are multiples of this: graphs are captured per length
+
+
+def cache_length(tokens: int) -> int:
+    return -(-tokens // LENGTH_STEP) * LENGTH_STEP
+
+
+class ParallelCache:
+    """The cache tensors of one generation, keyed by their argument names (``past_<layer>_<field>``)."""
+
+    def __init__(self, length: int):
+        self.length = length
+        self.layout: dict = {}  # argument name -> (full shape, this rank's shape, dtype); None: the batch dim
+        self.tensors: dict = {}
+        self.batch: Optional[int] = None
+
+    def allocate(self, batch: int, device) -> None:
+        self.batch = batch
+        for name, (_, local, dtype) in self.layout.items():
+            size = tuple(batch if s is None else s for s in local)
+            self.tensors[name] = torch.zeros(size, dtype=dtype, device=device)
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.tensors)
+
+    def get_seq_length(self) -> int:
+        """Tokens written so far (transformers' Cache method of the same name)."""
+        lengths = [t for n, t in self.tensors.items() if n.endswith("cumulative_length")]
+        return int(lengths[0]) if lengths else 0
+
+    def nbytes(self) -> int:
+        """Bytes this rank holds (keys and values)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())

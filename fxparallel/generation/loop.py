@@ -1,0 +1,150 @@
+"""``generate``: transformers' decoding loop for greedy search and sampling, run on the parallel
+model with a static cache sharded by heads.
+
+What is transformers' own: the GenerationConfig (the checkpoint's ``generation_config.json`` by
+default, overridden by keyword arguments), special tokens, logits processors, stopping criteria,
+streamers and the output class. What tensor parallelism changes: the next token is chosen from
+vocab-sharded logits (``select.py``), every rank returns the same tokens (the arguments are
+checked equal on every rank first, sampling draws from a generator seeded alike on every rank),
+and two graphs (prefill, decode) are captured per cache length, not per token or prompt length.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InputError
+from .cache import ParallelCache, cache_length
+from .select import full_scores, vocab_parallel_argmax
+
+SUPPORTED_MODES = ("greedy_search", "sample")
+
+
+def _same_on_every_rank(model, what: str, text: str) -> None:
+    """Refuse arguments that differ between the tp ranks (they would desynchronize the loop and hang)."""
+    group = model.tp_group
+    if group.process_group is None or group.size == 1:
+        return
+    digest = torch.tensor(list(hashlib.sha256(text.encode()).digest()[:8]), dtype=torch.int64)
+    rows = [torch.empty_like(digest) for _ in range(group.size)]
+    dist.all_gather(rows, digest, group=group.process_group)
+    differ = [r for r, row in enumerate(rows) if not torch.equal(row, rows[0])]
+    if differ:
+        raise InputError(f"generate: the tp ranks were given different {what} (rank 0 vs ranks {differ}); every tp "
+                         f"rank must call generate with the same prompts and generation arguments")
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """transformers' position ids for left padding: the count of real tokens before each one."""
+    positions = mask.long().cumsum(-1) - 1
+    return positions.masked_fill(mask == 0, 1)
+
+
+def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_config=None, streamer=None,
+             logits_processor=None, stopping_criteria=None, **kwargs):
+    from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorList, StoppingCriteriaList
+
+    if input_ids is None or input_ids.dim() != 2:
+        raise InputError("generate needs input_ids of shape [batch, prompt length]")
+    if model.cp_group is not None:
+        raise InputError("generate is not supported under context parallelism (cp_group): parallelize without it")
+    user_max_length = kwargs.get("max_length")
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    mode = config.get_generation_mode()
+    if str(mode.value if hasattr(mode, "value") else mode) not in SUPPORTED_MODES:
+        raise InputError(f"generate: {mode.value} is not supported on the parallel model (num_beams="
+                         f"{config.num_beams}, num_beam_groups={getattr(config, 'num_beam_groups', 1)}, "
+                         f"penalty_alpha={config.penalty_alpha}); greedy search and sampling are")
+    unknown = sorted(k for k in model_kwargs if k not in ("use_cache",))
+    if unknown:
+        raise InputError(f"generate: unsupported arguments {unknown} (the parallel model takes input_ids, "
+                         f"attention_mask and generation options)")
+    device = model.device_
+    input_ids = input_ids.to(device)
+    batch, prompt = input_ids.shape
+    mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(device).long()
+    if tuple(mask.shape) != (batch, prompt):
+        raise InputError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has {(batch, prompt)}")
+    _same_on_every_rank(model, "prompts or generation arguments",
+                        config.to_json_string(use_diff=False) + str(input_ids.tolist()) + str(mask.tolist()))
+    model._prepare_special_tokens(config, attention_mask is not None, device=device)
+    if config.max_new_tokens is not None:
+        config.max_length = prompt + config.max_new_tokens
+    elif user_max_length is None and config.max_length is None:
+        config.max_length = prompt + 20
+    if config.min_new_tokens is not None:
+        config.min_length = prompt + config.min_new_tokens
+    if config.max_length <= prompt:
+        raise InputError(f"generate: max_length {config.max_length} leaves no room after the prompt of {prompt} "
+                         f"tokens: raise max_new_tokens / max_length")
+    window = model.sliding_window
+    if window is not None and config.max_length > window:
+        raise InputError(f"generate: the prompt ({prompt}) plus new tokens ({config.max_length} in all) exceed the "
+                         f"model's sliding attention window of {window} tokens, beyond which its cache rolls; the "
+                         f"parallel model's graphs do not roll it yet: lower max_new_tokens to at most "
+                         f"{window - prompt}")
+    limit = model.position_limit
+    if limit is not None and config.max_length > limit:
+        raise InputError(f"generate: the prompt ({prompt}) plus new tokens reach position {config.max_length - 1}, "
+                         f"beyond the model's {limit} learned positions (max_position_embeddings): lower "
+                         f"max_new_tokens to at most {limit - prompt}")
+
+    processors = model._get_logits_processor(config, input_ids_seq_length=prompt, device=device,
+                                             logits_processor=logits_processor or LogitsProcessorList(),
+                                             model_kwargs={})
+    criteria = model._get_stopping_criteria(config, stopping_criteria or StoppingCriteriaList())
+    sample = config.do_sample
+    generator = None
+    if sample:  # one seed for every rank: the same draws everywhere
+        seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64)
+        if model.tp_group.process_group is not None and model.tp_group.size > 1:
+            dist.broadcast(seed, src=dist.get_global_rank(model.tp_group.process_group, 0),
+                           group=model.tp_group.process_group)
+        generator = torch.Generator(device=device).manual_seed(int(seed))
+
+    cache = ParallelCache(cache_length(config.max_length))
+    full_mask = torch.cat([mask, mask.new_ones(batch, cache.length - prompt)], dim=1)
+    positions = _positions(mask)
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    sequences, scores_seen = input_ids, []
+    first_rank = model.tp_group.rank == 0
+    if streamer is not None and first_rank:
+        streamer.put(input_ids.cpu())
+    step_ids, step_positions = input_ids, positions
+    with torch.no_grad():
+        while True:
+            out = model.forward(input_ids=step_ids, attention_mask=full_mask, position_ids=step_positions,
+                                past_key_values=cache, use_cache=True, gather_logits=False, check_inputs=False)
+            local = out.local_logits if out.local_logits is not None else out.logits
+            local = local[:, -1, :].float()
+            start = out.vocab_range[0] if out.vocab_range is not None else 0
+            if len(processors) or sample or config.output_scores:
+                sizes = model.output_sizes("logits")
+                scores = processors(sequences, full_scores(local, sizes, model.tp_group))
+                if config.output_scores:
+                    scores_seen.append(scores)
+                if sample:
+                    probs = torch.softmax(scores, dim=-1)
+                    chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+                else:
+                    chosen = scores.argmax(dim=-1)
+            else:
+                chosen = vocab_parallel_argmax(local, start, model.tp_group)
+            chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad))
+            sequences = torch.cat([sequences, chosen[:, None]], dim=1)
+            if streamer is not None and first_rank:
+                streamer.put(chosen.cpu())
+            unfinished &= ~criteria(sequences, None)
+            if not bool(unfinished.any()):
+                break
+            step_ids = chosen[:, None]
+            step_positions = step_positions[:, -1:] + 1
+    if streamer is not None and first_rank:
+        streamer.end()
+    if config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(scores_seen) if config.output_scores
+                                         else None, past_key_values=cache)
+    return sequences

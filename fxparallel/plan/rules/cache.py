@@ -1,0 +1,27 @@
+"""Writing into a KV cache: ``cache.index_copy_(dim, positions, new)`` (transformers' StaticCache).
+
+The cache is state the solver places like a parameter (``capture/cache.py``): written with the
+new keys / values of a sharded attention, it is sharded the same way (each rank caches its own
+kv heads); written with replicated ones (more ranks than kv heads), it is replicated. Positions
+index the sequence dim, which is never the sharded one."""
+from __future__ import annotations
+
+from ..placement import R
+from .base import Strategy, arg, norm_dim, register
+
+
+def _index_copy(node, placements, ctx):
+    cache, dim, positions, new = node.args[0], arg(node, 1, "dim"), arg(node, 2, "index"), arg(node, 3, "source")
+    if not isinstance(dim, int):
+        return []
+    dim = norm_dim(dim, ctx.ndim(cache))
+    p = placements[new]
+    strategies = []
+    if p.is_shard and p.dim != dim and not p.segments and p.block is None:
+        strategies.append(Strategy({cache: p, positions: R, new: p}, p, note="cache written by its shard",
+                                   name="shard"))
+    strategies.append(Strategy({cache: R, positions: R, new: R}, R, note="replicated cache", name="replicate"))
+    return strategies
+
+
+register("index_copy_")(_index_copy)

@@ -1,0 +1,148 @@
+"""model.generate on the parallel model: greedy tokens equal single-device transformers' (left
+padding, eos, min_new_tokens), a bounded number of graphs, a KV cache of 1/TP per rank, 2L+1
+all-reduces per decoded token and no logits gather, sampling identical on every rank, the cache
+returned by forward(use_cache=True) accepted back, and clear errors for what is not supported."""
+from __future__ import annotations
+
+from distributed import run_ranks
+
+
+class _Collect:
+    """A streamer that keeps what it is given (transformers' streamer interface)."""
+
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1, 1) if value.dim() == 1 else value)
+
+    def end(self):
+        self.ended = True
+
+
+def _raises(fn) -> str:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the message is what is checked
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def _llama(rank, tp, path):
+    import torch
+    import torch.distributed as dist
+
+    import fxparallel
+    from models import reference
+
+    model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    ref = reference(path)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 128, (3, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    ids = ids * mask  # left padding with id 0
+    out = {}
+    streamer = _Collect()
+    tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                            streamer=streamer if rank == 0 else None)
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out["greedy equal"] = torch.equal(tokens, expected)
+    out["streamed equal"] = rank != 0 or (torch.equal(torch.cat(streamer.chunks, dim=1), tokens) and streamer.ended)
+    out["graphs after one generate"] = len(model.graphs())
+    # other prompt lengths and batch: no new capture; eos (several) and min_new_tokens as transformers
+    eos = [int(expected[1, 9]), int(expected[0, 12])]
+    kwargs = dict(max_new_tokens=10, min_new_tokens=3, eos_token_id=eos, pad_token_id=0, do_sample=False)
+    tokens = model.generate(input_ids=ids[1:, 1:], attention_mask=mask[1:, 1:], **kwargs)
+    out["eos equal"] = torch.equal(tokens, ref.generate(input_ids=ids[1:, 1:], attention_mask=mask[1:, 1:], **kwargs))
+    out["graphs after two"] = len(model.graphs())
+    # the cache: 1/TP of the single-device cache; decode graph: 2L+1 all-reduces, no gather
+    result = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                            return_dict_in_generate=True)
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    full = cfg.num_hidden_layers * 2 * ids.shape[0] * cfg.num_key_value_heads * result.past_key_values.length \
+        * head_dim * 4
+    out["cache share"] = (result.past_key_values.nbytes() - 8 * cfg.num_hidden_layers) / full
+    decode = next(g for g in model.graphs() if g.cache_length and "input_ids" in g.arguments
+                  and g.guards.static_sizes.get(("input_ids", 1)) == 1)
+    out["decode collectives"] = (decode.code.count("collectives_all_reduce("), decode.code.count("collectives_all_gather("))
+    # sampling: the same tokens on every rank, without the caller seeding anything alike
+    torch.manual_seed(1000 + rank)
+    out["sampled"] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=20,
+                                    temperature=0.7, pad_token_id=0).tolist()
+    # a hand-written loop with forward(use_cache=True): the cache comes back and is accepted again
+    cache = model.new_cache(128)
+    full_mask = torch.cat([mask, mask.new_ones(3, 128 - 7)], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    step = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, past_key_values=cache)
+    loop = [step.logits[:, -1].argmax(-1)]
+    for _ in range(3):
+        positions = positions[:, -1:] + 1
+        step = model(input_ids=loop[-1][:, None], attention_mask=full_mask, position_ids=positions,
+                     past_key_values=step.past_key_values)
+        loop.append(step.logits[:, -1].argmax(-1))
+    out["manual loop equal"] = torch.equal(torch.stack(loop, 1), expected[:, 7:11])
+    out["graphs at the end"] = len(model.graphs())
+    out["beam"] = _raises(lambda: model.generate(input_ids=ids, num_beams=2, max_new_tokens=2))
+    out["prompts differ"] = _raises(lambda: model.generate(input_ids=ids + rank, max_new_tokens=2, pad_token_id=0))
+    out["unknown argument"] = _raises(lambda: model.generate(input_ids=ids, max_new_tokens=2, assistant_model=ref))
+    return out
+
+
+def test_generate_llama(checkpoints):
+    results = run_ranks(2, _llama, checkpoints["llama"])
+    for out in results:
+        assert out["greedy equal"] and out["streamed equal"] and out["eos equal"] and out["manual loop equal"]
+        assert out["graphs after one generate"] == 3  # training graph + prefill + decode
+        assert out["graphs after two"] == 3, "other prompt lengths and batch sizes must reuse the graphs"
+        assert out["graphs at the end"] == 3
+        assert abs(out["cache share"] - 0.5) < 1e-9, out["cache share"]
+        assert out["decode collectives"] == (2 * 2 + 1, 0)
+        assert "generate: beam_search is not supported on the parallel model (num_beams=2" in out["beam"]
+        assert "generate: the tp ranks were given different prompts or generation arguments" in out["prompts differ"]
+        assert "generate: unsupported arguments ['assistant_model']" in out["unknown argument"]
+    assert results[0]["sampled"] == results[1]["sampled"], "sampling must draw the same tokens on every rank"
+
+
+def _families(rank, tp, paths):
+    import torch
+    import torch.distributed as dist
+
+    import fxparallel
+    from models import reference
+
+    out = {}
+    for name, path in paths.items():
+        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+        ref = reference(path)
+        ids = torch.randint(3, 120, (2, 6), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0
+        ids = ids * mask
+        tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        out[name] = torch.equal(tokens, ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                                                     do_sample=False, pad_token_id=0))
+        if name == "gpt2":  # 64 learned positions: refused before any step
+            out["too long"] = _raises(lambda: model.generate(input_ids=ids, max_new_tokens=60, pad_token_id=0))
+        if name == "mistral":  # a window of 32 tokens: the cache would roll
+            out["past window"] = _raises(lambda: model.generate(input_ids=ids, max_new_tokens=40, pad_token_id=0))
+    return out
+
+
+def test_generate_learned_positions_and_sliding_window(tmp_path):
+    """GPT-2 (learned positions, fused qkv) and Mistral (sliding window) at TP=2."""
+    from transformers import GPT2Config
+
+    from models import save_checkpoint, tiny_config
+
+    paths = {
+        "gpt2": save_checkpoint(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64),
+                                str(tmp_path / "gpt2")),
+        "mistral": save_checkpoint(tiny_config("mistral", sliding_window=32), str(tmp_path / "mistral")),
+    }
+    for out in run_ranks(2, _families, paths):
+        assert out["gpt2"] and out["mistral"], out
+        assert "beyond the model's 64 learned positions" in out["too long"], out["too long"]
+        assert "exceed the model's sliding attention window of 32 tokens" in out["past window"], out["past window"]
