@@ -68,10 +68,24 @@ def _llama(rank, tp, path):
     decode = next(g for g in model.graphs() if g.cache_length and "input_ids" in g.arguments
                   and g.guards.static_sizes.get(("input_ids", 1)) == 1)
     out["decode collectives"] = (decode.code.count("collectives_all_reduce("), decode.code.count("collectives_all_gather("))
-    # sampling: the same tokens on every rank, without the caller seeding anything alike
+    # sampling: the same tokens on every rank, without the caller seeding anything alike; top-k (with
+    # temperature and top-p) from each rank's own top k, never the whole row of logits
+    import fxparallel.generation.loop as loop
+
+    def no_gather(*args):
+        raise AssertionError("top-k sampling gathered the whole row of logits")
+
     torch.manual_seed(1000 + rank)
-    out["sampled"] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=20,
-                                    temperature=0.7, pad_token_id=0).tolist()
+    gather, loop.full_scores = loop.full_scores, no_gather
+    try:
+        sampled = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=20,
+                                 top_p=0.9, temperature=0.7, pad_token_id=0)
+    finally:
+        loop.full_scores = gather
+    out["sampled"] = sampled.tolist()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    first = ref(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+    out["sampled in top k"] = all(int(sampled[r, 7]) in first[r].topk(20).indices.tolist() for r in range(3))
     # a hand-written loop with forward(use_cache=True): the cache comes back and is accepted again
     cache = model.new_cache(128)
     full_mask = torch.cat([mask, mask.new_ones(3, 128 - 7)], dim=1)
@@ -95,6 +109,7 @@ def test_generate_llama(checkpoints):
     results = run_ranks(2, _llama, checkpoints["llama"])
     for out in results:
         assert out["greedy equal"] and out["streamed equal"] and out["eos equal"] and out["manual loop equal"]
+        assert out["sampled in top k"]
         assert out["graphs after one generate"] == 3  # training graph + prefill + decode
         assert out["graphs after two"] == 3, "other prompt lengths and batch sizes must reuse the graphs"
         assert out["graphs at the end"] == 3

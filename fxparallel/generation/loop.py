@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..errors import InputError
 from .cache import ParallelCache, cache_length
-from .select import full_scores, vocab_parallel_argmax
+from .select import full_scores, top_k_candidates, vocab_parallel_argmax
 
 SUPPORTED_MODES = ("greedy_search", "sample")
 
@@ -34,6 +34,23 @@ def _same_on_every_rank(model, what: str, text: str) -> None:
     if differ:
         raise InputError(f"generate: the tp ranks were given different {what} (rank 0 vs ranks {differ}); every tp "
                          f"rank must call generate with the same prompts and generation arguments")
+
+
+def _vocab_parallel_top_k(processors, sample: bool, config):
+    """k when sampling needs only each rank's top k: the processors are a top-k warper with, at most,
+    temperature and top-p (transformers' sampling defaults); None otherwise (the row is gathered)."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    if not sample or config.output_scores:
+        return None
+    kinds = [type(p) for p in processors]
+    if TopKLogitsWarper not in kinds or any(k not in (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+                                            for k in kinds):
+        return None
+    if TopPLogitsWarper in kinds and kinds.index(TopPLogitsWarper) < kinds.index(TopKLogitsWarper):
+        return None  # top-p over the whole row first: it needs the whole row
+    return next(p.top_k for p in processors if isinstance(p, TopKLogitsWarper))
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
@@ -121,7 +138,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
             local = out.local_logits if out.local_logits is not None else out.logits
             local = local[:, -1, :].float()
             start = out.vocab_range[0] if out.vocab_range is not None else 0
-            if len(processors) or sample or config.output_scores:
+            top_k = _vocab_parallel_top_k(processors, sample, config)
+            if top_k is not None:
+                scores, ids = top_k_candidates(local, start, top_k, model.tp_group)
+                probs = torch.softmax(processors(sequences, scores), dim=-1)
+                chosen = ids.gather(1, torch.multinomial(probs, 1, generator=generator)).squeeze(1)
+            elif len(processors) or sample or config.output_scores:
                 sizes = model.output_sizes("logits")
                 scores = processors(sequences, full_scores(local, sizes, model.tp_group))
                 if config.output_scores:
