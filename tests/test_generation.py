@@ -99,6 +99,13 @@ def _llama(rank, tp, path):
         loop.append(step.logits[:, -1].argmax(-1))
     out["manual loop equal"] = torch.equal(torch.stack(loop, 1), expected[:, 7:11])
     out["graphs at the end"] = len(model.graphs())
+    # a cache length first used at batch 1 (graphs specialized to it), then at batch 3: the cache is
+    # allocated for the batch at hand and new graphs are captured
+    kwargs = dict(max_new_tokens=130, do_sample=False, pad_token_id=0)
+    one = model.generate(input_ids=ids[2:, 1:], **kwargs)
+    three = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    out["batch 1 then 3"] = (torch.equal(one, ref.generate(input_ids=ids[2:, 1:], **kwargs))
+                             and torch.equal(three, ref.generate(input_ids=ids, attention_mask=mask, **kwargs)))
     out["beam"] = _raises(lambda: model.generate(input_ids=ids, num_beams=2, max_new_tokens=2))
     out["prompts differ"] = _raises(lambda: model.generate(input_ids=ids + rank, max_new_tokens=2, pad_token_id=0))
     out["unknown argument"] = _raises(lambda: model.generate(input_ids=ids, max_new_tokens=2, assistant_model=ref))
@@ -109,7 +116,7 @@ def test_generate_llama(checkpoints):
     results = run_ranks(2, _llama, checkpoints["llama"])
     for out in results:
         assert out["greedy equal"] and out["streamed equal"] and out["eos equal"] and out["manual loop equal"]
-        assert out["sampled in top k"]
+        assert out["sampled in top k"] and out["batch 1 then 3"]
         assert out["graphs after one generate"] == 3  # training graph + prefill + decode
         assert out["graphs after two"] == 3, "other prompt lengths and batch sizes must reuse the graphs"
         assert out["graphs at the end"] == 3

@@ -71,7 +71,8 @@ def record_outputs(ctx: PassContext) -> None:
     for node in ctx.graph.nodes:
         if node.op == "placeholder" and node.name in ctx.captured.state:
             value = node.meta["example_value"]
-            full = tuple(s if isinstance(s, int) else None for s in value.shape)  # None: the batch
+            # None: the batch (dim 0 of every cache tensor), also where it was captured as the constant 1
+            full = (None,) + tuple(int(s) for s in value.shape[1:]) if value.dim() else ()
             ctx.state_layout[ctx.captured.state[node.name]] = (full, ctx.gplan.placements.get(node), value.dtype)
     out = next(n for n in ctx.graph.nodes if n.op == "output")
     layout = ctx.gplan.layout
