@@ -269,6 +269,31 @@ class ParallelCausalLM(nn.Module, GenerationMixin):
     def can_generate(self) -> bool:
         return True
 
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False,
+                       local: bool = False) -> int:
+        """The whole model's parameter count, as transformers counts it (tied weights once); ``local``:
+        the elements this rank holds."""
+        if exclude_embeddings:
+            raise NotImplementedError("num_parameters(exclude_embeddings=True) is not supported on the parallel "
+                                      "model; count the embedding tables from model.plan.params")
+        if local:
+            return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
+        total = 0
+        for p in self.plan.params:
+            count = 1
+            for size in p.shape:
+                count *= size
+            total += count
+        return total
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        raise NotImplementedError("activation checkpointing is not supported on the parallel model yet (the graphs "
+                                  "are not split for recomputation); train without it, or with a smaller batch")
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise NotImplementedError("resize_token_embeddings is not supported on a sharded model: resize the Hugging "
+                                  "Face model first, save_pretrained it, and parallelize the saved directory")
+
     def generate(self, input_ids=None, attention_mask=None, generation_config=None, streamer=None, **kwargs):
         """transformers' ``generate`` for decoder-only models (greedy search and sampling) on the parallel
         model, with a static KV cache sharded by heads: see ``generation/loop.py``. Every rank returns the
