@@ -21,10 +21,6 @@ the systems (and between the ranks). Collectives of one call of each length are 
 Llama checkpoint without an eos token (so every call generates exactly --new-tokens tokens) is built
 locally (rank 0, then a barrier). Rank 0 prints a table and writes the JSON to --out (default
 benchmarks/results/generate_tp{N}.json).
-
-Batch 8 runs before batch 1 by default: in fxparallel as of this script, a model whose first
-``generate`` had batch 1 fails a later call with a larger batch (the cache layout is recorded
-with the batch dimension specialized to 1; see docs/benchmarks.md, "Generation").
 """
 from __future__ import annotations
 

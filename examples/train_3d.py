@@ -5,6 +5,7 @@
     ... examples/train_3d.py --steps 10 --resume              # continue from this layout's checkpoints
     ... examples/train_3d.py --steps 10 --resume-from out/train_3d/dp2_tp2_cp1/checkpoints  # from another layout
     ... examples/train_3d.py --model DIR --dataset NAME       # your model, a `datasets` dataset
+    ... examples/train_3d.py --activation-checkpointing full  # recompute each decoder layer in backward
 
 By default it builds a small Llama locally (checkpoints/tiny-llama-train) and trains on a
 synthetic token stream made locally (no hub, no `datasets`). Rank 0 logs the loss (mean over
@@ -65,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--max-norm", type=float, default=1.0, help="clip the global gradient norm (0: no clipping)")
     p.add_argument("--dp-mode", choices=("shard", "replicate"), default="shard")
     p.add_argument("--mixed-precision", choices=("none", "bf16"), default="none")
+    p.add_argument("--activation-checkpointing", choices=("none", "full", "selective"), default="none",
+                   help="recompute each decoder layer in backward (selective: keep its matmul outputs)")
     p.add_argument("--save-dir", default=None,
                    help="checkpoint root (default: out/train_3d/dp<DP>_tp<TP>_cp<CP>/checkpoints, one per layout)")
     p.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps (and at the end); 0: never")
@@ -141,6 +144,9 @@ def main(argv=None):
     mixed = None if args.mixed_precision == "none" else args.mixed_precision
     model = fxparallel.parallelize(model_path, mesh.tp_mesh, dtype=torch.bfloat16 if mixed else torch.float32,
                                    cp_group=mesh.cp_mesh)  # cp size 1: no context parallelism
+    model.train()  # parallelize returns eval mode (as from_pretrained); training applies the model's dropout
+    if args.activation_checkpointing != "none":
+        model.gradient_checkpointing_enable(mode=args.activation_checkpointing)
     model = apply_data_parallel(model, mesh, mode=args.dp_mode, mixed_precision=mixed)  # TP first, then FSDP
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     data = StepBatches(load_rows(args, model_path, model.config.vocab_size), args.global_batch, mesh.dp_rank,
@@ -149,7 +155,8 @@ def main(argv=None):
         n = sum(torch.Size(p.shape).numel() for p in model.plan.params)
         print(f"{mesh}: {model.plan.model_type}, {n / 1e6:.2f}M parameters, global batch {args.global_batch} x "
               f"{args.seq_len} tokens, {data.rows.shape[0]} rows, FSDP mode {args.dp_mode}, "
-              f"mixed precision {args.mixed_precision}", flush=True)
+              f"mixed precision {args.mixed_precision}, activation checkpointing {args.activation_checkpointing}",
+              flush=True)
 
     save_dir = args.save_dir or default_save_dir(mesh.layout())
     start = 0

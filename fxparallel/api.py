@@ -164,6 +164,58 @@ def _generation_config(source, config):
     return GenerationConfig.from_model_config(config)
 
 
+def embedding_modules(meta) -> dict:
+    """{"input" / "output": (module path, class name, has a bias)} of the model's input embedding and
+    output head (``get_input_embeddings`` / ``get_output_embeddings``); a missing one is left out."""
+    paths = {id(module): path for path, module in meta.named_modules(remove_duplicate=False)}
+    found = {}
+    for kind in ("input", "output"):
+        getter = getattr(meta, f"get_{kind}_embeddings", None)
+        try:
+            module = getter() if getter is not None else None
+        except (AttributeError, NotImplementedError):  # transformers raises for models without one
+            module = None
+        weight = getattr(module, "weight", None)
+        if module is not None and id(module) in paths and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            found[kind] = (paths[id(module)], type(module).__name__, getattr(module, "bias", None) is not None)
+    return found
+
+
+class GraphFactory:
+    """Captures the graphs of a parallel module after the first (``ParallelCausalLM._graph_factory``):
+    for a new set of arguments, a KV cache length, or shapes outside every graph's guards. It captures
+    the meta model (in the module's dtype) with every parameter's placement fixed to the first plan's,
+    so every graph reads the same shards. ``in_dtype`` gives the factory of another dtype
+    (``model.to(dtype)``: a new meta model in that dtype, the same placements)."""
+
+    def __init__(self, source, meta, group: TPGroup, cp, sequence_parallel: bool, trust_remote_code: bool,
+                 fixed: dict):
+        self.source, self.meta, self.group, self.cp = source, meta, group, cp
+        self.sequence_parallel, self.trust_remote_code, self.fixed = sequence_parallel, trust_remote_code, fixed
+
+    def __call__(self, module, arguments, input_shape, cache_length=None) -> LocalGraph:
+        shape = tuple(int(s) for s in input_shape)
+        ctx = plan_graph(self.meta, arguments, self.group, module.device_, shape=shape, fixed=self.fixed, cp=self.cp,
+                         sequence_parallel=self.sequence_parallel, skip_passes=module.skip_passes,
+                         cache_length=cache_length)
+        for name, placement in ctx.gplan.params.items():  # the cache's placement holds for every later graph
+            self.fixed.setdefault(name, placement)
+        return local_graph(ctx, arguments, cache_length)
+
+    def in_dtype(self, dtype: torch.dtype) -> "GraphFactory":
+        """The factory of the same model in ``dtype`` (a meta model built in it, as ``parallelize`` builds)."""
+        meta = _meta_model(self.source, self.group.size, dtype, self.trust_remote_code)
+        return GraphFactory(self.source, meta, self.group, self.cp, self.sequence_parallel, self.trust_remote_code,
+                            self.fixed)
+
+    def training_graph(self, module, dtype: torch.dtype) -> tuple:
+        """(LocalGraph, ShardingPlan) of the training graph, as ``parallelize`` captures it first."""
+        arguments = TRAINING_ARGUMENTS if self.cp is None else CONTEXT_PARALLEL_TRAINING_ARGUMENTS
+        ctx = plan_graph(self.meta, arguments, self.group, module.device_, fixed=self.fixed, cp=self.cp,
+                         sequence_parallel=self.sequence_parallel, skip_passes=module.skip_passes)
+        return local_graph(ctx, arguments), build_plan(self.meta, ctx, dtype, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
+
+
 def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, revision=None,
                cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
                sequence_parallel: bool = False):
@@ -225,16 +277,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     t = time.perf_counter()
     local, gplan, plan = _plan_training_graph(meta, group, device, dtype, cp, sequence_parallel, skip_passes)
     timings["capture+plan+rewrite"] = time.perf_counter() - t
-    fixed = dict(gplan.params)
-
-    def graph_factory(module, arguments, input_shape, cache_length=None):
-        shape = tuple(int(s) for s in input_shape)
-        ctx = plan_graph(meta, arguments, group, module.device_, shape=shape, fixed=fixed, cp=cp,
-                         sequence_parallel=sequence_parallel, skip_passes=module.skip_passes,
-                         cache_length=cache_length)
-        for name, placement in ctx.gplan.params.items():  # the cache's placement holds for every later graph
-            fixed.setdefault(name, placement)
-        return local_graph(ctx, arguments, cache_length)
+    graph_factory = GraphFactory(source, meta, group, cp, sequence_parallel, trust_remote_code, dict(gplan.params))
 
     # weights: everything that can fail on input runs before any shard is written
     module = ParallelCausalLM(source.config, plan, group, device, dtype, graph_factory, cp_group=cp)
@@ -244,6 +287,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     module.position_limit = _position_limit(meta)
     module.sliding_window = _sliding_window(meta.config)
     module.generation_config = _generation_config(source, meta.config)
+    module.embedding_modules = embedding_modules(meta)
     module.set_buffers(meta.fxparallel_buffers)
     module.add_graph(local)
     t = time.perf_counter()

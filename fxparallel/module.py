@@ -19,6 +19,7 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .errors import ShardingError
+from .hf_methods import HuggingFaceMethods, refuse_arguments
 from .inputs import check_arguments
 from .rewrite import collectives, context_parallel
 from .rewrite.layer_units import LayerPieces, install_layer_units
@@ -71,7 +72,10 @@ def _set_path(root: nn.Module, dotted: str, value, kind: str):
         module.register_buffer(leaf, value, persistent=False)
 
 
-class ParallelCausalLM(nn.Module, GenerationMixin):
+class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
+    """This rank's shards and the graphs that run them; the Hugging Face model methods it has (and the
+    ones it refuses, saying what to do instead) are listed in ``hf_methods.py``."""
+
     def __init__(self, config, plan, group, device, dtype, graph_factory, cp_group=None):
         super().__init__()
         self.config = config
@@ -91,6 +95,7 @@ class ParallelCausalLM(nn.Module, GenerationMixin):
         self.position_limit: Optional[int] = None  # rows of a learned position table: longest generation
         self.sliding_window: Optional[int] = None  # smallest sliding attention window: longest generation
         self.generation_config = None  # the checkpoint's (set by parallelize), as in transformers
+        self.embedding_modules: dict = {}  # "input"/"output" -> (module path, class, bias) (set by parallelize)
         object.__setattr__(self, "_last_graph", None)
         # decoder layers as modules the graphs call, so FSDP can make each one a unit
         self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params)
@@ -100,6 +105,9 @@ class ParallelCausalLM(nn.Module, GenerationMixin):
             param._fxparallel = p  # type: ignore[attr-defined]
             for name in (p.name,) + tuple(p.aliases):
                 _set_path(self, name, param, "param")
+        # eval mode, as transformers' from_pretrained: the model's dropout applies after model.train()
+        # (every graph reads self.training per call: rewrite/dropout.py)
+        self.eval()
 
     # ---- graphs --------------------------------------------------------------
     def add_graph(self, graph: LocalGraph) -> None:
@@ -119,6 +127,10 @@ class ParallelCausalLM(nn.Module, GenerationMixin):
                 raise ShardingError(
                     f"a new graph for arguments {graph.arguments} could not be split by decoder layer, but the "
                     f"layers ({wrapped[0]}, ...) are FSDP units that only its per-layer pieces can run")
+            if self.is_gradient_checkpointing:
+                raise ShardingError(
+                    f"a new graph for arguments {graph.arguments} could not be split by decoder layer, so its layers "
+                    f"cannot be recomputed: call model.gradient_checkpointing_disable() before this call")
             return
         unknown = sorted(set(graph.pieces.forward) - set(self._layer_paths))
         if unknown:
@@ -130,7 +142,15 @@ class ParallelCausalLM(nn.Module, GenerationMixin):
         if self._no_layer_units:
             log.warning("FSDP: root unit only: %s", self._no_layer_units)
             return []
+        return self.layer_units()
+
+    def layer_units(self, required_by: Optional[str] = None) -> list:
+        """The decoder-layer modules every graph calls, in order; [] when a graph is not split by layer
+        (an error naming ``required_by`` when given)."""
         if not self._graphs or any(g.pieces is None for g in self._graphs):
+            if required_by:
+                why = self._no_layer_units or "its graph did not split by decoder layer (see parallelize's warning)"
+                raise ShardingError(f"{required_by} works on decoder layers one by one, but this model has none: {why}")
             return []
         return [self.get_submodule(p) for p in self._layer_paths]
 
@@ -185,9 +205,7 @@ class ParallelCausalLM(nn.Module, GenerationMixin):
         (see the README's "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
         earlier call) runs with a static KV cache sharded by heads (``generation/cache.py``) and returns
         it as ``past_key_values``; ``check_inputs=False`` skips the per-call checks (``inputs.py``)."""
-        if unsupported:
-            raise TypeError(f"fxparallel models take {', '.join(ARGUMENTS)}, past_key_values, use_cache, "
-                            f"gather_logits, return_dict; got unsupported {sorted(unsupported)}")
+        refuse_arguments(unsupported)  # naming each and what to do instead (hf_methods.py)
         if input_ids is None:
             raise TypeError("input_ids is required")
         cache = self._cache_for(past_key_values, use_cache, input_ids, attention_mask)
@@ -257,42 +275,22 @@ class ParallelCausalLM(nn.Module, GenerationMixin):
         """Per-rank sizes along the sharded dim of output ``name`` of the last call (uneven splits)."""
         return self._last_graph.output_sizes.get(name) if self._last_graph is not None else None
 
-    # ---- Hugging Face model behaviour ------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.device_
+    # ---- Hugging Face model behaviour (the rest: hf_methods.py) ----------------
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, mode: str = "full"):
+        """Recompute each decoder layer in the backward pass (training mode only, as in transformers);
+        ``mode="selective"`` keeps the layers' matrix products: ``runtime/activation_checkpointing.py``."""
+        from .runtime import activation_checkpointing
+
+        activation_checkpointing.enable(self, mode, gradient_checkpointing_kwargs)
+
+    def gradient_checkpointing_disable(self):
+        from .runtime import activation_checkpointing
+
+        activation_checkpointing.disable(self)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.dtype_
-
-    def can_generate(self) -> bool:
-        return True
-
-    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False,
-                       local: bool = False) -> int:
-        """The whole model's parameter count, as transformers counts it (tied weights once); ``local``:
-        the elements this rank holds."""
-        if exclude_embeddings:
-            raise NotImplementedError("num_parameters(exclude_embeddings=True) is not supported on the parallel "
-                                      "model; count the embedding tables from model.plan.params")
-        if local:
-            return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
-        total = 0
-        for p in self.plan.params:
-            count = 1
-            for size in p.shape:
-                count *= size
-            total += count
-        return total
-
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
-        raise NotImplementedError("activation checkpointing is not supported on the parallel model yet (the graphs "
-                                  "are not split for recomputation); train without it, or with a smaller batch")
-
-    def resize_token_embeddings(self, *args, **kwargs):
-        raise NotImplementedError("resize_token_embeddings is not supported on a sharded model: resize the Hugging "
-                                  "Face model first, save_pretrained it, and parallelize the saved directory")
+    def is_gradient_checkpointing(self) -> bool:
+        return any(getattr(self.get_submodule(p), "checkpoint", None) is not None for p in self._layer_paths)
 
     def generate(self, input_ids=None, attention_mask=None, generation_config=None, streamer=None, **kwargs):
         """transformers' ``generate`` for decoder-only models (greedy search and sampling) on the parallel
@@ -303,21 +301,6 @@ class ParallelCausalLM(nn.Module, GenerationMixin):
         return generate(self, input_ids, attention_mask=attention_mask, generation_config=generation_config,
                         streamer=streamer, **kwargs)
 
-    def _apply(self, fn, recurse=True):
-        """``model.to(dtype)``, ``.half()``, ``.cuda()``, ...: the graphs were captured for one dtype
-        and device (casts, constants), so a change would run them wrongly: refuse it, saying what to do."""
-        probe = fn(torch.empty(0, dtype=self.dtype_, device=self.device_))
-        if isinstance(probe, torch.Tensor) and (probe.dtype != self.dtype_ or probe.device != self.device_):
-            raise ShardingError(
-                f"this parallel model was captured and loaded in {str(self.dtype_).replace('torch.', '')} on "
-                f"{self.device_}; moving it to {str(probe.dtype).replace('torch.', '')} on {probe.device} is not "
-                f"supported: pass dtype= / device= to fxparallel.parallelize instead")
-        return super()._apply(fn, recurse)
-
     @property
     def cp_size(self) -> int:
         return 1 if self.cp_group is None else self.cp_group.size
-
-    def extra_repr(self) -> str:
-        cp = f", cp={self.cp_size}" if self.cp_group is not None else ""
-        return f"tp={self.tp_group.size}, rank={self.tp_group.rank}{cp}, model_type={self.plan.model_type}"

@@ -48,7 +48,7 @@ def _check_all(rank, tp, paths):
     results = {}
     for name, path in paths.items():
         model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
-        errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size))
+        errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size), gather_logits=True)
         plan = model.plan
         results[name] = {k: errors[k] for k in ("loss", "logits", "grad")}
         results[name]["sharded_matrices"] = sum(1 for p in plan.params if len(p.shape) >= 2 and p.placement != "R")

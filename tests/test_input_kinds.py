@@ -22,7 +22,7 @@ def _kinds(rank, tp):
     model = fxparallel.parallelize(config, mesh, dtype=torch.float32, seed=3)
     torch.manual_seed(3)
     ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    errors["config"] = compare(model, ref, rank, tp)
+    errors["config"] = compare(model, ref, rank, tp, gather_logits=True)
 
     # an in-memory model with real weights (perturbed, so nothing is at its init value)
     torch.manual_seed(5)
@@ -31,7 +31,7 @@ def _kinds(rank, tp):
         for p in real.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     model = fxparallel.parallelize(real, dist.group.WORLD, dtype=torch.float32)
-    errors["model"] = compare(model, real, rank, tp)
+    errors["model"] = compare(model, real, rank, tp, gather_logits=True)
 
     # a model built on the meta device: initialized from the seed like a config
     with torch.device("meta"):
@@ -39,7 +39,7 @@ def _kinds(rank, tp):
     model = fxparallel.parallelize(meta, dist.group.WORLD, dtype=torch.float32, seed=3)
     torch.manual_seed(3)
     ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    errors["meta"] = compare(model, ref, rank, tp)
+    errors["meta"] = compare(model, ref, rank, tp, gather_logits=True)
     return {k: {m: v[m] for m in ("loss", "logits", "grad")} for k, v in errors.items()}
 
 

@@ -68,7 +68,7 @@ def _check_all(rank, tp, paths):
     out = {}
     for name, path in paths.items():
         model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
-        errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size))
+        errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size), gather_logits=True)
         out[name] = _summary(model, errors, rank, tp)
     return out
 
@@ -132,7 +132,7 @@ def _grouped_mm(rank, tp, path):
     api._for_device = lambda config, device: config
     model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
     assert all("grouped_mm" in g.code and "bmm" not in g.code for g in model._graphs)
-    errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size))
+    errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size), gather_logits=True)
     return _summary(model, errors, rank, tp)
 
 

@@ -33,7 +33,7 @@ def _errors(rank, tp, paths):
     results = {}
     for name, path in paths.items():
         model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
-        errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size))
+        errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size), gather_logits=True)
         buffers = {n: b.tolist() for n, b in model.named_buffers() if "e_score_correction_bias" in n}
         results[name] = {"errors": {k: errors[k] for k in ("loss", "logits", "grad")}, "buffers": buffers}
     return results

@@ -16,6 +16,7 @@ import torch._dynamo
 
 from ..errors import CaptureError
 from .cache import argument_name, cache_tensors, meta_cache
+from .dropout import check_training_graph
 from .graph import CapturedGraph
 
 # Example sizes at capture: small primes that no model dimension is likely to equal,
@@ -108,6 +109,9 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
 
     fn = _forward_fn(model, input_names, output_names, labels_shifted and "labels" in input_names, cache)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    # a model with dropout is captured in training mode (its dropout sites with their rates), except for
+    # generation, which runs in eval semantics (capture/dropout.py)
+    training = cache is None and bool(getattr(model, "fxparallel_dropout", None))
     # Models build small constants with torch.tensor(..., device=x.device); on the meta device
     # those are meta tensors, which the fake-tensor mode must accept as inputs.
     from torch._subclasses.fake_tensor import fake_tensor_tls
@@ -115,16 +119,21 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
     previous = fake_tensor_tls.allow_non_fake_inputs_override
     fake_tensor_tls.allow_non_fake_inputs_override = True
     try:
+        model.train(training)
         with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
             compiled(**{k: v for k, v in example.items() if k not in state})
     except Exception as err:  # Dynamo raises many exception types; all mean "not capturable whole"
         kind = type(model).__name__
-        raise CaptureError(f"{kind} could not be captured as one graph: {_dynamo_message(err)}") from err
+        mode = " in training mode" if training else ""
+        raise CaptureError(f"{kind} could not be captured as one graph{mode}: {_dynamo_message(err)}") from err
     finally:
         fake_tensor_tls.allow_non_fake_inputs_override = previous
+        model.eval()
     if len(seen) != 1:
         raise CaptureError(f"expected one captured graph, Dynamo produced {len(seen)}")
     gm, example_inputs = seen[0]
+    if training:
+        check_training_graph(gm, type(model).__name__)
     return _bind(gm, example_inputs, model, example, output_names, set(state))
 
 

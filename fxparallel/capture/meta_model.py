@@ -11,6 +11,8 @@ import contextlib
 import torch
 from torch import nn
 
+from .dropout import dropout_rates
+
 
 @contextlib.contextmanager
 def parameters_on_meta():
@@ -34,7 +36,8 @@ def build_meta_model(config, *, dtype: torch.dtype, trust_remote_code: bool = Fa
 
     Buffer values are computed for real by ``__init__`` (on CPU) and kept in
     ``model.fxparallel_buffers`` (name -> tensor); the module itself holds meta
-    copies, so that capture never mixes devices.
+    copies, so that capture never mixes devices. ``model.fxparallel_dropout``: its
+    dropout rates above 0 (where -> rate), which make capture use training mode.
     """
     from transformers import AutoModelForCausalLM
 
@@ -59,4 +62,5 @@ def build_meta_model(config, *, dtype: torch.dtype, trust_remote_code: bool = Fa
             values[full] = buf
             module._buffers[name] = buf.to("meta")
     model.fxparallel_buffers = values
+    model.fxparallel_dropout = dropout_rates(model)  # capture/dropout.py: captured in training mode if any
     return model.eval()

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ..errors import FxParallelError
 from ..group import TPGroup, group_by_handle, resolve_group
+from .dropout import attention_dropout, chunked_attention_dropout
 
 SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -79,16 +80,19 @@ def apply_context_parallel(graph: fx.Graph, group: TPGroup) -> int:
     """Replace every sdpa node by ``context_parallel_attention`` over ``group``; returns how many."""
     count = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in SDPA:
+        if node.op != "call_function" or node.target not in SDPA + (attention_dropout,):
             continue
         q, k, v = (_arg(node, i, SDPA_ARGS[i]) for i in range(3))
         gqa = bool(_arg(node, 7, "enable_gqa", False))
         k_source, v_source = _before_repeat_kv(k), _before_repeat_kv(v)
         if k_source is not None and v_source is not None:  # gather the kv heads, expand after
             k, v, gqa = k_source, v_source, True
+        dropout = {}
+        if node.target is attention_dropout:  # training: rows of this rank's chunks of the logical mask
+            dropout = {"dropout_p": _arg(node, 4, "dropout_p"), "cuts": node.kwargs["cuts"], "training": None}
         node.target = context_parallel_attention
         node.args = (q, k, v, group.handle, _arg(node, 6, "scale"), gqa)
-        node.kwargs = {}
+        node.kwargs = dropout
         count += 1
     _drop_unused(graph)  # the model's own (local) mask
     return count
@@ -175,9 +179,10 @@ def gather_sequence(x: torch.Tensor, handle: int) -> torch.Tensor:
     return out.view(*lead, out.shape[-2], out.shape[-1])
 
 
-def context_parallel_attention(q, k, v, handle: int, scale=None, enable_gqa: bool = False):
-    """Exact causal attention of this rank's query chunks over the whole sequence (see module doc)."""
-    from torch.nn.attention.bias import causal_lower_right
+def context_parallel_attention(q, k, v, handle: int, scale=None, enable_gqa: bool = False, dropout_p: float = 0.0,
+                               cuts=(), training: bool = False):
+    """Exact causal attention of this rank's query chunks over the whole sequence (see module doc); in
+    training with ``dropout_p``, its rows of the logical dropout mask (``rewrite/dropout.py``)."""
 
     group = group_by_handle(handle)
     s = q.shape[-2]
@@ -191,17 +196,33 @@ def context_parallel_attention(q, k, v, handle: int, scale=None, enable_gqa: boo
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         repeat = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+    if training and dropout_p:
+        return chunked_attention_dropout(q, k, v, group.rank, group.size, scale, dropout_p, cuts)
     c = s // 2
     outs = []
     for half, j in enumerate(chunks_of(group.rank, group.size)):
         n = (j + 1) * c
-        mask = causal_lower_right(c, n)
+        mask = _lower_right_causal(c, n, q.device)
         outs.append(F.scaled_dot_product_attention(q[..., half * c:(half + 1) * c, :], k[..., :n, :], v[..., :n, :],
                                                    attn_mask=mask, scale=scale))
     return torch.cat(outs, dim=-2)
 
 
+def _lower_right_causal(queries: int, keys: int, device: torch.device):
+    """Causal mask of the last ``queries`` of ``keys`` positions. On CUDA torch's ``CausalBias`` picks a
+    lower-right causal kernel; on CPU SDPA turns it into this boolean mask anyway. A ``CausalBias`` cannot
+    be created under a dispatch mode (selective activation checkpointing, FLOP counting: a torch limit),
+    so there the boolean mask is used on CUDA too."""
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if device.type == "cuda" and _get_current_dispatch_mode() is None:
+        return causal_lower_right(queries, keys)
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+
+
 context_parallel_attention.FORWARD, context_parallel_attention.BACKWARD = "all_gather", "reduce_scatter"
+context_parallel_attention.dropout_site = True  # the dropout_mode pass gives it the module's training flag
 
 
 # ---- the module's arguments ----------------------------------------------------------------

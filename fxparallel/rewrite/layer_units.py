@@ -30,8 +30,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger("fxparallel")
 
@@ -50,17 +52,33 @@ class LayerPieces:
 
 
 class LayerUnit(nn.Module):
-    """A decoder layer: owns its parameters and runs its piece of whichever graph is executing."""
+    """A decoder layer: owns its parameters and runs its piece of whichever graph is executing.
+
+    ``checkpoint``: keyword arguments of ``torch.utils.checkpoint.checkpoint`` when the layer is
+    recomputed in the backward pass (``runtime/activation_checkpointing.py``), else None.
+    ``compile_pieces`` compiles what ``forward`` runs (checkpointing included), not ``__call__``:
+    hooks (FSDP's all-gathers) stay outside the compiled code and parameter names do not change."""
 
     def __init__(self):
         super().__init__()
         self._pieces: dict = {}
+        self.checkpoint: Optional[dict] = None
+        self._compiled: Optional[Callable] = None
 
     def add_piece(self, key: str, forward: Callable) -> None:
         self._pieces[key] = forward
 
+    def compile_pieces(self, **options) -> None:
+        self._compiled = torch.compile(self._run, **options)
+
     def forward(self, key: str, *inputs):
-        return self._pieces[key](self, *inputs)
+        return (self._compiled or self._run)(key, *inputs)
+
+    def _run(self, key: str, *inputs):
+        piece = self._pieces[key]
+        if self.checkpoint is not None and self.training and torch.is_grad_enabled():
+            return checkpoint(piece, self, *inputs, **self.checkpoint)
+        return piece(self, *inputs)
 
 
 def layer_container(names: Iterable[str]) -> Optional[str]:
@@ -116,8 +134,6 @@ def install_layer_units(root: nn.Module, params: list) -> tuple:
 def _global_states(graph: fx.Graph) -> dict:
     """Grad mode and autocast state each node runs under. Dynamo records a grad-mode switch only
     where the mode changes, so before the first switch the mode is the opposite of it."""
-    import torch
-
     enter = getattr(torch.amp.autocast_mode, "_enter_autocast", None)
     leave = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
     switches = [n for n in graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]

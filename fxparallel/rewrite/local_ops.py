@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from ..plan.placement import Placement
 from ..plan.rules.base import LocalOp, arg
+from .dropout import attention_with_dropout, dropout_on_shards
 from .editor import GraphEditor
 from .functional import vocab_parallel_cross_entropy as _vocab_ce
 from .functional import vocab_parallel_embedding as _vocab_embedding
@@ -105,6 +106,8 @@ LOCAL_OPS = {
     "local_view_size": local_view_size,
     "block_view_size": block_view_size,
     "segment_slice": segment_slice,
+    "dropout_on_shards": dropout_on_shards,
+    "attention_with_dropout": attention_with_dropout,
 }
 
 

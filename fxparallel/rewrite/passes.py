@@ -7,10 +7,12 @@ the report reads only names and the final graph after it).
 
     outputs              placement and per-rank sizes of each graph output, and the KV cache layout
     redistribute         collectives and local slices between placements; nodes made local
+    dropout_sites        dropouts left replicated take the same form as the sharded ones (rewrite/dropout.py)
     gradient_reductions  copy_to_tp on replicated values used on shards
     sequence_parallel    all-reduces -> reduce-scatter / all-gather along the sequence (opt-in)
     context_parallel     sdpa -> attention over the cp group's chunks (with a cp group)
     bind                 parameters, buffers and sizes bound; the graph becomes runnable
+    dropout_mode         every dropout site reads the module's ``training`` flag (rewrite/dropout.py)
     split_by_layer       one piece of code per decoder layer (FSDP units), root code calls them
 
 Skip a pass by name (``run_passes(ctx, skip=...)``); add one by adding a row to ``PASSES``.
@@ -31,6 +33,7 @@ from ..plan.placement import Placement
 from ..plan.solver import GraphPlan
 from .bind import bind_inputs
 from .context_parallel import apply_context_parallel
+from .dropout import bind_training_flag, cut_sequence_chunks, replicated_sites
 from .editor import GraphEditor
 from .gradient_reductions import insert_gradient_reductions
 from .layer_units import generate_layered_forward
@@ -89,6 +92,10 @@ def redistribute(ctx: PassContext) -> None:
     ctx.sharded_consumers = insert_redistributions(ctx.graph, ctx.gplan, editor)
 
 
+def dropout_sites(ctx: PassContext) -> None:
+    replicated_sites(ctx.graph)
+
+
 def gradient_reductions(ctx: PassContext) -> None:
     ctx.reduced += insert_gradient_reductions(ctx.graph, ctx.sharded_consumers, ctx.group.handle, ctx.gplan,
                                               ctx.passed_up)
@@ -100,11 +107,16 @@ def sequence_parallel(ctx: PassContext) -> None:
 
 
 def context_parallel(ctx: PassContext) -> None:
+    cut_sequence_chunks(ctx.graph, ctx.captured, ctx.cp)  # dropout masks: this rank's chunks
     apply_context_parallel(ctx.graph, ctx.cp)
 
 
 def bind(ctx: PassContext) -> None:
     bind_inputs(ctx.graph, ctx.captured, ctx.device, ctx.attributes)
+
+
+def dropout_mode(ctx: PassContext) -> None:
+    bind_training_flag(ctx.graph)
 
 
 def split_by_layer(ctx: PassContext) -> None:
@@ -120,10 +132,12 @@ def _generate_whole(ctx: PassContext) -> None:
 PASSES = (
     ("outputs", record_outputs, lambda ctx: True),
     ("redistribute", redistribute, lambda ctx: True),
+    ("dropout_sites", dropout_sites, lambda ctx: True),
     ("gradient_reductions", gradient_reductions, lambda ctx: True),
     ("sequence_parallel", sequence_parallel, lambda ctx: ctx.sequence_parallel and ctx.group.size > 1),
     ("context_parallel", context_parallel, lambda ctx: ctx.cp is not None),
     ("bind", bind, lambda ctx: True),
+    ("dropout_mode", dropout_mode, lambda ctx: True),
     ("split_by_layer", split_by_layer, lambda ctx: True),
 )
 OPTIONAL = ("sequence_parallel", "context_parallel", "split_by_layer")  # the passes one may skip

@@ -10,8 +10,8 @@ Here:
   ``reduce_scatter_seq`` (this rank keeps seq / tp tokens);
 * the shard flows through the ops that are verified token-wise from the graph (op by op:
   elementwise with operands that do not vary along the sequence, reductions and norms
-  over other dims, identity dropout and slices, views that keep or merge batch and
-  sequence);
+  over other dims, dropout (its mask: this rank's tokens of the logical one,
+  ``rewrite/dropout.py``) and slices, views that keep or merge batch and sequence);
 * where it reaches a ``copy_to_tp``, that op becomes ``gather_seq_to_tp`` (all-gather
   forward, reduce-scatter backward: the reduce-scatter replaces the all-reduce);
 * ``x.size()`` of a shard is the full size (computed, no communication), so the graph's
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from ..errors import ShardingError
 from ..plan.rules.base import arg, norm_dim, requires_grad
 from . import collectives
+from .dropout import add_cut, logical_dropout
 from .gradient_reductions import insert_copy_to_tp
 
 ELEMENTWISE = {
@@ -150,7 +151,7 @@ class _Pass:
         key = _key(node)
         sharded = [n for n in node.all_input_nodes if n in dims]
         first = sharded[0]
-        if key in ELEMENTWISE or (key is F.dropout and self._identity_dropout(node)):
+        if key in ELEMENTWISE or key is logical_dropout or (key is F.dropout and self._identity_dropout(node)):
             return self._elementwise(node, dims, sharded)
         if key in REDUCTIONS and node.all_input_nodes[0] is first and len(sharded) == 1:
             return self._reduction(node, dims[first])
@@ -332,6 +333,9 @@ class _Pass:
                     continue  # its input is the partial sum, not a replicated value
                 if _key(node) in VIEWS:
                     self._local_view(node, dims[node])
+                if _key(node) is logical_dropout:  # this rank's tokens of the logical mask
+                    t = dims[node]
+                    add_cut(node, ("even", t.dim, self.tp, self.group.rank, self.batch_arg(t)))
                 for other in node.all_input_nodes:
                     if other not in dims and _value(other) is not None and requires_grad(other):
                         partial.setdefault(other, []).append(node)

@@ -16,6 +16,7 @@ sliding-window attention are refused.
 """
 from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from .clip import clip_grad_norm_, global_grad_norm
+from .compile import compile_layers
 from .context_parallel import shift_labels, split_for_context_parallel, split_sequence, unsplit_sequence
 from .data import StepBatches, dataset_token_stream, pack_tokens, synthetic_token_stream
 from .export import export_pretrained, gather_full_state_dict
@@ -28,4 +29,5 @@ __all__ = ["init_mesh", "ParallelMesh", "world_size_error", "apply_data_parallel
            "global_label_tokens", "scaled_loss", "clip_grad_norm_", "global_grad_norm", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "export_pretrained", "gather_full_state_dict",
            "synthetic_token_stream", "pack_tokens", "dataset_token_stream", "StepBatches", "train_step", "StepMetrics",
-           "check_context_parallel", "shift_labels", "split_sequence", "unsplit_sequence", "split_for_context_parallel"]
+           "check_context_parallel", "compile_layers", "shift_labels", "split_sequence", "unsplit_sequence",
+           "split_for_context_parallel"]

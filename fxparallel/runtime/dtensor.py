@@ -117,28 +117,37 @@ def segment_views(tensor, plan_param, mesh):
     return views, write_back
 
 
+def tp_of(mesh) -> tuple:
+    """(size, process group) of the tensor-parallel dimension of ``mesh``: a ParallelMesh, or a
+    model's TPGroup (``model.tp_group``: a model without a training mesh)."""
+    if hasattr(mesh, "tp_mesh"):
+        return mesh.tp, (mesh.tp_mesh.get_group() if mesh.tp > 1 else None)
+    return mesh.size, mesh.process_group
+
+
 def full_tensor(tensor, plan_param, mesh) -> torch.Tensor:
-    """The complete model tensor on every rank: all-gather over dp x cp (FSDP), then over tp."""
+    """The complete model tensor on every rank: all-gather over dp x cp (an FSDP DTensor, over its
+    own mesh), then over tp (``mesh``: a ParallelMesh or the model's TPGroup, see ``tp_of``).
+
+    Any tensor-parallel layout: plain and uneven shards, fused weights split by segment (each
+    rank's piece of every segment put back in place), segments held whole by every rank. (Only
+    DCP checkpoints need DTensor placements, which uneven shards lack: ``refuse_uneven``.)"""
     tensor = tensor.detach()
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()  # this rank's whole TP shard
-    refuse_uneven(plan_param)
+    tp, group = tp_of(mesh)
     p = Placement.parse(plan_param.placement)
-    if p.segments:
-        pieces = tensor.split(p.local_parts(lambda seg: seg // mesh.tp), dim=p.dim)
-        return torch.cat([piece if i in p.whole else _gather_tp(piece, p.dim, mesh) for i, piece in enumerate(pieces)],
-                         dim=p.dim)
-    placement = tp_placement(plan_param)
-    if isinstance(placement, Replicate) or mesh.tp == 1:
+    if not p.is_shard or tp == 1:
         return tensor
-    return _gather_tp(tensor, placement.dim, mesh, plan_param.split[0] if plan_param.split else None)
-
-
-def _gather_tp(tensor, dim: int, mesh, sizes=None) -> torch.Tensor:
-    """Concatenate every tp rank's ``tensor`` along ``dim`` (``sizes``: each rank's size there when uneven)."""
-    if mesh.tp == 1:
-        return tensor
-    return torch.cat(gather_parts(tensor, dim, mesh.tp_mesh.get_group(), mesh.tp, sizes), dim=dim)
+    sizes = [plan_param.local_shape(tp, r)[p.dim] for r in range(tp)]
+    parts = gather_parts(tensor, p.dim, group, tp, sizes if len(set(sizes)) > 1 else None)
+    if not p.segments:
+        return torch.cat(parts, dim=p.dim)  # each rank's rows follow the previous rank's
+    full = tensor.new_empty(tuple(plan_param.shape))
+    for rank, part in enumerate(parts):
+        for src, dst in plan_param.pieces(rank, tp):  # a whole segment: the same on every rank
+            full[src] = part[dst]
+    return full
 
 
 def _contiguous_stride(shape: tuple) -> tuple:

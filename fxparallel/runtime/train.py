@@ -46,10 +46,12 @@ def train_step(model, optimizer, batch: dict, mesh, *, max_norm: Optional[float]
     ``batch``: this dp rank's rows, ``input_ids`` and Hugging Face ``labels`` (aligned with
     ``input_ids``). With cp > 1 each cp rank keeps its load-balanced chunks of them here
     (labels shifted first, global position_ids), so the sequence length must divide by 2*cp.
+    ``model`` may be ``torch.compile(model)``: the forward runs compiled, the rest reads the model in it.
     """
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     extra = {}
+    forward, model = model, getattr(model, "_orig_mod", model)  # torch.compile's wrapper keeps the model there
     check_context_parallel(model, mesh)
     if mesh.cp > 1:
         batch = split_for_context_parallel(batch, mesh.cp_rank, mesh.cp)
@@ -58,7 +60,7 @@ def train_step(model, optimizer, batch: dict, mesh, *, max_norm: Optional[float]
     labels = batch.get("labels", batch["input_ids"]).to(mesh.device)
     shifted = mesh.cp > 1
     global_tokens = global_label_tokens(labels, mesh, shifted=shifted)
-    loss, local_sum = scaled_loss(model, ids, labels, global_tokens, shifted=shifted, **extra)
+    loss, local_sum = scaled_loss(forward, ids, labels, global_tokens, shifted=shifted, **extra)
     loss.backward()
     if max_norm is not None and max_norm > 0:
         norm = clip_grad_norm_(model, max_norm, mesh)

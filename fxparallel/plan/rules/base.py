@@ -45,7 +45,8 @@ class LocalOp:
     Kinds: ``vocab_parallel_embedding``, ``vocab_parallel_cross_entropy``, ``bias_after_reduce``
     (bias_index, dense), ``local_split_sizes`` (placement), ``mean_of_full`` (parts),
     ``local_view_size`` (dim, full, segmented), ``block_view_size`` (dim, block),
-    ``segment_slice`` (placement, position, segment)."""
+    ``segment_slice`` (placement, position, segment), ``dropout_on_shards`` (placement),
+    ``attention_with_dropout`` (placement)."""
 
     kind: str
     args: tuple = ()  # (name, value) pairs, so the op is hashable and compares by value

@@ -5,7 +5,8 @@ value, shared by all its consumers), never carried through.
 
 Inputs are aligned from the right (broadcasting). A replicated input that has the
 full size along the sharded dimension is sliced locally (free); one that
-broadcasts there (size 1 or missing) is used whole.
+broadcasts there (size 1 or missing) is used whole. Dropout has its own rule (``dropout.py``):
+its mask is part of a logical one.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ _FUNCTIONS = [  # pointwise functions (unary, binary, ternary)
     torch.div, torch.true_divide, torch.neg, torch.masked_fill, torch.lerp, torch.addcmul, torch.nan_to_num,
     torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like,
     F.silu, F.gelu, F.relu, F.tanh, F.sigmoid, F.softplus, F.leaky_relu, F.elu, F.mish, F.hardtanh, F.relu6,
-    F.dropout,
     operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.pow, operator.neg,
     operator.and_, operator.or_, operator.xor, operator.invert, operator.eq, operator.ne, operator.lt,
     operator.le, operator.gt, operator.ge, operator.mod, operator.iadd, operator.imul, operator.isub,

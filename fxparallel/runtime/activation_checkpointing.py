@@ -1,0 +1,85 @@
+"""Activation checkpointing: recompute decoder layers in the backward pass instead of keeping
+their activations.
+
+Each decoder layer is a module the graphs call (``rewrite/layer_units.py``), so checkpointing
+one is ``torch.utils.checkpoint`` (non-reentrant) around that module's piece, inside its
+``forward``: FSDP's hooks sit outside it on ``__call__``, as with torchtitan's wrapping, so the
+layer's parameters are all-gathered again for the recomputation by FSDP's pre-backward hook.
+The recomputation runs the same ops on the same inputs (and the same RNG state), so gradients
+are bit-identical to a run without checkpointing; the tensor-parallel collectives inside a
+layer run again, in the same order on every rank.
+
+Modes:
+
+* ``"full"``: a layer keeps only its inputs; everything else is recomputed.
+* ``"selective"``: a layer also keeps the outputs of its matrix products (mm, addmm, bmm,
+  attention kernels) and recomputes only the cheap rest (norms, activations, rotary, softmax
+  of eager attention, the all-reduces). The products are most of a layer's FLOPs, so the
+  recomputation is nearly free in time, while the activations it does not keep (elementwise
+  intermediates, several per product) are most of the memory. ``benchmarks/activation_checkpointing.py``
+  measures both against keeping everything.
+
+As in transformers, layers are recomputed only in training mode with gradients enabled.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+MODES = ("full", "selective")
+
+_aten = torch.ops.aten
+# products kept by the selective mode: most of the FLOPs, a fraction of the activation bytes
+_KEPT = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
+for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
+    _op = getattr(_aten, _name, None)
+    if _op is not None:
+        _KEPT.add(_op.default)
+
+# torch.utils.checkpoint.checkpoint's own options that may be passed through gradient_checkpointing_kwargs
+_PASSED = ("preserve_rng_state", "determinism_check", "debug")
+
+
+def _keep_products(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@functools.lru_cache(maxsize=None)
+def _selective_context():
+    return functools.partial(create_selective_checkpoint_contexts, _keep_products)
+
+
+def checkpoint_options(mode: str, kwargs: Optional[dict]) -> dict:
+    """The keyword arguments of ``torch.utils.checkpoint.checkpoint`` for ``mode`` and the caller's
+    ``gradient_checkpointing_kwargs`` (transformers' name); raises on anything we cannot honour."""
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing mode must be one of {MODES}, got {mode!r}")
+    kwargs = dict(kwargs or {})
+    if kwargs.pop("use_reentrant", False):
+        raise ValueError("gradient_checkpointing_kwargs: use_reentrant=True is not supported (the reentrant "
+                         "variant does not compose with FSDP2 and ignores the selective mode); leave it out "
+                         "or pass use_reentrant=False")
+    unknown = sorted(set(kwargs) - set(_PASSED))
+    if unknown:
+        raise ValueError(f"gradient_checkpointing_kwargs: unsupported {unknown} (supported: use_reentrant=False, "
+                         f"{', '.join(_PASSED)})")
+    options = {"use_reentrant": False, **kwargs}
+    if mode == "selective":
+        options["context_fn"] = _selective_context()
+    return options
+
+
+def enable(model, mode: str = "full", gradient_checkpointing_kwargs: Optional[dict] = None) -> None:
+    """Checkpoint every decoder layer of ``model`` (a ParallelCausalLM) from its next call on."""
+    options = checkpoint_options(mode, gradient_checkpointing_kwargs)
+    for unit in model.layer_units(required_by="activation checkpointing"):
+        unit.checkpoint = options
+
+
+def disable(model) -> None:
+    for unit in model.layer_units():
+        unit.checkpoint = None
