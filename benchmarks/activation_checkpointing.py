@@ -44,7 +44,7 @@ run without checkpointing (bit-identical loss and gradients, on every rank), tra
 its run without, and fxparallel's loss against transformers' (|difference| <= 1e-5).
 
 Target (issue): full checkpointing holds at most 1/L of the activations without checkpointing plus one
-layer's working set; the working set is taken as what one layer holds without checkpointing (the largest
+layer's working set; the working set is taken as what one layer holds without checkpointing (the mean
 per-layer figure of (a)), which is what the recomputation of a layer rebuilds. The JSON gives the ratio
 held(full) / (held(none) / L + layer) per system and length.
 
@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import gc
 import json
 import os
@@ -73,8 +72,9 @@ from torch.utils._pytree import tree_leaves
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from checkpoints import make_config  # noqa: E402
+from checkpoints import build_checkpoint as build_default  # noqa: E402
 from memory import MiB, PeakMemory  # noqa: E402
+from ranks import everyone, short_error, start  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Passing `tp_plan` directly", category=FutureWarning)
 # transformers 5 renames gradient_checkpointing_enable to activation_checkpointing_enable (same behaviour)
@@ -95,7 +95,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-dir", default=os.path.join(ROOT, "checkpoints", "bench-llama-ac8"))
     p.add_argument("--seqs", default="256,512,1024", help="comma-separated sequence lengths")
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per run and length (interleaved; median)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per run and length (interleaved; median)")
     p.add_argument("--rss-repeats", type=int, default=1, help="RSS-measured steps per run and length (max)")
     p.add_argument("--runs", default=",".join(f"{s}:{m}" for s, m in RUNS), help="system:mode, comma-separated")
     p.add_argument("--out", default=None, help="rank 0 writes the JSON here (default "
@@ -109,25 +109,9 @@ def parse_args(argv=None):
 
 
 # ---- checkpoint ---------------------------------------------------------------
-def build_checkpoint(directory: str, seed: int = 0) -> str:
+def build_checkpoint(directory: str) -> str:
     """A random 8-layer Llama (non-trivial norm weights), no KV cache in training; reused when present."""
-    from transformers import AutoModelForCausalLM
-
-    if os.path.exists(os.path.join(directory, "config.json")):
-        return directory
-    config = make_config("llama", **SHAPE)
-    config.use_cache = False
-    config.attention_dropout = 0.0
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    tmp = directory + ".partial"
-    model.save_pretrained(tmp, safe_serialization=True)
-    os.replace(tmp, directory)
-    return directory
+    return build_default("llama", directory, overrides=dict(use_cache=False, attention_dropout=0.0), **SHAPE)
 
 
 # ---- the two systems -----------------------------------------------------------
@@ -212,17 +196,6 @@ SYSTEMS = {cls.name: cls for cls in (FxParallel, TransformersTP)}
 
 
 # ---- helpers --------------------------------------------------------------------
-def short_error(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}".strip().splitlines()
-    return text[0][:400] if text else type(err).__name__
-
-
-def everyone(obj):
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
 def load() -> float:
     return os.getloadavg()[0]
 
@@ -404,7 +377,6 @@ def run_length(systems, runs, seq, args, vocab, world):
             r[key + "_per_rank"] = [x[key] for x in ranks]
         r["layer_bytes"] = ranks[0]["layer_bytes"]
         r["held_bytes_before_gc"] = max(x["held_bytes_before_gc"] for x in ranks)
-        r["outside_layers_bytes"] = ranks[0]["held_bytes"] - sum(b for b in r["layer_bytes"] if b is not None)
         r["loss"] = counts["loss"]
         r["loss_per_rank"] = [x["loss"] for x in ranks]
         if s not in reference_grads:
@@ -515,7 +487,7 @@ def format_table(meta, results, rss):
     for name, label in meta["labels"].items():
         lines.append(f"  {name}: {label}")
     header = ["seq", "system", "mode", "held MiB", "vs none", "fwd peak MiB", "fwd+bwd peak MiB", "grads MiB",
-              "layer MiB", "outside MiB", "RSS peak MiB", "RSS growth MiB", "step ms", "vs none", "step CPU ms",
+              "layer MiB", "RSS peak MiB", "RSS growth MiB", "step ms", "vs none", "step CPU ms",
               "vs none", "loss", "check"]
     rows = []
     for seq, res in results.items():
@@ -531,7 +503,7 @@ def format_table(meta, results, rss):
             rows.append([str(seq), r["system"], r["mode"], _mib(r["held_bytes"]),
                          f"{r['held_bytes'] / none['held_bytes']:.3f}", _mib(r["forward_peak_bytes"]),
                          _mib(r["peak_bytes"]), _mib(r["end_bytes"]),
-                         _mib(sum(layer) / len(layer)) if layer else "-", _mib(r["outside_layers_bytes"]),
+                         _mib(sum(layer) / len(layer)) if layer else "-",
                          f"{x['peak_mib']:.0f}" if x else "-", f"{x['growth_mib']:.1f}" if x else "-",
                          f"{r['step_s'] * 1e3:.0f}", f"{r['step_s'] / none['step_s']:.2f}x",
                          f"{r['step_cpu_s'] * 1e3:.0f}", f"{r['step_cpu_s'] / none['step_cpu_s']:.2f}x",
@@ -665,19 +637,9 @@ def main(argv=None):
         return render(args)
     t_start = time.perf_counter()
     load_start = load()
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, path = start(args.model, args.checkpoint_dir, build_checkpoint, args.timeout)
     from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    path = args.model
-    if path is None:
-        if rank == 0:
-            build_checkpoint(args.checkpoint_dir)
-        dist.barrier()
-        path = args.checkpoint_dir
     config = AutoConfig.from_pretrained(path)
     out_path = args.out or os.path.join(HERE, "results", f"activation_checkpointing_tp{world}.json")
     runs = [tuple(r.split(":")) for r in args.runs.split(",") if r]

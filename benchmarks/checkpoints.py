@@ -33,14 +33,21 @@ def make_config(family: str, hidden=None, layers=None, heads=None, kv_heads=None
     raise ValueError(f"unknown family {family!r}: choose llama, qwen3, mistral, opt or gpt2")
 
 
-def build_checkpoint(family: str, directory: str, seed: int = 0, **shape) -> str:
-    """Random-init and save as safetensors unless ``directory`` already holds a checkpoint."""
+def build_checkpoint(family: str, directory: str, seed: int = 0, overrides: dict = None, **shape) -> str:
+    """Random-init and save as safetensors unless ``directory`` already holds a checkpoint. ``overrides``:
+    config attributes to set (token ids among them go to the generation config too)."""
     from transformers import AutoModelForCausalLM
 
     if os.path.exists(os.path.join(directory, "config.json")):
         return directory
+    config = make_config(family, **shape)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(family, **shape), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for key, value in (overrides or {}).items():
+        if key.endswith("_token_id"):
+            setattr(model.generation_config, key, value)
     with torch.no_grad():  # non-trivial norm weights, so a wrong placement would show in the logits
         for p in model.parameters():
             if p.dim() == 1:

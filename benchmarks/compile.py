@@ -19,7 +19,6 @@ output wrapping), median of 200 calls, with and without ``check_inputs``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -33,6 +32,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from checkpoints import build_checkpoint  # noqa: E402
+from ranks import everyone, short_error, start  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -78,12 +78,6 @@ def step(run, params_of, optimizer, ids):
     return loss.item(), max(everyone(seconds))
 
 
-def everyone(obj):
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
 def per_call_overhead(path: str, calls: int = 200) -> dict:
     """Median µs of ``model(input_ids=...)`` and of the graph's own code on the same input."""
     import fxparallel
@@ -110,15 +104,8 @@ def per_call_overhead(path: str, calls: int = 200) -> dict:
 def main(argv=None):
     args = parse_args(argv)
     load_start = os.getloadavg()
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    path = args.model
-    if path is None:
-        if rank == 0:
-            build_checkpoint("llama", args.checkpoint_dir, layers=4)
-        dist.barrier()
-        path = args.checkpoint_dir
+    rank, world, path = start(args.model, args.checkpoint_dir,
+                              lambda directory: build_checkpoint("llama", directory, layers=4))
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(path).vocab_size
@@ -136,7 +123,7 @@ def main(argv=None):
             systems[name] = (run, model, optimizer)
         except Exception as err:  # noqa: BLE001 - a system that fails is a result
             traceback.print_exc()
-            errors[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            errors[name] = short_error(err)
         if rank == 0:
             print(f"{name}: ready ({errors.get(name, 'ok')})", flush=True)
     times = {name: [] for name in systems}

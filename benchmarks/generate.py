@@ -25,7 +25,6 @@ benchmarks/results/generate_tp{N}.json).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -40,8 +39,9 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from checkpoints import make_config  # noqa: E402
+from checkpoints import build_checkpoint as build_default  # noqa: E402
 from comm_counter import CommCounter  # noqa: E402
+from ranks import everyone, short_error, start  # noqa: E402
 
 # transformers 5 deprecates from_pretrained(tp_plan=...) for distributed_config=DistributedConfig(tp_plan=...);
 # the same plan either way
@@ -72,28 +72,10 @@ def parse_args(argv=None):
 
 
 # ---- checkpoint ---------------------------------------------------------------
-def build_checkpoint(directory: str, seed: int = 0) -> str:
+def build_checkpoint(directory: str) -> str:
     """A random Llama without an eos token (greedy runs then never stop early); reused when present."""
-    from transformers import AutoModelForCausalLM
-
-    if os.path.exists(os.path.join(directory, "config.json")):
-        return directory
-    config = make_config("llama", **SHAPE)
-    config.eos_token_id = None
-    config.bos_token_id = None
-    config.pad_token_id = None
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # non-trivial norm weights, as benchmarks/checkpoints.py does
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.generation_config.eos_token_id = None
-    model.generation_config.bos_token_id = None
-    tmp = directory + ".partial"
-    model.save_pretrained(tmp, safe_serialization=True)
-    os.replace(tmp, directory)
-    return directory
+    return build_default("llama", directory, overrides=dict(eos_token_id=None, bos_token_id=None, pad_token_id=None),
+                         **SHAPE)
 
 
 # ---- the two systems -----------------------------------------------------------
@@ -150,23 +132,12 @@ SYSTEMS = {cls.name: cls for cls in (FxParallel, TransformersTP)}
 
 
 # ---- helpers --------------------------------------------------------------------
-def short_error(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}".strip().splitlines()
-    return text[0][:400] if text else type(err).__name__
-
-
 def timed(fn):
     """One call, ranks started together: (result, wall seconds, CPU seconds of this process)."""
     dist.barrier()
     t, c = time.perf_counter(), time.process_time()
     out = fn()
     return out, time.perf_counter() - t, time.process_time() - c
-
-
-def everyone(obj):
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
 
 
 def slowest(values_per_rank):
@@ -390,19 +361,9 @@ def main(argv=None):
     if args.render:
         return render(args)
     load_start = os.getloadavg()[0]
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, path = start(args.model, args.checkpoint_dir, build_checkpoint, args.timeout)
     from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    path = args.model
-    if path is None:
-        if rank == 0:
-            build_checkpoint(args.checkpoint_dir)
-        dist.barrier()
-        path = args.checkpoint_dir
     config = AutoConfig.from_pretrained(path)
     out_path = args.out or os.path.join(HERE, "results", f"generate_tp{world}.json")
 

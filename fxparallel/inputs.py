@@ -10,9 +10,14 @@
   of every tensor: 12 int64 per rank) is all-gathered over the group, so a mismatch is an
   error on every rank that names the ranks that differ, instead of a hang or a result that
   mixes data. The range check rides on the same host sync.
+* Dropout (a training-mode call of a model with dropout): every tp rank draws the same logical
+  masks (``rewrite/dropout.py``), which holds only if their random generators are in the same
+  state; a digest of the generator state rides in the fingerprint, so ranks seeded differently
+  are an error instead of masks that silently disagree.
 """
 from __future__ import annotations
 
+import zlib
 from typing import Optional
 
 import torch
@@ -21,7 +26,7 @@ import torch.distributed as dist
 from .errors import InputError
 
 FINGERPRINT = ("input_ids", "attention_mask", "position_ids", "labels")
-_FIELDS = 12  # ndim, batch, seq, presence bits, 4 checksums, ids min / max, labels bad count, spare
+_FIELDS = 13  # ndim, batch, seq, presence bits, 4 checksums, ids min / max, labels bad count, problem, rng digest
 
 
 def shape_problem(args: dict, mask_length: Optional[int] = None) -> Optional[str]:
@@ -55,8 +60,15 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     return (flat * weights).sum() + flat.numel()
 
 
-def fingerprint(args: dict, classes: Optional[int], problem: bool) -> torch.Tensor:
-    """The 12 numbers each rank sends; ``problem``: this rank's arguments failed a local check."""
+def rng_digest(device: torch.device) -> int:
+    """A digest of the random generator that draws dropout masks on ``device``."""
+    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    return zlib.crc32(state.numpy().tobytes())
+
+
+def fingerprint(args: dict, classes: Optional[int], problem: bool, rng: int = 0) -> torch.Tensor:
+    """The 13 numbers each rank sends; ``problem``: this rank's arguments failed a local check; ``rng``:
+    its generator digest when the call draws dropout masks (else 0)."""
     ids = args["input_ids"]
     present = sum(1 << i for i, name in enumerate(FINGERPRINT) if name in args)
     zero = torch.zeros((), dtype=torch.int64, device=ids.device)
@@ -69,15 +81,17 @@ def fingerprint(args: dict, classes: Optional[int], problem: bool) -> torch.Tens
     head = torch.tensor(shape, dtype=torch.int64, device=ids.device)
     low, high = (ids.min(), ids.max()) if ids.numel() else (zero, zero)
     return torch.cat([head, torch.stack(sums + [low.to(torch.int64), high.to(torch.int64), bad_labels.to(torch.int64),
-                                                zero + int(problem)])])
+                                                zero + int(problem), zero + rng])])
 
 
 def check_arguments(args: dict, group, vocab: Optional[int], classes: Optional[int],
-                    mask_length: Optional[int] = None) -> None:
-    """Shapes, ranges and (over ``group``, a TPGroup) equality of the arguments of one call. Every
-    rank takes part in the exchange before anything is raised, so all raise together."""
+                    mask_length: Optional[int] = None, dropout: bool = False) -> None:
+    """Shapes, ranges and (over ``group``, a TPGroup) equality of the arguments of one call, and with
+    ``dropout`` of the ranks' random generators. Every rank takes part in the exchange before anything
+    is raised, so all raise together."""
     problem = shape_problem(args, mask_length)
-    mine = fingerprint(args, classes, problem is not None)
+    rng = rng_digest(args["input_ids"].device) if dropout else 0
+    mine = fingerprint(args, classes, problem is not None, rng)
     if group is not None and group.process_group is not None and group.size > 1:
         rows = [torch.empty_like(mine) for _ in range(group.size)]
         dist.all_gather(rows, mine, group=group.process_group)
@@ -98,6 +112,12 @@ def check_arguments(args: dict, group, vocab: Optional[int], classes: Optional[i
             f"{differ[0]}; ranks differing from rank 0: {differ}). Every tp rank must be given the same "
             f"input_ids, attention_mask, position_ids and labels; data parallelism splits data across dp "
             f"ranks, never across tp ranks")
+    seeded = [r for r, row in enumerate(table) if row[12] != table[0][12]]
+    if seeded:
+        raise InputError(
+            f"dropout: the random generators of tp ranks {seeded} are in another state than rank 0's, so their "
+            f"dropout masks would disagree; seed every rank of a tp group alike (e.g. torch.manual_seed(seed) on "
+            f"each, the same seed) and draw the same random numbers on each between steps")
     low, high, bad_labels = table[0][8], table[0][9], table[0][10]
     if vocab is not None and (low < 0 or high >= vocab):
         raise InputError(f"input_ids holds token id {low if low < 0 else high}, outside the embedding table of "

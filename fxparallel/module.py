@@ -96,6 +96,7 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         self.sliding_window: Optional[int] = None  # smallest sliding attention window: longest generation
         self.generation_config = None  # the checkpoint's (set by parallelize), as in transformers
         self.embedding_modules: dict = {}  # "input"/"output" -> (module path, class, bias) (set by parallelize)
+        self.dropout_rates: dict = {}  # the model's dropout rates above 0 (set by parallelize): masks in train()
         object.__setattr__(self, "_last_graph", None)
         # decoder layers as modules the graphs call, so FSDP can make each one a unit
         self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params)
@@ -214,6 +215,7 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         args = {k: v.to(self.device_) for k, v in args.items()}
         if check_inputs:
             check_arguments(args, self.tp_group, self.vocab_rows, self.label_classes,
+                            dropout=bool(self.dropout_rates) and self.training and cache is None,
                             mask_length=cache.length if cache is not None else None)
         if self.sequence_parallel and cache is None and input_ids.shape[-1] % self.tp_group.size:
             raise ShardingError(f"sequence_parallel: the sequence length {input_ids.shape[-1]} of input_ids "
@@ -287,6 +289,10 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         from .runtime import activation_checkpointing
 
         activation_checkpointing.disable(self)
+
+    # transformers 5's names for the same
+    activation_checkpointing_enable = gradient_checkpointing_enable
+    activation_checkpointing_disable = gradient_checkpointing_disable
 
     @property
     def is_gradient_checkpointing(self) -> bool:

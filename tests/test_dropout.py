@@ -130,6 +130,7 @@ def _run(rank, world, paths):
         dist.broadcast_object_list(box, src=owner)
         references[name] = box[0][0]
         results[(name, "transformers")] = box[0][1]
+    refused = None
     for name, layout in LAYOUTS[rank - rank % 2]:
         path, reference = paths[name], references[name]
         ids = batch(128, b=B, s=S)
@@ -144,7 +145,13 @@ def _run(rank, world, paths):
         results[(name, layout)] = {"loss": (loss - reference[0]).abs().item(),
                                    "grad": _grad_error(model, reference[1], rank % tp, tp),
                                    "sites": _sites(model.graphs()[0])}
-    return results
+        if layout == "tp4":  # ranks seeded differently would draw different masks: refused on every rank
+            torch.manual_seed(SEED + rank)
+            try:
+                model(input_ids=ids, labels=ids)
+            except Exception as err:  # noqa: BLE001
+                refused = f"{type(err).__name__}: {err}"
+    return {"layouts": results, "seeds differ": refused}
 
 
 @pytest.fixture(scope="module")
@@ -168,23 +175,34 @@ def world4(paths):
     return run_ranks(4, _run, paths, timeout=600)
 
 
-def test_tp1_is_transformers_in_train_and_eval(world4):
-    for (name, layout), r in world4[0].items():
+@pytest.fixture(scope="module")
+def layouts(world4):
+    return [out["layouts"] for out in world4]
+
+
+def test_tp1_is_transformers_in_train_and_eval(layouts):
+    for (name, layout), r in layouts[0].items():
         if layout != "transformers":
             continue
         assert r["train_loss"] < TOL and r["train_grad"] < TOL, (name, r)
         assert r["eval_loss"] < TOL and r["eval_logits"] < TOL, (name, r)
         assert r["train_minus_eval"] > 1e-4, (name, r)  # dropout is active in train() only
-    assert world4[0][("gpt2", "transformers")]["cache_train_minus_eval"] == 0.0
+    assert layouts[0][("gpt2", "transformers")]["cache_train_minus_eval"] == 0.0
 
 
-def test_loss_and_gradients_do_not_depend_on_the_layout(world4):
+def test_loss_and_gradients_do_not_depend_on_the_layout(layouts):
     seen = set()
-    for results in world4:
+    for results in layouts:
         for (name, layout), r in results.items():
             if layout != "transformers":
                 seen.add((name, layout))
                 assert r["loss"] < TOL and r["grad"] < TOL, (name, layout, r)
     assert seen == {case for cases in LAYOUTS.values() for case in cases}
     # every dropout site of GPT-2 is in the code: embedding, and per layer attention and 2 residual
-    assert world4[0][("gpt2", "tp4")]["sites"] == 1 + 3 * LAYERS
+    assert layouts[0][("gpt2", "tp4")]["sites"] == 1 + 3 * LAYERS
+
+
+def test_ranks_seeded_differently_are_refused(world4):
+    for r in world4:
+        assert r["seeds differ"].startswith("InputError: dropout: the random generators of tp ranks [1, 2, 3]"), \
+            r["seeds differ"]

@@ -9,7 +9,9 @@ module runs its layer's piece, reading its parameters from itself.
 How: the layer container is found from the parameter names (the dotted prefix followed by
 a numeric index that covers the most parameters: ``model.layers`` for Llama,
 ``transformer.h`` for GPT-2). A node that reads parameters of layer i belongs to layer i;
-nodes without parameters between two layers go with the next layer; nodes before the first
+nodes without parameters between two layers are cut where the fewest values cross (after the
+residual add that ends a decoder layer, one tensor: activation checkpointing keeps every tensor
+that enters a piece); nodes before the first
 layer (embedding, rotary, masks) and after the last (final norm, head, loss) stay in the
 root. Pieces are contiguous runs of the original node order, so execution order, and
 therefore every result, is that of the unsplit graph; the one exception is computations
@@ -189,12 +191,15 @@ def _assign(graph: fx.Graph, container: str) -> tuple:
             raise SplitError(f"{a} and {b} interleave in the graph")
     piece = dict(derived)
     begins = {}
-    start = first[order[0]] if order else len(body)
-    for layer in order:  # a layer's piece runs from the end of the previous one to its last node
+    position = {node: i for i, node in enumerate(body)}
+    starts = [first[order[0]]] if order else []
+    for a, b in zip(order, order[1:]):
+        starts.append(_cut(body, position, starts[-1], last[a] + 1, first[b]))
+    ends = starts[1:] + ([last[order[-1]] + 1] if order else [])
+    for layer, start, end in zip(order, starts, ends):
         begins[layer] = body[start]
-        for node in body[start:last[layer] + 1]:
+        for node in body[start:end]:
             piece[node] = layer
-        start = last[layer] + 1
     for node in body:
         piece.setdefault(node, None)
     for node, owner in derived.items():  # a layer's parameters are read only inside its piece
@@ -202,6 +207,18 @@ def _assign(graph: fx.Graph, container: str) -> tuple:
             raise SplitError(f"{node.name} (from the parameters of {owner}) is used outside {owner}")
     _check_moves(graph, derived, begins)
     return piece, order, begins
+
+
+def _cut(body: list, position: dict, begin: int, low: int, high: int) -> int:
+    """Where the next layer's piece starts, in ``[low, high]``: where the fewest values of the piece
+    that begins at ``begin`` are used later, i.e. the fewest tensors cross the boundary (the latest
+    such place). After a decoder layer's residual add one tensor crosses; in the middle of the next
+    layer's norm (parameter-free nodes before its weight is read) two do, and activation
+    checkpointing keeps every tensor that enters a piece."""
+    def crossing(cut: int) -> int:
+        return sum(1 for node in body[begin:cut]
+                   if any(position.get(user, len(body)) >= cut for user in node.users))
+    return min(range(low, high + 1), key=lambda cut: (crossing(cut), -cut))
 
 
 def _check_moves(graph: fx.Graph, derived: dict, begins: dict) -> None:
