@@ -50,7 +50,7 @@ class FxParallel(System):
         self.model = fxparallel.parallelize(path, dist.group.WORLD, dtype=dtype, device=device)
         self.timings["ready"] = time.perf_counter() - t
         self.timings["capture+plan"] = self.model.timings["capture+plan+rewrite"]
-        self.model.eval()  # captured without dropout; the same mode for both systems
+        self.model.eval()  # dropout off (it applies in train()); the same mode for both systems
 
     def logits(self, ids):
         return self.model(input_ids=ids).logits  # complete: gathered when no labels are given
@@ -84,7 +84,7 @@ class TransformersTP(System):
                                                           dtype=dtype)
         self.timings["ready"] = time.perf_counter() - t
         self.timings["capture+plan"] = None  # a hand-written plan: nothing to capture or solve
-        self.model.eval()  # no dropout, like fxparallel's captured graph
+        self.model.eval()  # dropout off, the same mode for both systems
         if self.model.device.type != device.type:
             raise RuntimeError(f"transformers placed the model on {self.model.device}, expected {device.type}")
 
