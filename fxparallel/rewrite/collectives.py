@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ..errors import ShardingError
 from ..group import group_by_handle
@@ -42,6 +43,8 @@ def _all_reduce(x: torch.Tensor, handle: int) -> torch.Tensor:
     group = group_by_handle(handle)
     if group.size == 1:
         return x
+    if torch.compiler.is_compiling():  # traceable: Dynamo keeps one graph across it (no graph break)
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group.process_group))
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group.process_group)
     return x
