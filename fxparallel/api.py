@@ -6,6 +6,9 @@
          sequence_parallel, context_parallel, bind, split_by_layer)
       -> report (ShardingPlan) -> load weights into this rank's shards.
 
+Capture, solve, rewrite and report run once per graph key: ``planned_graph`` reads a graph planned
+before (this launch or an earlier one) from the graph cache (``graph_cache/``). A saved plan
+(``plan=``) fixes every parameter's placement before the solve (``plan/saved.py``).
 Timings of each stage are kept on the returned module (``model.timings``).
 """
 from __future__ import annotations
@@ -19,12 +22,15 @@ import torch.distributed as dist
 
 from .capture import build_meta_model, capture
 from .capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
+from . import graph_cache
+from .graph_cache import PlannedGraph, graph_key
 from .group import TPGroup, fake_group, resolve_tp_group
 from .load import (initialize, load_from_files, load_from_state_dict, resolve_checkpoint,
                    resolve_source)
 from .load.dtype import resolve_dtype
 from .module import LocalGraph, ParallelCausalLM
 from .plan.layout import ShardLayout, text_config
+from .plan.saved import check_applied, fixed_placements, read_plan
 from .plan.solver import check_layer_symmetry, solve
 from .plan.validate import check_splittable
 from .report import build_plan
@@ -49,17 +55,25 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
 
     ``cp``: the context-parallel group (or None): labels arrive shifted and attention spans the cp ranks.
     ``cache_length``: a generation graph with a static KV cache of that length (capture/cache.py); it
-    runs without sequence parallelism (decode steps have one token)."""
+    runs without sequence parallelism (decode steps have one token). The seconds of each stage are in
+    ``ctx.timings`` (capture, solve, rewrite)."""
+    t = time.perf_counter()
     captured = capture(meta_model, arguments, shape=shape, labels_shifted=cp is not None, cache_length=cache_length)
+    timings = {"capture": time.perf_counter() - t}
     sequence_parallel = sequence_parallel and cache_length is None
     if cp is not None:
         kind = getattr(meta_model.config, "model_type", type(meta_model).__name__)
         context_parallel_checks.check_graph(captured, kind)
     # uneven splits by whole heads / columns / rows
     layout = ShardLayout.for_config(meta_model.config, group.size).add_embedding_rows(meta_model)
+    t = time.perf_counter()
     gplan = solve(captured, group.size, fixed=fixed, layout=layout)
+    timings["solve"] = time.perf_counter() - t
+    t = time.perf_counter()
     ctx = PassContext(captured, gplan, group, device, sequence_parallel=sequence_parallel, cp=cp)
-    return run_passes(ctx, skip=skip_passes)
+    run_passes(ctx, skip=skip_passes)
+    ctx.timings = dict(timings, rewrite=time.perf_counter() - t)
+    return ctx
 
 
 def local_graph(ctx: PassContext, arguments, cache_length=None) -> LocalGraph:
@@ -102,17 +116,32 @@ def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
     return meta
 
 
-def _plan_training_graph(meta, group: TPGroup, device, dtype, cp=None, sequence_parallel: bool = False,
-                         skip_passes=()):
-    """Capture, solve and rewrite the training graph; returns (LocalGraph, GraphPlan, ShardingPlan)."""
-    arguments = TRAINING_ARGUMENTS if cp is None else CONTEXT_PARALLEL_TRAINING_ARGUMENTS
-    ctx = plan_graph(meta, arguments, group, device, cp=cp, sequence_parallel=sequence_parallel,
-                     skip_passes=skip_passes)
-    asymmetric = check_layer_symmetry(ctx.gplan.params)
-    if asymmetric:
-        log.warning("layers with the same structure got different placements: %s", ", ".join(asymmetric))
-    plan = build_plan(meta, ctx, dtype, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
-    return local_graph(ctx, arguments), ctx.gplan, plan
+def planned_graph(meta, arguments, group: TPGroup, device, dtype, *, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None,
+                  cp=None, sequence_parallel: bool = False, skip_passes=(), cache_length=None,
+                  report: bool = False) -> PlannedGraph:
+    """``plan_graph`` and what the module keeps of it, from the graph cache when this exact graph was
+    planned before (``graph_cache``: same model, rank, arguments, options and versions).
+    ``report``: also the ShardingPlan (the training graph's)."""
+    options = dict(shape=shape, fixed=fixed, cp=cp, sequence_parallel=sequence_parallel, skip_passes=skip_passes,
+                   cache_length=cache_length)
+
+    def build() -> PlannedGraph:
+        ctx = plan_graph(meta, arguments, group, device, **options)
+        plan = None
+        if report:
+            asymmetric = check_layer_symmetry(ctx.gplan.params)
+            if asymmetric:
+                log.warning("layers with the same structure got different placements: %s", ", ".join(asymmetric))
+            plan = build_plan(meta, ctx, dtype, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
+        return PlannedGraph(local_graph(ctx, arguments, cache_length), dict(ctx.gplan.params), plan,
+                            timings=ctx.timings)
+
+    key = graph_key(meta, arguments, group, device, dtype=dtype, report=report, **options)
+    return graph_cache.cached(key, build)
+
+
+def training_arguments(cp) -> tuple:
+    return TRAINING_ARGUMENTS if cp is None else CONTEXT_PARALLEL_TRAINING_ARGUMENTS
 
 
 def _vocabulary(meta) -> tuple:
@@ -188,32 +217,32 @@ class GraphFactory:
     so every graph reads the same shards. ``in_dtype`` gives the factory of another dtype
     (``model.to(dtype)``: a new meta model in that dtype, the same placements)."""
 
-    def __init__(self, source, meta, group: TPGroup, cp, sequence_parallel: bool, trust_remote_code: bool,
-                 fixed: dict):
-        self.source, self.meta, self.group, self.cp = source, meta, group, cp
+    def __init__(self, source, meta, dtype: torch.dtype, group: TPGroup, cp, sequence_parallel: bool,
+                 trust_remote_code: bool, fixed: dict):
+        self.source, self.meta, self.dtype, self.group, self.cp = source, meta, dtype, group, cp
         self.sequence_parallel, self.trust_remote_code, self.fixed = sequence_parallel, trust_remote_code, fixed
 
     def __call__(self, module, arguments, input_shape, cache_length=None) -> LocalGraph:
         shape = tuple(int(s) for s in input_shape)
-        ctx = plan_graph(self.meta, arguments, self.group, module.device_, shape=shape, fixed=self.fixed, cp=self.cp,
-                         sequence_parallel=self.sequence_parallel, skip_passes=module.skip_passes,
-                         cache_length=cache_length)
-        for name, placement in ctx.gplan.params.items():  # the cache's placement holds for every later graph
+        planned = planned_graph(self.meta, arguments, self.group, module.device_, self.dtype, shape=shape,
+                                fixed=self.fixed, cp=self.cp, sequence_parallel=self.sequence_parallel,
+                                skip_passes=module.skip_passes, cache_length=cache_length)
+        for name, placement in planned.params.items():  # the cache's placement holds for every later graph
             self.fixed.setdefault(name, placement)
-        return local_graph(ctx, arguments, cache_length)
+        return planned.local
 
     def in_dtype(self, dtype: torch.dtype) -> "GraphFactory":
         """The factory of the same model in ``dtype`` (a meta model built in it, as ``parallelize`` builds)."""
         meta = _meta_model(self.source, self.group.size, dtype, self.trust_remote_code)
-        return GraphFactory(self.source, meta, self.group, self.cp, self.sequence_parallel, self.trust_remote_code,
-                            self.fixed)
+        return GraphFactory(self.source, meta, dtype, self.group, self.cp, self.sequence_parallel,
+                            self.trust_remote_code, self.fixed)
 
-    def training_graph(self, module, dtype: torch.dtype) -> tuple:
+    def training_graph(self, module) -> tuple:
         """(LocalGraph, ShardingPlan) of the training graph, as ``parallelize`` captures it first."""
-        arguments = TRAINING_ARGUMENTS if self.cp is None else CONTEXT_PARALLEL_TRAINING_ARGUMENTS
-        ctx = plan_graph(self.meta, arguments, self.group, module.device_, fixed=self.fixed, cp=self.cp,
-                         sequence_parallel=self.sequence_parallel, skip_passes=module.skip_passes)
-        return local_graph(ctx, arguments), build_plan(self.meta, ctx, dtype, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
+        planned = planned_graph(self.meta, training_arguments(self.cp), self.group, module.device_, self.dtype,
+                                fixed=self.fixed, cp=self.cp, sequence_parallel=self.sequence_parallel,
+                                skip_passes=module.skip_passes, report=True)
+        return planned.local, planned.plan
 
 
 def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, revision=None,
@@ -227,15 +256,15 @@ def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, t
                             token=token, trust_remote_code=trust_remote_code)
     dtype = resolve_dtype(dtype, torch_dtype, config=source.config)
     meta = _meta_model(source, tp, dtype, trust_remote_code)
-    local, _, plan = _plan_training_graph(meta, fake_group(tp), torch.device("cpu"), dtype,
-                                          sequence_parallel=sequence_parallel)
-    return plan, local
+    planned = planned_graph(meta, TRAINING_ARGUMENTS, fake_group(tp), torch.device("cpu"), dtype,
+                            sequence_parallel=sequence_parallel, report=True)
+    return planned.plan, planned.local
 
 
 def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, device=None,
                 revision=None, cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
                 seed: int = 0, cp_group=None, sequence_parallel: bool = False,
-                skip_passes=()) -> ParallelCausalLM:
+                skip_passes=(), plan=None) -> ParallelCausalLM:
     """Make a Hugging Face causal LM tensor-parallel over ``tp_group``.
 
     ``model``: hub id, local directory, PretrainedConfig or PreTrainedModel.
@@ -252,6 +281,11 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     call must then divide by the tp size.
     ``skip_passes``: optional rewrite passes to leave out (``rewrite/passes.py``), e.g.
     ``("split_by_layer",)`` to run each graph as one piece (no per-layer FSDP units).
+    ``plan``: a saved ShardingPlan (or the path of its JSON, from ``fxparallel plan --json`` or
+    ``model.plan.save``) whose placements are applied instead of searched (``plan/saved.py``).
+
+    Planned graphs are kept in the graph cache (``graph_cache/``) and read back by later calls and
+    launches with the same model, rank, arguments and versions: then nothing is captured.
     """
     timings = {}
     t0 = time.perf_counter()
@@ -267,7 +301,9 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     source.config = _for_device(source.config, device)
     if cp is not None:
         context_parallel_checks.check_config(source.config)
+    saved = read_plan(plan) if plan is not None else None
     meta = _meta_model(source, group.size, dtype, trust_remote_code)
+    fixed = fixed_placements(saved, meta, group.size) if saved is not None else None
     # resolve (download) the checkpoint before the capture, so a bad checkpoint fails early
     files = None
     if source.checkpoint is not None:
@@ -275,12 +311,18 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     timings["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    local, gplan, plan = _plan_training_graph(meta, group, device, dtype, cp, sequence_parallel, skip_passes)
+    planned = planned_graph(meta, training_arguments(cp), group, device, dtype, fixed=fixed, cp=cp,
+                            sequence_parallel=sequence_parallel, skip_passes=skip_passes, report=True)
+    local, sharding = planned.local, planned.plan
+    if saved is not None:
+        check_applied(saved, sharding)
+    timings.update(planned.timings)  # capture, solve, rewrite; or the graph cache's read
     timings["capture+plan+rewrite"] = time.perf_counter() - t
-    graph_factory = GraphFactory(source, meta, group, cp, sequence_parallel, trust_remote_code, dict(gplan.params))
+    graph_factory = GraphFactory(source, meta, dtype, group, cp, sequence_parallel, trust_remote_code,
+                                 dict(planned.params))
 
     # weights: everything that can fail on input runs before any shard is written
-    module = ParallelCausalLM(source.config, plan, group, device, dtype, graph_factory, cp_group=cp)
+    module = ParallelCausalLM(source.config, sharding, group, device, dtype, graph_factory, cp_group=cp)
     module.sequence_parallel = sequence_parallel
     module.skip_passes = tuple(skip_passes)
     module.vocab_rows, module.label_classes = _vocabulary(meta)
@@ -293,11 +335,11 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     module.add_graph(local)
     t = time.perf_counter()
     if files is not None:
-        module.bytes_read = load_from_files(module, plan, files, group.rank, group.size, meta_model=meta)
+        module.bytes_read = load_from_files(module, sharding, files, group.rank, group.size, meta_model=meta)
     elif source.state_dict is not None:
-        load_from_state_dict(module, plan, source.state_dict, group.rank, group.size)
+        load_from_state_dict(module, sharding, source.state_dict, group.rank, group.size)
     else:
-        initialize(module, plan, source.config, group.rank, group.size, seed, dtype, source.model_class)
+        initialize(module, sharding, source.config, group.rank, group.size, seed, dtype, source.model_class)
     timings["load"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - t0
     module.timings = timings

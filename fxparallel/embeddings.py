@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .plan.placement import Placement
 from .rewrite import collectives
 
 
@@ -40,7 +39,7 @@ class ShardView(nn.Module):
         self.weight = model.get_parameter(f"{path}.weight")
         self.bias = model.get_parameter(f"{path}.bias") if has_bias else None
         self.plan = model.plan.param(f"{path}.weight")
-        self.placement = Placement.parse(self.plan.placement)
+        self.placement = self.plan.placement
         self.tp_rank, self.tp_size, self._handle = model.tp_group.rank, model.tp_group.size, model.tp_group.handle
         self.full_shape = tuple(self.plan.shape)
         self.local_shape = tuple(self.weight.shape)

@@ -307,7 +307,7 @@ class HuggingFaceMethods:
             getattr(self.get_submodule(path), "_pieces", {}).clear()
         object.__setattr__(self, "_graph_factory", factory)
         self.dtype_ = dtype
-        graph, plan = factory.training_graph(self, dtype)
+        graph, plan = factory.training_graph(self)
         self.plan = dataclasses.replace(self.plan, dtype=plan.dtype, collectives=plan.collectives)
         self.add_graph(graph)
         return self

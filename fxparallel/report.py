@@ -8,7 +8,7 @@ import torch
 
 from .capture.graph import module_path
 from .plan.layout import uneven_split
-from .plan.placement import Placement
+from .plan.placement import R, Placement
 from .plan.plan import UNUSED, CollectivePlan, ParamPlan, ShardingPlan
 from .plan.rules.base import bytes_per_token
 from .plan.solver import layer_pattern
@@ -90,11 +90,11 @@ def build_plan(model, ctx: PassContext, dtype: torch.dtype, tokens: int) -> Shar
         others = tuple(n for n in names if n != canonical)
         shape = tuple(dict(model.named_parameters(remove_duplicate=False))[canonical].shape)
         if canonical not in gplan.params:
-            placement, reason = "R", UNUSED
+            placement, reason = R, UNUSED
         else:
-            placement = str(gplan.params[canonical])
+            placement = gplan.params[canonical]
             reason = gplan.reasons.get(canonical, "replicated")
-            if placement == "R" and reason.startswith(("column", "row", "vocab", "hidden")):
+            if placement.is_replicate and reason.startswith(("column", "row", "vocab", "hidden")):
                 reason = "replicated"
             if canonical in on_sequence:
                 reason += "; gradient all-reduced (used on sequence shards)"
@@ -116,7 +116,6 @@ def build_plan(model, ctx: PassContext, dtype: torch.dtype, tokens: int) -> Shar
     )
 
 
-def _split(placement: str, shape: tuple, layout) -> tuple:
+def _split(p: Placement, shape: tuple, layout) -> tuple:
     """Per segment, each rank's size along the sharded dim if the split is uneven; () if even."""
-    p = Placement.parse(placement)
     return (uneven_split(p, shape[p.dim], layout) or ()) if p.is_shard else ()

@@ -11,8 +11,6 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 
-from .plan.placement import Placement
-
 _INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 
@@ -33,7 +31,7 @@ def _shape(shape) -> str:
 
 def _held(param, tp: int, rank: int) -> str:
     """This rank's shape, and the range of the sharded dim it holds (a plain shard)."""
-    p = Placement.parse(param.placement)
+    p = param.placement
     local = _shape(param.local_shape(tp, rank))
     if not p.is_shard or tp == 1:
         return local
@@ -66,7 +64,7 @@ def parameter_rows(plan, tp: int, rank: int) -> list:
             name = members[0].name
         if members[0].aliases:
             name += f" (= {', '.join(members[0].aliases)})"
-        shown = placement + (f" {members[0].split_text()}" if split else "")
+        shown = str(placement) + (f" {members[0].split_text()}" if split else "")
         rows.append((name, f"x{len(members)}" if len(members) > 1 else "", shown, reason, _shape(shape),
                      _held(members[0], tp, rank)))
     return rows

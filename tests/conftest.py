@@ -1,11 +1,14 @@
 import os
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# planned graphs are reused across the session's tests (and its spawned ranks), never across sessions
+os.environ.setdefault("FXPARALLEL_GRAPH_CACHE", tempfile.mkdtemp(prefix="fxparallel-graphs-"))
 
 
 @pytest.fixture(scope="session")

@@ -51,12 +51,13 @@ def _check_all(rank, tp, paths):
         errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size), gather_logits=True)
         plan = model.plan
         results[name] = {k: errors[k] for k in ("loss", "logits", "grad")}
-        results[name]["sharded_matrices"] = sum(1 for p in plan.params if len(p.shape) >= 2 and p.placement != "R")
-        results[name]["replicated"] = [p.name for p in plan.params if len(p.shape) >= 2 and p.placement == "R"]
-        results[name]["segmented"] = sorted({p.name.split(".")[-2] for p in plan.params if "[" in p.placement})
+        results[name]["sharded_matrices"] = sum(1 for p in plan.params
+                                                if len(p.shape) >= 2 and not p.placement.is_replicate)
+        results[name]["replicated"] = [p.name for p in plan.params if len(p.shape) >= 2 and p.placement.is_replicate]
+        results[name]["segmented"] = sorted({p.name.split(".")[-2] for p in plan.params if "[" in str(p.placement)})
         results[name]["fallbacks"] = list(plan.fallbacks)
-        results[name]["splits"] = {p.name: (p.placement, p.split) for p in plan.params if p.split}
-        results[name]["placements"] = {p.name: p.placement for p in plan.params}
+        results[name]["splits"] = {p.name: (str(p.placement), p.split) for p in plan.params if p.split}
+        results[name]["placements"] = {p.name: str(p.placement) for p in plan.params}
         results[name]["forward_all_reduces"] = sum(c.count for c in plan.collectives
                                                    if c.kind == "all_reduce" and c.direction == "forward")
         results[name]["layer_collectives"] = [(c.kind, c.direction, c.bytes_per_token) for c in plan.collectives

@@ -16,7 +16,7 @@ def test_more_ranks_than_kv_heads_and_not_a_multiple_is_planned_not_refused():
     # (which plan is cheapest here is the solver's business; both kinds are exact)
     config = tiny_config("llama", hidden_size=96, num_attention_heads=12, num_key_value_heads=4)
     plan, _ = fxparallel.plan_model(config, 6)
-    assert [p.name for p in plan.params if len(p.shape) == 2 and p.placement == "R"] == []
+    assert [p.name for p in plan.params if len(p.shape) == 2 and p.placement.is_replicate] == []
     assert plan.uneven[32] == (6, 6, 6, 6, 6, 2)  # k/v rows (4 kv heads of 8) split by column (torch.chunk), never refused
 
 

@@ -92,7 +92,7 @@ def _run(rank, world, paths, root):
         ckpt = os.path.join(root, name, "ckpt")
         r = {}
         mesh, model, opt = _setup(path, tp=2, dp=2)
-        r["plan"] = sorted({p.placement for p in model.plan.params if "[" in p.placement})
+        r["plan"] = sorted({str(p.placement) for p in model.plan.params if "[" in str(p.placement)})
         r["split"] = {p.name: p.split for p in model.plan.params if p.split}
         r["history"] = [_step(model, opt, mesh, step) for step in range(2)]
         r["saved"] = full_values(model, mesh)

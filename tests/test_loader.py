@@ -120,7 +120,7 @@ def test_every_shard_equals_its_slice_and_only_its_bytes_are_read(checkpoints, s
         [f for f in os.listdir(directory) if f.endswith(".safetensors")])) > 0
     full = full_tensors(directory)
     stored = sum(t.numel() * t.element_size() for t in full.values())
-    replicated = sum(full[p.name].numel() * 4 for p in plan.params if p.placement == "R")
+    replicated = sum(full[p.name].numel() * 4 for p in plan.params if p.placement.is_replicate)
     total = 0
     for rank in range(tp):
         module = shard_module(plan, tp, rank, family=family)

@@ -40,7 +40,7 @@ def _summary(model, errors, rank, tp) -> dict:
     local = dict(model.named_parameters())
     return {
         "errors": {k: errors[k] for k in ("loss", "logits", "grad")},
-        "experts": {n: p.placement for n, p in full.items() if n.endswith(EXPERTS)},
+        "experts": {n: str(p.placement) for n, p in full.items() if n.endswith(EXPERTS)},
         "experts_local": {n: tuple(local[n].shape) for n in full if n.endswith(EXPERTS)},
         "forward": [(c.kind, c.where, c.count) for c in plan.collectives if c.direction == "forward"],
         "backward_hidden": [(c.where, c.count) for c in plan.collectives if c.direction == "backward"
@@ -163,7 +163,7 @@ def test_interleaved_gate_up_is_column_parallel_with_either_kernel(kernel):
     assert ("grouped_mm" in local.code) == (kernel == "grouped_mm")
     layers = config.num_hidden_layers
     for i in range(layers):
-        assert plan.param(f"model.layers.{i}.mlp.experts.gate_up_proj").placement == "S(2)"
-        assert plan.param(f"model.layers.{i}.mlp.experts.down_proj").placement == "S(1)"
+        assert str(plan.param(f"model.layers.{i}.mlp.experts.gate_up_proj").placement) == "S(2)"
+        assert str(plan.param(f"model.layers.{i}.mlp.experts.down_proj").placement) == "S(1)"
     assert plan.count("all_reduce", "forward") == 2 * layers + 1 and not plan.fallbacks
     assert plan.count("all_gather", "forward") == 1  # the vocab-parallel cross-entropy statistics

@@ -23,7 +23,7 @@ def test_blocked_shard_keeps_its_block_and_is_not_segmented():
 
 def test_segmented_shard_holds_its_chunk_of_every_part():
     # a fused q/k/v weight of 4 + 2 + 2 rows over 2 ranks: rank 1 holds q rows 2-3, k row 5, v row 7
-    plan = ParamPlan("qkv.weight", (8, 3), str(S(0, (4, 2, 2))), "fused")
+    plan = ParamPlan("qkv.weight", (8, 3), S(0, (4, 2, 2)), "fused")
     full = torch.arange(24).view(8, 3)
     assert shard_pieces(8, 1, 2, (4, 2, 2)) == [(2, 4), (5, 6), (7, 8)]
     assert plan.shard_of(full, 1, 2).tolist() == full[[2, 3, 5, 7]].tolist()
@@ -38,7 +38,7 @@ def test_segmented_shard_holds_its_chunk_of_every_part():
 def test_whole_segments_are_held_entire_by_every_rank():
     # multi-query q/k/v: 4 query rows split over 2 ranks, the single k row and v row on both
     p = S(0, (4, 1, 1), whole=(1, 2))
-    plan = ParamPlan("qkv.weight", (6, 3), str(p), "fused")
+    plan = ParamPlan("qkv.weight", (6, 3), p, "fused")
     full = torch.arange(18).view(6, 3)
     assert shard_pieces(6, 1, 2, (4, 1, 1), whole=(1, 2)) == [(2, 4), (4, 5), (5, 6)]
     assert plan.shard_of(full, 1, 2).tolist() == full[[2, 3, 4, 5]].tolist()
@@ -50,6 +50,6 @@ def test_whole_segments_are_held_entire_by_every_rank():
 
 
 def test_plain_shard_is_one_piece():
-    plan = ParamPlan("w", (4, 6), "S(1)", "column")
+    plan = ParamPlan("w", (4, 6), S(1), "column")
     assert plan.local_slices(1, 3) == (slice(0, 4), slice(2, 4))
     assert plan.pieces(1, 3) == [((slice(0, 4), slice(2, 4)), (slice(0, 4), slice(0, 2)))]

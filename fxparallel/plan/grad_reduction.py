@@ -9,29 +9,22 @@ heads than ranks: the kv heads are expanded to one per query head and then slice
 per rank, and the reduction is cheaper before the expansion, by the repeat factor.
 
 The solver (to cost a plan) and the rewrite (to insert the collective) both use
-``reduction_point``, so the plan reports what the graph does.
+``reduction_point``, so the plan reports what the graph does. Which ops are pure reshapes:
+``op_traits.PURE_RESHAPES``.
 """
 from __future__ import annotations
-
-import operator
 
 import torch
 import torch.fx as fx
 
+from .op_traits import PURE_RESHAPES, op_name
 from .rules.base import requires_grad
-
-_RESHAPE_METHODS = {"view", "reshape", "expand", "transpose", "permute", "unsqueeze", "contiguous", "flatten"}
-_RESHAPE_FUNCTIONS = {torch.reshape, torch.transpose, torch.permute, torch.unsqueeze, torch.flatten}
 
 
 def _is_pure_reshape(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target in _RESHAPE_METHODS
-    if node.op != "call_function":
-        return False
-    if node.target in _RESHAPE_FUNCTIONS:
+    if op_name(node) in PURE_RESHAPES:
         return True
-    if node.target is operator.getitem and isinstance(node.args[1], tuple):  # x[:, :, None]: adds a dim only
+    if op_name(node) == "getitem" and isinstance(node.args[1], tuple):  # x[:, :, None]: adds a dim only
         return all(i is None or i is Ellipsis or i == slice(None) for i in node.args[1])
     return False
 

@@ -20,7 +20,7 @@ A shard may be *blocked*: dimension ``d`` merges a replicated outer factor with 
 sharded inner one of ``block`` elements, as when batch and heads are flattened
 into one dimension (``q.reshape(batch * heads, seq, head_dim)``, Bloom's
 attention). Each rank holds its part of every block: its heads of every
-sequence. Only rules that know this layout accept it (``rules.base.handles_blocks``).
+sequence. Only rules that know this layout accept it (``rules.base.Rule.handles_blocks``).
 """
 from __future__ import annotations
 

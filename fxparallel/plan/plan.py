@@ -21,24 +21,24 @@ UNUSED = "not used by the forward: replicated"  # the reason of a parameter the 
 class ParamPlan:
     name: str
     shape: tuple
-    placement: str  # "R", "S(0)", ...
+    placement: Placement  # R, S(0), ... (a string given here is parsed once; JSON holds the string)
     reason: str
     aliases: tuple = ()  # other names of the same (tied) parameter
     # uneven shard: per segment (one for a plain shard), each rank's size along the sharded dim; () if even
     split: tuple = ()
+
+    def __post_init__(self):
+        if isinstance(self.placement, str):
+            object.__setattr__(self, "placement", Placement.parse(self.placement))
 
     @property
     def used(self) -> bool:
         """Does the forward read it? (A multimodal model's vision tower does not, in a text forward.)"""
         return self.reason != UNUSED
 
-    @property
-    def layout(self) -> Placement:
-        return Placement.parse(self.placement)
-
     def local_shape(self, tp: int, rank: Optional[int] = None) -> tuple:
         """Shape of a rank's shard; an uneven shard differs by rank, so it needs ``rank``."""
-        p = self.layout
+        p = self.placement
         if not p.is_shard:
             return tuple(self.shape)
         shape = list(self.shape)
@@ -68,7 +68,7 @@ class ParamPlan:
 
     def pieces(self, rank: int, tp: int) -> list:
         """[(index into the full tensor, index into the local shard)] that make up this rank's shard."""
-        p = self.layout
+        p = self.placement
         full = [slice(0, s) for s in self.shape]
         if not p.is_shard:
             return [(tuple(full), tuple(full))]
@@ -83,7 +83,7 @@ class ParamPlan:
 
     def shard_of(self, full, rank: int, tp: int):
         """This rank's shard of the full tensor ``full`` (pieces concatenated)."""
-        p = self.layout
+        p = self.placement
         parts = [full[src] for src, _ in self.pieces(rank, tp)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=p.dim)
 
@@ -149,7 +149,7 @@ class ShardingPlan:
             "model_type": self.model_type,
             "tp": self.tp,
             "dtype": self.dtype,
-            "params": [asdict(p) for p in self.params],
+            "params": [{**asdict(p), "placement": str(p.placement)} for p in self.params],
             "collectives": [asdict(c) for c in self.collectives],
             "fallbacks": list(self.fallbacks),
             "sequence_parallel": self.sequence_parallel,
@@ -163,7 +163,8 @@ class ShardingPlan:
             model_type=d["model_type"],
             tp=d["tp"],
             dtype=d.get("dtype", "float32"),
-            params=[ParamPlan(p["name"], tuple(p["shape"]), p["placement"], p["reason"], tuple(p.get("aliases", ())),
+            params=[ParamPlan(p["name"], tuple(p["shape"]), Placement.parse(p["placement"]), p["reason"],
+                              tuple(p.get("aliases", ())),
                               tuple(tuple(s) for s in p.get("split", ())))
                     for p in d["params"]],
             collectives=[CollectivePlan(**c) for c in d["collectives"]],
@@ -199,7 +200,7 @@ class ShardingPlan:
             p = members[0]
             name = pattern + (f" (= {', '.join(p.aliases)})" if p.aliases else "")
             count = f"x{len(members)}" if len(members) > 1 else ""
-            placement = p.placement + (f" {p.split_text()}" if p.split else "")
+            placement = str(p.placement) + (f" {p.split_text()}" if p.split else "")
             rows.append((name, count, "x".join(map(str, p.shape)), placement, p.reason))
         widths = [max(len(r[i]) for r in rows + [("parameter", "", "shape", "placement", "why")]) for i in range(5)]
         out = [f"fxparallel plan: {self.model_type}, tp={self.tp}, {self.dtype}"
@@ -236,7 +237,7 @@ class ShardingPlan:
         if self.fallbacks:
             out.append("replicated by fallback (gathered):")
             out.extend(f"  {f}" for f in self.fallbacks)
-        replicated = [p.name for p in self.params if p.placement == "R" and len(p.shape) >= 2]
+        replicated = [p.name for p in self.params if p.placement.is_replicate and len(p.shape) >= 2]
         if replicated:
             out.append("matrices left replicated: " + ", ".join(sorted({layer_pattern(n) for n in replicated})))
         return "\n".join(out)

@@ -44,6 +44,7 @@ import torch.fx as fx
 from ..capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
 from ..capture.graph import CapturedGraph
 from .grad_reduction import reduction_point
+from .op_traits import SHAPE_QUERIES, op_name
 from .placement import R, Placement, is_sharded
 from .rules import RuleContext, Strategy, rule_for, tensor_inputs
 from .rules.base import requires_block, requires_grad, requires_whole
@@ -200,9 +201,9 @@ class Solver:
             return [((0.0, 0.0, 0, ()), self._non_tensor(node, plan, ins, in_pl))]
         rule = rule_for(node)
         strategies = rule(node, in_pl, self.ctx) if rule else []
-        if not getattr(rule, "handles_blocks", False):  # a rule unaware of blocked shards must not get one
+        if rule is None or not rule.handles_blocks:  # a rule unaware of blocked shards must not get one
             strategies = [s for s in strategies if not requires_block(s)]
-        if not getattr(rule, "handles_whole", False):  # nor of whole segments
+        if rule is None or not rule.handles_whole:  # nor of whole segments
             strategies = [s for s in strategies if not requires_whole(s)]
         options = []
         for index, s in enumerate(strategies):
@@ -225,7 +226,7 @@ class Solver:
 
     def _non_tensor(self, node, plan, ins, in_pl) -> Strategy:
         """Size queries read only shapes; anything else (item(), ...) reads data and needs it whole."""
-        shape_only = node.op == "call_method" and node.target in ("size", "dim", "ndimension", "get_device")
+        shape_only = op_name(node) in SHAPE_QUERIES
         if shape_only and node.target == "size":
             x = node.args[0]
             p = in_pl.get(x)
@@ -289,6 +290,12 @@ class Solver:
         fake = param_node.meta["example_value"]
         return fake.numel() * fake.element_size() / self.ctx.tokens
 
+    def _reason(self, param_node, s: Strategy, req: Placement) -> str:
+        reason = s.note or ("replicated" if req.is_replicate else "sharded")
+        if req.is_replicate and param_node in self.negligible:
+            reason += f" (under {NEGLIGIBLE_SHARE:.0%} of its layer: chosen by communication)"
+        return reason
+
     def _apply(self, node, s: Strategy, key, plan: GraphPlan) -> None:
         plan.replicated_bytes += key[0]
         plan.comm_bytes += key[1]
@@ -301,11 +308,11 @@ class Solver:
                 if name not in plan.params:
                     plan.params[name] = req
                     plan.placements[i] = req
-                    plan.reasons[name] = s.note or ("replicated" if req.is_replicate else "sharded")
-                    if req.is_replicate and i in self.negligible:
-                        plan.reasons[name] += f" (under {NEGLIGIBLE_SHARE:.0%} of its layer: chosen by communication)"
+                    plan.reasons[name] = self._reason(i, s, req)
                     if i.meta["example_value"].dim() >= 2:
                         plan.patterns.setdefault(layer_pattern(name), req)
+                elif name not in plan.reasons and plan.params[name] == req:  # fixed beforehand: why it fits
+                    plan.reasons[name] = self._reason(i, s, req)
             cur = plan.placements.get(i)
             if isinstance(cur, Placement) and cur.is_partial and cur != req:
                 plan.redistributed.add((i, req))

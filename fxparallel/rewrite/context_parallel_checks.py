@@ -8,12 +8,12 @@ as given. ``check_config`` refuses what the config says (before any capture),
 """
 from __future__ import annotations
 
-import operator
-
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..plan.op_traits import ACTIVATION_PRODUCTS, SEQUENCE_MIXING, op_name
 from .context_parallel import SDPA, ContextParallelError, _arg
+
 
 def check_config(config) -> None:
     """Refuse configs whose attention is more than plain causal attention (before any capture)."""
@@ -45,21 +45,16 @@ def _depends_on(graph: fx.Graph, sources: set) -> set:
     return found
 
 
-# ops that would mix tokens along the sequence outside attention; a chunk cannot compute them
-_SEQUENCE_MIXING = {"cumsum", "cumprod", "roll", "flip", "diff", "conv1d", "conv2d", "conv3d", "cummax", "cummin",
-                    "logcumsumexp"}
-_ACTIVATION_PRODUCTS = {"matmul", "bmm", "baddbmm", "einsum", "mm"}
 _LABEL_VIEWS = {"view", "reshape", "to", "contiguous", "long", "flatten"}
 
 
 def _op_name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    if node.op == "call_function":
-        if node.target is operator.matmul:
-            return "matmul"
-        return getattr(node.target, "__name__", str(node.target))
-    return ""
+    """The op's canonical name (``plan/op_traits.py``); a spelling the table does not list (or a custom
+    op) goes by its own name, so that any alias of a sequence-mixing op is still refused."""
+    name = op_name(node)
+    if (name is not None and "::" not in name) or node.op not in ("call_function", "call_method"):
+        return name or ""
+    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
 
 
 def check_graph(captured, kind: str) -> None:
@@ -91,10 +86,10 @@ def check_graph(captured, kind: str) -> None:
         name = _op_name(node)
         if node not in tokens or node.op not in ("call_function", "call_method"):
             continue
-        if name in _SEQUENCE_MIXING:
+        if name in SEQUENCE_MIXING:
             raise ContextParallelError(f"{kind}: {name} ({node.name}) may mix tokens along the sequence, which a "
                                        "context-parallel chunk cannot compute")
-        if name in _ACTIVATION_PRODUCTS and sum(i in tokens for i in node.all_input_nodes) >= 2:
+        if name in ACTIVATION_PRODUCTS and sum(i in tokens for i in node.all_input_nodes) >= 2:
             raise ContextParallelError(f"{kind}: {name} ({node.name}) multiplies two activations (attention outside "
                                        "scaled_dot_product_attention?); context parallelism cannot split it")
     labels = by_argument.get("labels")

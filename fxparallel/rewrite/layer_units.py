@@ -42,6 +42,11 @@ log = logging.getLogger("fxparallel")
 _keys = itertools.count()
 
 
+def new_piece_key() -> str:
+    """A key no other graph of this process uses (the root code passes it to each layer module)."""
+    return f"graph{next(_keys)}"
+
+
 class SplitError(Exception):
     """The graph cannot be cut into per-layer pieces."""
 
@@ -51,6 +56,11 @@ class LayerPieces:
     key: str  # the root graph passes this to each layer module: which graph's piece to run
     forward: dict  # layer module path -> generated ``forward(self, *inputs)``, self = that module
     code: dict  # layer module path -> its source
+    root: str = ""  # the source of the root graph's own forward
+
+    def full_code(self) -> str:
+        """The root's code followed by every piece's (what ``LocalGraph.code`` shows)."""
+        return self.root + "".join(f"\n# {path}\n{src}" for path, src in self.code.items())
 
 
 class LayerUnit(nn.Module):
@@ -235,7 +245,7 @@ def split_by_layer(graph: fx.Graph, container: str) -> tuple:
     piece, order, begins = _assign(graph, container)
     if not order:
         raise SplitError("no node reads a layer's parameters")
-    key = f"graph{next(_keys)}"
+    key = new_piece_key()
     members = {layer: [n for n in graph.nodes if piece.get(n) == layer] for layer in order}
     starts = {node: layer for layer, node in begins.items()}
     root = fx.Graph()
@@ -306,5 +316,5 @@ def generate_layered_forward(graph: fx.Graph, param_names: Iterable[str]):
         warnings.simplefilter("ignore")
         for path, piece in pieces.items():
             fns[path], codes[path] = generate_forward(piece)
-    full = code + "".join(f"\n# {path}\n{src}" for path, src in codes.items())
-    return forward, full, LayerPieces(key, fns, codes)
+    pieces = LayerPieces(key, fns, codes, root=code)
+    return forward, pieces.full_code(), pieces

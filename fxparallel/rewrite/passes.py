@@ -63,6 +63,7 @@ class PassContext:
     forward: Optional[Callable] = None  # the generated code
     code: str = ""
     pieces: object = None  # LayerPieces, when split by layer
+    timings: dict = field(default_factory=dict)  # seconds per stage (api.plan_graph)
 
     @property
     def graph(self) -> fx.Graph:

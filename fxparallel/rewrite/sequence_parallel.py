@@ -8,7 +8,8 @@ Here:
 
 * each such forward ``all_reduce`` of a [.., batch, seq, ..] activation becomes a
   ``reduce_scatter_seq`` (this rank keeps seq / tp tokens);
-* the shard flows through the ops that are verified token-wise from the graph (op by op:
+* the shard flows through the ops that are verified token-wise from the graph (op by op, the ops
+  named in ``plan/op_traits.py``:
   elementwise with operands that do not vary along the sequence, reductions and norms
   over other dims, dropout (its mask: this rank's tokens of the logical one,
   ``rewrite/dropout.py``) and slices, views that keep or merge batch and sequence);
@@ -30,32 +31,20 @@ all-reduce in a ring), by construction.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ..errors import ShardingError
+from ..plan import op_traits
+from ..plan.op_traits import op_name
 from ..plan.rules.base import arg, norm_dim, requires_grad
 from . import collectives
 from .dropout import add_cut, logical_dropout
 from .gradient_reductions import insert_copy_to_tp
 
-ELEMENTWISE = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
-    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.rsqrt, torch.sqrt, torch.exp,
-    torch.tanh, torch.sigmoid, torch.erf, torch.abs, torch.square, torch.where, torch.clamp,
-    F.silu, F.gelu, F.relu, F.tanh, F.sigmoid, F.softplus, F.mish,
-    "to", "float", "half", "bfloat16", "double", "contiguous", "pow", "rsqrt", "sqrt", "exp", "tanh",
-    "sigmoid", "add", "sub", "mul", "div", "neg", "abs", "clamp", "square", "clone",
-}
-REDUCTIONS = {torch.mean, torch.sum, torch.amax, "mean", "sum", "amax"}
-NORMS = {F.layer_norm: 1, F.rms_norm: 1}  # op -> index of normalized_shape
-VIEWS = {"view", "reshape", torch.reshape}
-SIZES = {"size"}
 
 
 @dataclass(frozen=True)
@@ -148,23 +137,24 @@ class _Pass:
 
     # ---- token-wise rules: the output's TokenDim, or a reason ----------------------------------
     def out_dim(self, node: fx.Node, dims: dict):
-        key = _key(node)
+        key, name = _key(node), op_name(node)
         sharded = [n for n in node.all_input_nodes if n in dims]
         first = sharded[0]
-        if key in ELEMENTWISE or key is logical_dropout or (key is F.dropout and self._identity_dropout(node)):
+        if name in op_traits.TOKEN_WISE or key is logical_dropout or \
+                (name == "dropout" and self._identity_dropout(node)):
             return self._elementwise(node, dims, sharded)
-        if key in REDUCTIONS and node.all_input_nodes[0] is first and len(sharded) == 1:
+        if name in op_traits.TOKEN_WISE_REDUCTIONS and node.all_input_nodes[0] is first and len(sharded) == 1:
             return self._reduction(node, dims[first])
-        if key in NORMS and node.all_input_nodes[0] is first and len(sharded) == 1:
-            shape = arg(node, NORMS[key], "normalized_shape")
+        if name in op_traits.NORMALIZED_SHAPE_ARG and node.all_input_nodes[0] is first and len(sharded) == 1:
+            shape = arg(node, op_traits.NORMALIZED_SHAPE_ARG[name], "normalized_shape")
             t = dims[first]
             count = len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
             if count >= _value(first).dim() - t.dim:
                 return "normalizes over the sequence"
             return self._checked(node, t, "norm")
-        if key in VIEWS and node.args[0] is first and len(sharded) == 1:
+        if name in op_traits.SIZED_VIEWS and node.args[0] is first and len(sharded) == 1:
             return self._view(node, first, dims[first])
-        if key is operator.getitem and node.args[0] is first and len(sharded) == 1:
+        if name == "getitem" and node.args[0] is first and len(sharded) == 1:
             return self._getitem(node, dims[first])
         return f"{getattr(key, '__name__', key)} is not known to be token-wise"
 
@@ -267,7 +257,7 @@ class _Pass:
                 parent[r] = root
             if node.target is collectives.copy_to_tp:
                 continue  # becomes gather_seq_to_tp
-            if _key(node) in SIZES and len(sharded) == 1 and node.args[0] is sharded[0]:
+            if op_name(node) == "size" and len(sharded) == 1 and node.args[0] is sharded[0]:
                 continue  # full size, computed
             result = self.out_dim(node, dims)
             if isinstance(result, TokenDim):
@@ -331,7 +321,7 @@ class _Pass:
             if node in dims:
                 if node.target is collectives.reduce_scatter_seq:
                     continue  # its input is the partial sum, not a replicated value
-                if _key(node) in VIEWS:
+                if op_name(node) in op_traits.SIZED_VIEWS:
                     self._local_view(node, dims[node])
                 if _key(node) is logical_dropout:  # this rank's tokens of the logical mask
                     t = dims[node]
@@ -350,7 +340,7 @@ class _Pass:
                 gathered.meta["example_value"] = node.meta.get("example_value")
                 node.replace_all_uses_with(gathered)
                 g.erase_node(node)
-            elif _key(node) in SIZES:
+            elif op_name(node) == "size":
                 index = tuple(node.args[1:]) + ((node.kwargs["dim"],) if "dim" in node.kwargs else ())
                 node.target, node.op = full_size, "call_function"
                 node.args, node.kwargs = (shard, t.dim, self.tp, t.flat, *index), {}

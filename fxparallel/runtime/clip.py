@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from ..plan.placement import Placement
 from .dtensor import dp_placement, local_part
 
 
@@ -33,7 +32,7 @@ def _grads_with_multiplicity(model, mesh):
         if param.grad is None:
             continue
         plan = model.plan.param(name)
-        tp_replicated = not plan.placement.startswith("S")
+        tp_replicated = not plan.placement.is_shard
         dp_replicated = not isinstance(dp_placement(param.grad), Shard)
         counts = (not tp_replicated or mesh.tp_rank == 0) and (not dp_replicated or mesh.dp_cp_rank == 0)
         grad = local_part(param.grad)
@@ -44,7 +43,7 @@ def _grads_with_multiplicity(model, mesh):
 def _whole_rows(plan, grad, fsdp_sharded: bool, mesh) -> list:
     """The parts of ``grad`` (this rank's gradient of ``plan``'s parameter) that are whole segments,
     as views: the same on every tp rank."""
-    p = Placement.parse(plan.placement)
+    p = plan.placement
     if not p.whole:
         return []
     pieces = plan.pieces(mesh.tp_rank, mesh.tp)

@@ -1,7 +1,7 @@
 """A rank's piece of a parameter, seen as one DTensor of the FULL model tensor.
 
 Composition order is TP then FSDP: ``parallelize`` gives each rank its tensor-parallel
-shard (placement ``param._fxparallel.placement``, "R" or "S(d)"), then ``fully_shard``
+shard (placement ``param._fxparallel.placement``, R or S(d)), then ``fully_shard``
 splits that shard over the dp x cp ranks along dim 0 (torch.chunk sizes, like
 DTensor's Shard). On the 2-D mesh ("tp", "dp_cp") that is exactly the DTensor with
 placements ``(tp placement, Shard(0))``: DTensor applies placements in mesh-dimension
@@ -16,12 +16,11 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..plan.layout import chunked
-from ..plan.placement import Placement
 from ..rewrite.collectives import gather_parts
 
 
 def tp_placement(plan_param):
-    p = Placement.parse(plan_param.placement)
+    p = plan_param.placement
     if p.segments:
         # a fused weight's shard is one chunk of each of its parts: no single DTensor placement says
         # that; callers go through ``segment_views`` / ``full_tensor`` instead
@@ -43,7 +42,7 @@ def refuse_uneven(plan_param) -> None:
 
 def is_chunk_split(plan_param) -> bool:
     """An uneven plain shard whose per-rank sizes are torch.chunk's (learned position tables)."""
-    p = Placement.parse(plan_param.placement)
+    p = plan_param.placement
     split = getattr(plan_param, "split", ())
     return (len(split) == 1 and not p.segments and p.is_shard
             and tuple(split[0]) == chunked(plan_param.shape[p.dim], len(split[0])))
@@ -51,7 +50,7 @@ def is_chunk_split(plan_param) -> bool:
 
 def segments_of(plan_param):
     """The segment sizes of a fused weight's shard (q, k, v / gate, up), or None."""
-    return Placement.parse(plan_param.placement).segments
+    return plan_param.placement.segments
 
 
 def dp_placement(tensor):
@@ -92,7 +91,7 @@ def segment_views(tensor, plan_param, mesh):
     whole TP shard (gathered over dp x cp, as FSDP does for every forward) and replicated over
     dp x cp; ``write_back()`` copies a loaded TP shard into this rank's FSDP chunk."""
     refuse_uneven(plan_param)
-    p = Placement.parse(plan_param.placement)
+    p = plan_param.placement
     tp_shard = tensor.detach()
     if isinstance(tp_shard, DTensor):
         tp_shard = tp_shard.full_tensor()
@@ -136,7 +135,7 @@ def full_tensor(tensor, plan_param, mesh) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()  # this rank's whole TP shard
     tp, group = tp_of(mesh)
-    p = Placement.parse(plan_param.placement)
+    p = plan_param.placement
     if not p.is_shard or tp == 1:
         return tensor
     sizes = [plan_param.local_shape(tp, r)[p.dim] for r in range(tp)]

@@ -7,13 +7,12 @@ their shape arithmetic), indexing (getitem), linear (linear, addmm, matmul),
 embedding, attention (scaled_dot_product_attention), dropout (F.dropout and sdpa's dropout_p in
 training: slices of one logical mask), cache (writes into a KV cache), loss (cross_entropy),
 custom_autograd (torch.autograd.Function bodies that are pointwise),
-experts (MoE expert weights: gather by ids, grouped_mm). ``partial`` adds, in front of the
-rules above, the ways to carry a partial sum through ops linear in it: import it last.
+experts (MoE expert weights: gather by ids, grouped_mm). ``partial`` registers the ways to carry a
+partial sum through ops linear in it; ``base.rule_for`` offers them before the op's own rule.
+Rules are registered by canonical op name; the spellings and traits of ops: ``../op_traits.py``.
 """
-from . import (attention, cache, custom_autograd, elementwise, embedding, experts, indexing,  # noqa: F401
-               linear, loss, multi_output, norms, reductions, views)  # (each registers its rules)
-from . import dropout  # noqa: F401,E402  (after elementwise and attention, whose rules it builds on)
-from . import partial  # noqa: F401,E402  (wraps the rules registered above)
+from . import (attention, cache, custom_autograd, dropout, elementwise, embedding, experts,  # noqa: F401
+               indexing, linear, loss, multi_output, norms, partial, reductions, views)  # (each registers its rules)
 from .base import RuleContext, Strategy, register, rule_for, tensor_inputs
 
 __all__ = ["RuleContext", "Strategy", "register", "rule_for", "tensor_inputs"]

@@ -1,14 +1,13 @@
 """scaled_dot_product_attention: heads are independent, so q, k, v sharded by head
 give each rank its heads' output. A mask with a head dimension is sliced with them.
-A single key/value head (multi-query attention) serves every rank's query heads whole."""
+A single key/value head (multi-query attention) serves every rank's query heads whole.
+``dropout.py`` registers the rule, adding what attention dropout needs."""
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ..placement import R, S
-from .base import Strategy, arg, register, tensor_inputs
+from .base import Strategy, arg, tensor_inputs
 
 
 def _sdpa(node, placements, ctx):
@@ -45,5 +44,3 @@ def _same_groups(sizes, ctx) -> bool:
     parts = [ctx.split_sizes(s) for s in sizes]
     return all(part[r] * sizes[0] == parts[0][r] * s for s, part in zip(sizes, parts) for r in range(ctx.tp))
 
-
-register(F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)(_sdpa)

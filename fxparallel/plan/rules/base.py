@@ -1,4 +1,4 @@
-"""What an op rule is, and the registry that maps graph ops to rules.
+"""What an op rule is, and the registry that maps graph ops (by canonical name, ``op_traits.py``) to rules.
 
 A rule looks at one FX node and the current placements of its tensor inputs and
 returns the ways the op can run locally (``Strategy``), cheapest-first by
@@ -14,6 +14,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.fx as fx
 
+from .. import op_traits
 from ..layout import ShardLayout
 from ..placement import Placement
 
@@ -95,54 +96,67 @@ class RuleContext:
         return bytes_per_token(node, self.tokens)
 
 
-Rule = Callable[[fx.Node, dict, RuleContext], list]
-
-_RULES: dict = {}
+Strategies = Callable[[fx.Node, dict, RuleContext], list]
 
 
-def op_key(node: fx.Node):
-    if node.op == "call_method":
-        return ("method", node.target)
-    if node.op == "call_function":
-        packet = getattr(node.target, "_overloadpacket", node.target)  # torch.ops.ns.op(.overload)
-        name = getattr(packet, "_qualified_op_name", None)
-        return ("op", name) if isinstance(name, str) else node.target
-    return None
+@dataclass(frozen=True)
+class Rule:
+    """A registered rule: the strategies of an op, and which shard layouts (``placement.py``) they keep right.
+
+    ``handles_blocks``: it passes a blocked shard on whole (``with_dim``) or converts it knowingly;
+    ``handles_whole``: it keeps the whole segments of a segmented shard right. The solver offers
+    such an input only to a rule that handles it; any other rule reads it gathered."""
+
+    strategies: Optional[Strategies]
+    handles_blocks: bool = False
+    handles_whole: bool = False
+    first: Optional[Strategies] = None  # offered before ``strategies`` (partial sums, ``partial.py``)
+
+    def __call__(self, node: fx.Node, placements: dict, ctx: RuleContext) -> list:
+        found = self.first(node, placements, ctx) if self.first is not None else []
+        return found + (self.strategies(node, placements, ctx) if self.strategies is not None else [])
 
 
-def register(*targets):
-    """Register a rule for call_function targets (callables), call_method names (strings) or custom ops
-    by qualified name ("namespace::op", so that the op need not be registered yet)."""
+_RULES: dict = {}  # canonical op name (op_traits.py) -> Rule
+_FIRST: dict = {}  # canonical op name -> strategies offered before its rule's
 
-    def wrap(fn: Rule) -> Rule:
-        for t in targets:
-            if t is None:
-                continue
-            if isinstance(t, str):
-                _RULES[("op", t) if "::" in t else ("method", t)] = fn
-            else:
-                _RULES[t] = fn
+
+def _names(names) -> list:
+    out = [n for n in names if n is not None]
+    unknown = [n for n in out if not isinstance(n, str) or not op_traits.is_known(n)]
+    if unknown:
+        raise KeyError(f"register ops by their canonical name in plan/op_traits.py, not {unknown}")
+    return out
+
+
+def register(*names, blocks: bool = False, whole: bool = False):
+    """Register a rule for ops by canonical name (``op_traits.SPELLINGS``; a custom op by its qualified
+    name "namespace::op", so that the op need not be registered yet). ``blocks`` / ``whole``: see ``Rule``."""
+
+    def wrap(fn: Strategies) -> Strategies:
+        for name in _names(names):
+            if name in _RULES:  # one rule per op, so that the registry does not depend on import order
+                raise ValueError(f"{name} has a rule already: {_RULES[name].strategies.__qualname__}")
+            _RULES[name] = Rule(fn, blocks, whole)
         return fn
 
     return wrap
 
 
-def handles_blocks(fn: Rule) -> Rule:
-    """Mark a rule that keeps a blocked shard (``placement.py``) right: it passes the placement on
-    whole (``with_dim``) or converts it knowingly. The solver offers a blocked input only to these."""
-    fn.handles_blocks = True
-    return fn
+def register_first(*names):
+    """Register strategies offered before each op's own rule, whichever module is imported first."""
+
+    def wrap(fn: Strategies) -> Strategies:
+        for name in _names(names):
+            if _FIRST.setdefault(name, fn) is not fn:
+                raise ValueError(f"{name} has strategies registered first already")
+        return fn
+
+    return wrap
 
 
 def requires_block(strategy: "Strategy") -> bool:
     return any(isinstance(p, Placement) and p.block is not None for p in strategy.inputs.values())
-
-
-def handles_whole(fn: Rule) -> Rule:
-    """Mark a rule that keeps the whole segments of a segmented shard (``placement.py``) right. The
-    solver offers such a value to these rules only; any other op reads it gathered."""
-    fn.handles_whole = True
-    return fn
 
 
 def requires_whole(strategy: "Strategy") -> bool:
@@ -150,7 +164,14 @@ def requires_whole(strategy: "Strategy") -> bool:
 
 
 def rule_for(node: fx.Node) -> Optional[Rule]:
-    return _RULES.get(op_key(node))
+    """The rule of a node's op: its own strategies, with those registered first in front."""
+    name = op_traits.op_name(node)
+    own, first = _RULES.get(name), _FIRST.get(name)
+    if first is None:
+        return own
+    if own is None:
+        return Rule(None, first=first)
+    return Rule(own.strategies, own.handles_blocks, own.handles_whole, first)
 
 
 def tensor_inputs(node: fx.Node) -> list:

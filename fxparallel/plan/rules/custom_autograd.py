@@ -12,21 +12,16 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..op_traits import POINTWISE, op_name
 from ..placement import R
 from .base import Strategy, register, tensor_inputs
-from .elementwise import _FUNCTIONS, _METHODS
-
-_POINTWISE_FUNCTIONS = {f for f in _FUNCTIONS if f is not None} | {torch._C._set_grad_enabled}
-_POINTWISE_METHODS = set(_METHODS)
 
 
 def is_pointwise_body(body) -> bool:
     for n in body.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
-        if n.op == "call_function" and n.target in _POINTWISE_FUNCTIONS:
-            continue
-        if n.op == "call_method" and n.target in _POINTWISE_METHODS:
+        if op_name(n) in POINTWISE or (n.op == "call_function" and n.target is torch._C._set_grad_enabled):
             continue
         return False
     return True
@@ -63,4 +58,4 @@ def _autograd_function(node, placements, ctx):
     return strategies
 
 
-register(torch.ops.higher_order.autograd_function_apply)(_autograd_function)
+register("autograd_function_apply")(_autograd_function)

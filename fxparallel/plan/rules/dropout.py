@@ -13,13 +13,10 @@ and names ``attention_with_dropout``: its heads' part of the logical attention m
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
 from ...capture.dropout import is_identity_dropout
 from ..placement import Placement
 from .attention import _sdpa
-from .base import LocalOp, Strategy, arg, handles_blocks, register
+from .base import LocalOp, Strategy, arg, register
 from .elementwise import pointwise_strategies
 
 
@@ -42,7 +39,7 @@ def _dropout(node, placements, ctx):
             and _fixed(node, s.output, ctx)]
 
 
-register(F.dropout)(handles_blocks(_dropout))  # identity dropouts keep blocks; the others never get one
+register("dropout", blocks=True)(_dropout)  # identity dropouts keep blocks; the others never get one
 
 
 def _attention(node, placements, ctx):
@@ -55,4 +52,4 @@ def _attention(node, placements, ctx):
             if _fixed(node, s.output, ctx)]
 
 
-register(F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)(_attention)
+register("scaled_dot_product_attention")(_attention)

@@ -6,39 +6,15 @@ value, shared by all its consumers), never carried through.
 Inputs are aligned from the right (broadcasting). A replicated input that has the
 full size along the sharded dimension is sliced locally (free); one that
 broadcasts there (size 1 or missing) is used whole. Dropout has its own rule (``dropout.py``):
-its mask is part of a logical one.
+its mask is part of a logical one. Which ops are pointwise: ``op_traits.POINTWISE``.
 """
 from __future__ import annotations
 
-import operator
-
-import torch
-import torch.nn.functional as F
-
+from ..op_traits import POINTWISE
 from ..placement import R
-from .base import Strategy, handles_blocks, register, tensor_inputs
+from .base import Strategy, register, tensor_inputs
 
-_FUNCTIONS = [  # pointwise functions (unary, binary, ternary)
-    torch.rsqrt, torch.sqrt, torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.cos, torch.sin,
-    torch.abs, torch.erf, torch.square, torch.reciprocal, torch.log1p, torch.expm1, torch.sign, torch.clamp,
-    torch.clip, torch.pow, torch.where, torch.maximum, torch.minimum, torch.add, torch.sub, torch.mul,
-    torch.div, torch.true_divide, torch.neg, torch.masked_fill, torch.lerp, torch.addcmul, torch.nan_to_num,
-    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like,
-    F.silu, F.gelu, F.relu, F.tanh, F.sigmoid, F.softplus, F.leaky_relu, F.elu, F.mish, F.hardtanh, F.relu6,
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.pow, operator.neg,
-    operator.and_, operator.or_, operator.xor, operator.invert, operator.eq, operator.ne, operator.lt,
-    operator.le, operator.gt, operator.ge, operator.mod, operator.iadd, operator.imul, operator.isub,
-    operator.itruediv,
-    getattr(torch._C._nn, "gelu", None), getattr(torch._C._nn, "silu", None), getattr(torch._C._nn, "softplus", None),
-]
-_METHODS = [
-    "add", "sub", "mul", "div", "truediv", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "tanh", "sigmoid",
-    "cos", "sin", "abs", "float", "half", "bfloat16", "double", "to", "type", "type_as", "clamp", "clamp_min",
-    "clamp_max", "clip", "masked_fill", "masked_fill_", "where", "square", "reciprocal", "add_", "mul_", "sub_",
-    "div_", "neg_", "sign", "erf", "relu", "silu", "gelu", "softplus", "long", "int", "bool", "lerp",
-    "__and__", "__or__", "__invert__", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
-    "logical_not", "fill_", "zero_", "nan_to_num", "detach", "clone", "contiguous", "requires_grad_",
-]
+
 def pointwise_strategies(node, placements, ctx, inputs=None):
     inputs = tensor_inputs(node) if inputs is None else inputs
     out = ctx.fake(node)
@@ -69,7 +45,7 @@ def pointwise_strategies(node, placements, ctx, inputs=None):
     return strategies
 
 
-register(*_FUNCTIONS, *_METHODS)(handles_blocks(pointwise_strategies))
+register(*sorted(POINTWISE), blocks=True)(pointwise_strategies)
 
 
 def _min_max(node, placements, ctx):
@@ -82,4 +58,4 @@ def _min_max(node, placements, ctx):
     return pointwise_strategies(node, placements, ctx)
 
 
-register(torch.min, torch.max, "min", "max")(_min_max)
+register("min", "max")(_min_max)

@@ -2,9 +2,7 @@
 it give zeros, and the partial results are summed), hidden-parallel, or replicated."""
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from ..placement import P, R, S
 from .base import LocalOp, Strategy, register
@@ -26,4 +24,4 @@ def _embedding(node, placements, ctx):
     return strategies
 
 
-register(F.embedding, torch.embedding)(_embedding)
+register("embedding")(_embedding)

@@ -136,7 +136,7 @@ def _index_select(node, placements, ctx):
     return gather_strategies(node, x, ids, placements, ctx, dim=dim % ctx.ndim(x))
 
 
-register(torch.index_select, "index_select")(_index_select)
+register("index_select")(_index_select)
 
 
 # ---- grouped_mm ------------------------------------------------------------------------------------------
@@ -162,5 +162,4 @@ def _grouped_mm(node, placements, ctx):
 
 
 # transformers' fallback custom op is registered when its moe integration is imported: named, not looked up
-register(getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None),
-         "transformers::grouped_mm_fallback")(_grouped_mm)
+register("grouped_mm", "transformers::grouped_mm_fallback")(_grouped_mm)

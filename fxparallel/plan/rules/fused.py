@@ -4,8 +4,8 @@ GPT-2's ``c_attn`` output is ``split`` into q, k, v; Phi-3's ``qkv_proj`` output
 sliced ``[..., :q]``, ``[..., q:q+kv]``, ...; ``gate_up_proj`` is ``chunk``-ed in two.
 Sharding such a weight contiguously would give rank 0 all of q and rank 1 all of
 v; sharding each part (segment) on its own keeps every rank's heads together.
-This analysis follows the output through shape-preserving ops to the split and
-returns the segment sizes, which the linear rule turns into a segmented shard.
+This analysis follows the output through shape-preserving ops (``op_traits.KEEPS_FEATURES``)
+to the split and returns the segment sizes, which the linear rule turns into a segmented shard.
 
 A part of fewer heads than ranks (multi-query attention's single key and value head)
 cannot be split by head: every rank keeps it whole (``whole_segments``) and computes it
@@ -19,8 +19,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-_TRANSPARENT_METHODS = {"to", "float", "half", "bfloat16", "contiguous", "view", "reshape", "add", "mul", "unsqueeze"}
-_TRANSPARENT_FUNCS = {operator.add, operator.mul, torch.add, torch.nn.functional.dropout, torch.unsqueeze}
+from ..op_traits import KEEPS_FEATURES, op_name
 
 
 def _value(node):
@@ -38,7 +37,7 @@ def _cuts(node: fx.Node, size: int) -> Optional[set]:
     """Boundaries at which ``node``'s last dimension is split (None: not split)."""
     target = node.target
     value = _value(node)
-    if (node.op == "call_method" and target in ("split", "chunk")) or target in (torch.split, torch.chunk):
+    if op_name(node) in ("split", "chunk"):
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         x_dim = _value(node.args[0]).dim()
         if dim % x_dim != x_dim - 1 or not isinstance(value, (tuple, list)):
@@ -128,11 +127,8 @@ def _fused_parts(node: fx.Node) -> Optional[tuple]:
                 found = _head_cuts(user, size)
             if found is not None:
                 cuts |= found
-            elif (user.op == "call_method" and user.target in _TRANSPARENT_METHODS) or (
-                user.op == "call_function" and user.target in _TRANSPARENT_FUNCS
-            ):
-                if _last_dim_size(user) == size:
-                    frontier.append(user)
+            elif op_name(user) in KEEPS_FEATURES and _last_dim_size(user) == size:
+                frontier.append(user)
     segments = None
     if cuts:
         bounds = [0] + sorted(cuts) + [size]

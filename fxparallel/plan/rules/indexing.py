@@ -3,13 +3,12 @@ whole, expert-id gathers (``experts.py``), strided slices of a block, and one se
 fused projection (its local slice is rewritten by ``rewrite/local_ops.py: segment_slice``)."""
 from __future__ import annotations
 
-import operator
 from typing import Optional
 
 import torch.fx as fx
 
 from ..placement import R, S
-from .base import LocalOp, Strategy, handles_whole, register, tensor_inputs
+from .base import LocalOp, Strategy, register, tensor_inputs
 from .dim_maps import index_shard_dim
 from .experts import gather_index, gather_strategies
 
@@ -101,7 +100,7 @@ def _symbolic_index_dim(index, ndim, dim):
     return index_shard_dim(simplified, ndim, dim)
 
 
-register(operator.getitem)(handles_whole(_getitem))
+register("getitem", whole=True)(_getitem)
 
 
 def _sharded_item(items: tuple, ndim: int, dim: int) -> Optional[int]:

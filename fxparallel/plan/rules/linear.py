@@ -11,13 +11,10 @@ v) is column-parallel with that part whole on every rank (``fused.whole_segments
 """
 from __future__ import annotations
 
-import operator
-
-import torch
 import torch.fx as fx
 
 from ..placement import P, R, S
-from .base import LocalOp, Strategy, arg, handles_blocks, handles_whole, register, tensor_inputs
+from .base import LocalOp, Strategy, arg, register, tensor_inputs
 from .fused import output_segments, whole_segments
 
 
@@ -66,7 +63,7 @@ def _linear(node, placements, ctx):
     return strategies
 
 
-register(torch._C._nn.linear, torch.nn.functional.linear)(handles_whole(_linear))
+register("linear", whole=True)(_linear)
 
 
 def _addmm(node, placements, ctx):
@@ -91,7 +88,7 @@ def _addmm(node, placements, ctx):
     return strategies
 
 
-register(torch.addmm)(handles_whole(_addmm))
+register("addmm", whole=True)(_addmm)
 
 
 def _matmul(node, placements, ctx):
@@ -140,7 +137,7 @@ def _batch_strategies(node, operands, placements, ctx) -> list:
     return strategies
 
 
-register(operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm")(handles_whole(handles_blocks(_matmul)))
+register("matmul", "bmm", blocks=True, whole=True)(_matmul)
 
 
 def _baddbmm(node, placements, ctx):
@@ -152,4 +149,4 @@ def _baddbmm(node, placements, ctx):
     return _batch_strategies(node, operands, placements, ctx) + [Strategy({t: R for t in operands}, R)]
 
 
-register(torch.baddbmm, "baddbmm")(handles_blocks(_baddbmm))
+register("baddbmm", blocks=True)(_baddbmm)

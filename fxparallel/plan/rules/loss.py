@@ -6,8 +6,6 @@ cross-entropy). The backward needs no communication.
 """
 from __future__ import annotations
 
-import torch.nn.functional as F
-
 from ..placement import R, S
 from .base import LocalOp, Strategy, arg, register, tensor_inputs
 
@@ -30,4 +28,4 @@ def _cross_entropy(node, placements, ctx):
     return strategies
 
 
-register(F.cross_entropy)(_cross_entropy)
+register("cross_entropy")(_cross_entropy)

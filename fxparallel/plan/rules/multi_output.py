@@ -7,10 +7,9 @@ the input is gathered.
 """
 from __future__ import annotations
 
-import torch
-
+from ..op_traits import op_name
 from ..placement import R, S
-from .base import LocalOp, Strategy, arg, handles_whole, norm_dim, register, tensor_inputs
+from .base import LocalOp, Strategy, arg, norm_dim, register, tensor_inputs
 
 
 def _along(node, placements, ctx, dim_index, dim_name, default_dim, n_out, keeps_dim=True):
@@ -25,9 +24,9 @@ def _along(node, placements, ctx, dim_index, dim_name, default_dim, n_out, keeps
     if p.is_shard and p.dim != dim:
         out_dim = p.dim if keeps_dim or p.dim < dim else p.dim - 1
         strategies.append(Strategy({x: p}, tuple(p.with_dim(out_dim) for _ in range(n))))
-    elif p.is_shard and p.segments and node.target in ("split", "chunk", torch.split, torch.chunk):
+    elif p.is_shard and p.segments and op_name(node) in ("split", "chunk"):
         sizes = tuple(int(v.shape[dim]) for v in value)
-        is_split = node.target in ("split", torch.split)
+        is_split = op_name(node) == "split"
         if sizes == tuple(p.segments) and (is_split or not p.whole):
             # a whole segment comes out replicated (plan/placement.py)
             strategies.append(Strategy({x: p}, tuple(R if i in p.whole else S(dim) for i in range(n)),
@@ -53,7 +52,7 @@ def _sort(node, placements, ctx):
     return _along(node, placements, ctx, 1, "dim", -1, 2)
 
 
-register("chunk", "split", "tensor_split", torch.chunk, torch.split, torch.tensor_split)(handles_whole(_chunk))
-register("unbind", torch.unbind)(_unbind)
-register("topk", torch.topk)(_topk)
-register("sort", torch.sort)(_sort)
+register("chunk", "split", "tensor_split", whole=True)(_chunk)
+register("unbind")(_unbind)
+register("topk")(_topk)
+register("sort")(_sort)

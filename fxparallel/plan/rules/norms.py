@@ -5,16 +5,14 @@ their weight and bias (shaped like the normalized dimensions) stay replicated.
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
+from ..op_traits import NORMALIZED_SHAPE_ARG, op_name
 from ..placement import R
 from .base import Strategy, arg, register, tensor_inputs
 
 
 def _norm(node, placements, ctx):
     x = node.args[0]
-    shape = arg(node, 1, "normalized_shape")
+    shape = arg(node, NORMALIZED_SHAPE_ARG[op_name(node)], "normalized_shape")
     inputs = tensor_inputs(node)
     n_norm = len(shape) if isinstance(shape, (tuple, list)) else 1
     p = placements[x]
@@ -25,4 +23,4 @@ def _norm(node, placements, ctx):
     return strategies
 
 
-register(F.layer_norm, torch.layer_norm, F.rms_norm, getattr(torch, "rms_norm", None))(_norm)
+register(*NORMALIZED_SHAPE_ARG)(_norm)

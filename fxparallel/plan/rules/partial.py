@@ -7,32 +7,18 @@ weights of a mixture of experts), adding two partial sums (routed and shared
 experts). A MoE block's row-parallel down projections are then reduced once, on the
 combined [tokens, hidden] output, instead of on every (token, expert) pair.
 
-The strategies are added in front of each op's own rule. A replicated operand that
+The strategies are offered before each op's own rule (``base.rule_for`` puts them in
+front); which ops are linear: ``op_traits.LINEAR_*``. A replicated operand that
 requires grad (the routing weights) gets its gradient all-reduced: on each rank it is
 the product with that rank's addend only.
 """
 from __future__ import annotations
 
-import operator
-
-import torch
 import torch.fx as fx
 
+from ..op_traits import DIVIDES, LINEAR_ADD, LINEAR_SCALE, LINEAR_UNARY, op_name
 from ..placement import P, R
-from .base import _RULES, Strategy, tensor_inputs
-
-# f(x) linear in its single tensor input
-_UNARY_FUNCTIONS = [torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.transpose, torch.permute,
-                    torch.sum, torch.mean, torch.neg, operator.neg]
-_UNARY_METHODS = ["view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose", "permute",
-                  "contiguous", "expand", "sum", "mean", "neg", "to", "float", "half", "bfloat16", "double", "type",
-                  "clone"]
-# x * y, x / y: linear in x when y is replicated (for mul: in either operand)
-_SCALE = [operator.mul, torch.mul, "mul", operator.imul, operator.truediv, torch.div, torch.true_divide, "div",
-          operator.itruediv]
-_DIVIDE = {operator.truediv, torch.div, torch.true_divide, "div", operator.itruediv}
-# x + y, x - y: linear when both are partial
-_ADD = [operator.add, torch.add, "add", operator.iadd, operator.sub, torch.sub, "sub", operator.isub]
+from .base import Strategy, register_first, tensor_inputs
 
 
 def _partial_inputs(node, placements):
@@ -67,7 +53,7 @@ def _scale(node, placements, ctx):
     if len(partial) != 1 or len(operands) != 2 or node.kwargs or not _worth_carrying(node, partial[0], ctx):
         return []
     x = partial[0]
-    if node.target in _DIVIDE and operands[0] is not x:
+    if op_name(node) in DIVIDES and operands[0] is not x:
         return []
     other = operands[1] if operands[0] is x else operands[0]
     if isinstance(other, fx.Node) and other in inputs and other is not x:
@@ -93,23 +79,6 @@ def _add(node, placements, ctx):
     return [Strategy({x: P for x in inputs}, P, note="sum of partial sums", name="partial")]
 
 
-def _in_front(extra, rule):
-    def combined(node, placements, ctx):
-        return extra(node, placements, ctx) + (rule(node, placements, ctx) if rule else [])
-
-    combined.__wrapped__ = rule
-    # the partial-sum strategies take neither blocks nor whole segments
-    combined.handles_blocks = getattr(rule, "handles_blocks", False)
-    combined.handles_whole = getattr(rule, "handles_whole", False)
-    return combined
-
-
-def _install(targets, extra):
-    for t in targets:
-        key = ("method", t) if isinstance(t, str) else t
-        _RULES[key] = _in_front(extra, _RULES.get(key))
-
-
-_install(_UNARY_FUNCTIONS + _UNARY_METHODS, _unary)
-_install(_SCALE, _scale)
-_install(_ADD, _add)
+register_first(*LINEAR_UNARY)(_unary)
+register_first(*LINEAR_SCALE)(_scale)
+register_first(*LINEAR_ADD)(_add)

@@ -8,21 +8,14 @@ token instead of gathering the projection.
 """
 from __future__ import annotations
 
-
-import torch
-import torch.nn.functional as F
-
+from ..op_traits import LINEAR_REDUCTIONS, REDUCTIONS, SHAPE_KEEPING, op_name
 from ..placement import P, R
-from .base import LocalOp, Strategy, arg, handles_blocks, norm_dim, register, tensor_inputs
-
-_REDUCE = ["mean", "sum", "amax", "amin", "prod", "std", "var", "norm", "logsumexp", "any", "all", "argmax",
-           "argmin", "count_nonzero"]
-_SHAPE_KEEPING = ["softmax", "log_softmax", "cumsum", "cumprod"]
+from .base import LocalOp, Strategy, arg, norm_dim, register, tensor_inputs
 
 
 def _dims(node, ndim):
     dim = arg(node, 1, "dim", None)
-    if dim is None and node.op == "call_method" and node.target in ("norm",):
+    if dim is None and op_name(node) == "norm":
         dim = node.kwargs.get("dim")
     if dim is None:
         return list(range(ndim))
@@ -44,13 +37,12 @@ def _reduce(node, placements, ctx):
         ndim = ctx.ndim(x)
         dims = _dims(node, ndim)
         keepdim = bool(arg(node, 2, "keepdim", False))
-        shape_keeping = node.target in _SHAPE_KEEPING or node.target in (F.softmax, F.log_softmax, torch.softmax,
-                                                                          torch.log_softmax, torch.cumsum)
+        shape_keeping = op_name(node) in SHAPE_KEEPING
         if dims is not None and p.dim not in dims:
             out_dim = p.dim if (keepdim or shape_keeping) else p.dim - sum(1 for d in dims if d < p.dim)
             strategies.append(Strategy({x: p}, p.with_dim(out_dim)))
-        elif dims is not None and node.target in _LINEAR:
-            mean = node.target in ("mean", torch.mean)
+        elif dims is not None and op_name(node) in LINEAR_REDUCTIONS:
+            mean = op_name(node) == "mean"
             strategies.append(Strategy({x: p}, P, own_bytes=ctx.bytes_per_token(node),
                                        local=LocalOp.of("mean_of_full", parts=tuple(p.parts(int(ctx.size(x, p.dim))))) if mean else None,
                                        note="partial sum over the sharded dimension"))
@@ -58,8 +50,4 @@ def _reduce(node, placements, ctx):
     return strategies
 
 
-_LINEAR = ("sum", "mean", torch.sum, torch.mean)
-
-
-register(*_REDUCE, *_SHAPE_KEEPING, torch.mean, torch.sum, torch.amax, torch.softmax, torch.log_softmax,
-         F.softmax, F.log_softmax, torch.cumsum, torch.logsumexp, torch.argmax)(handles_blocks(_reduce))
+register(*sorted(REDUCTIONS), blocks=True)(_reduce)

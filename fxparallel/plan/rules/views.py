@@ -7,12 +7,11 @@ Indexing lives in ``indexing.py``.
 """
 from __future__ import annotations
 
-import builtins
-import torch
 import torch.fx as fx
 
+from ..op_traits import SIZED_VIEWS, op_name
 from ..placement import R, S
-from .base import LocalOp, Strategy, arg, handles_blocks, handles_whole, norm_dim, register, tensor_inputs
+from .base import LocalOp, Strategy, arg, norm_dim, register, tensor_inputs
 from .dim_maps import _hint, _same, dim_groups, reshape_shard_dim
 from .experts import input_choices, is_expert_weight
 
@@ -34,7 +33,7 @@ def _reshape(node, placements, ctx):
     p = placements[x]
     out = ctx.fake(node)
     strategies = []
-    sized = node.target in ("view", "reshape", torch.reshape)  # sizes spelled out in the arguments
+    sized = op_name(node) in SIZED_VIEWS  # sizes spelled out in the arguments
     if p.is_shard and p.block is not None and out is not None:
         strategies.extend(_from_block(node, x, p, out, ctx, sized))
     elif p.is_shard and out is not None:
@@ -51,8 +50,7 @@ def _reshape(node, placements, ctx):
     return strategies
 
 
-register("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", torch.reshape, torch.flatten,
-         torch.squeeze, torch.unsqueeze)(handles_whole(handles_blocks(_reshape)))
+register("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", blocks=True, whole=True)(_reshape)
 
 
 def _segments_by_head(node, x, p, out, ctx, sized) -> list:
@@ -137,7 +135,7 @@ def _complex_view(node, placements, ctx):
     return strategies
 
 
-register(torch.view_as_complex, torch.view_as_real)(_complex_view)
+register("view_as_complex", "view_as_real")(_complex_view)
 
 
 def _expand(node, placements, ctx):
@@ -158,18 +156,19 @@ register("expand")(_expand)
 
 
 def _permutation(node, ndim):
-    if node.target in ("transpose", torch.transpose, "swapaxes", "swapdims"):
+    name = op_name(node)
+    if name in ("transpose", "swapaxes", "swapdims"):
         a = norm_dim(node.args[1], ndim)
         b = norm_dim(node.args[2], ndim)
         perm = list(range(ndim))
         perm[a], perm[b] = perm[b], perm[a]
         return perm
-    if node.target in ("permute", torch.permute):
+    if name == "permute":
         dims = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
         return [norm_dim(d, ndim) for d in dims]
-    if node.target in ("t",):
+    if name == "t":
         return list(reversed(range(ndim)))
-    if node.target is builtins.getattr and node.args[1] in ("T", "mT"):  # Falcon's ``x @ self.weight.T``
+    if name == "getattr" and node.args[1] in ("T", "mT"):  # Falcon's ``x @ self.weight.T``
         perm = list(range(ndim))
         if node.args[1] == "T":
             return list(reversed(perm))
@@ -191,8 +190,7 @@ def _permute(node, placements, ctx):
     return strategies
 
 
-register("transpose", "permute", "swapaxes", "swapdims", "t", torch.transpose, torch.permute,
-         builtins.getattr)(handles_whole(handles_blocks(_permute)))
+register("transpose", "permute", "swapaxes", "swapdims", "t", "getattr", blocks=True, whole=True)(_permute)
 
 
 def _join(node, placements, ctx, new_dim: bool):
@@ -220,14 +218,14 @@ def _cat(node, placements, ctx):
     return _join(node, placements, ctx, new_dim=False)
 
 
-register(torch.cat, torch.concat, torch.concatenate)(_cat)
+register("cat")(_cat)
 
 
 def _stack(node, placements, ctx):
     return _join(node, placements, ctx, new_dim=True)
 
 
-register(torch.stack)(_stack)
+register("stack")(_stack)
 
 
 def _pad(node, placements, ctx):
@@ -242,6 +240,6 @@ def _pad(node, placements, ctx):
     return strategies
 
 
-register(torch.nn.functional.pad)(_pad)
+register("pad")(_pad)
 
 
