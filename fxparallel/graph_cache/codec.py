@@ -5,7 +5,6 @@ and is simply rebuilt next time."""
 from __future__ import annotations
 
 import importlib
-import math
 import types
 from dataclasses import dataclass, field
 from typing import Optional
@@ -71,8 +70,7 @@ def _value_of(ref: list):
     if kind == "none_type":
         return type(None)
     if kind == "float":
-        return float(ref[1]) if ref[1] not in ("inf", "-inf", "nan") else {"inf": math.inf, "-inf": -math.inf,
-                                                                             "nan": math.nan}[ref[1]]
+        return float(ref[1])  # repr of a float, inf and nan included
     if kind == "object":
         return _resolve(ref[1], ref[2])
     raise ValueError(f"unknown global kind {kind!r}")

@@ -9,7 +9,6 @@ import os
 from typing import Union
 
 from ..errors import ShardingError
-from .placement import Placement
 from .plan import ShardingPlan
 
 
@@ -27,10 +26,6 @@ def read_plan(plan: Union[ShardingPlan, str, os.PathLike]) -> ShardingPlan:
     except (ValueError, KeyError, TypeError) as err:
         raise ShardingError(f"plan={os.fspath(plan)!r} is not a saved ShardingPlan ({type(err).__name__}: {err})") \
             from None
-
-
-def _placement(p) -> Placement:
-    return p.placement if isinstance(p.placement, Placement) else Placement.parse(p.placement)
 
 
 def fixed_placements(plan: ShardingPlan, meta, tp: int) -> dict:
@@ -52,10 +47,7 @@ def fixed_placements(plan: ShardingPlan, meta, tp: int) -> dict:
                 raise ShardingError(f"parameter {name!r}: the saved plan has shape {tuple(p.shape)}, this model "
                                     f"{shapes[name]}")
             planned.add(name)
-        try:
-            placement = _placement(p)
-        except ValueError as err:
-            raise ShardingError(f"parameter {p.name!r}: placement {p.placement!r} in the saved plan: {err}") from None
+        placement = p.placement  # a Placement: ParamPlan parses it (a bad one fails in read_plan)
         if placement.is_shard and not 0 <= placement.dim < len(p.shape):
             raise ShardingError(f"parameter {p.name!r}: the saved plan shards dim {placement.dim} of a "
                                 f"{len(p.shape)}-D tensor {tuple(p.shape)}")
@@ -77,6 +69,6 @@ def check_applied(saved: ShardingPlan, applied: ShardingPlan) -> None:
     """Every parameter got the placement the saved plan gives it."""
     for want in saved.params:
         got = applied.param(want.name)
-        if _placement(got) != _placement(want):
-            raise ShardingError(f"parameter {want.name!r}: the saved plan places it {_placement(want)!r}, but the "
-                                f"graph needs {_placement(got)!r}")
+        if got.placement != want.placement:
+            raise ShardingError(f"parameter {want.name!r}: the saved plan places it {want.placement!r}, but the "
+                                f"graph needs {got.placement!r}")
