@@ -25,6 +25,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 TOL = 1e-5
+GENERATED = 6  # new tokens per greedy generation check
 TIMEOUT = 240  # seconds per type
 MAX_PARAMS = 20_000_000  # larger "tiny" models are skipped (they would not be tiny)
 
@@ -51,7 +52,29 @@ def _check(rank, tp, model_type, path):
         out = ref(input_ids=ids, labels=ids)
     scales = {"loss": out.loss.abs().item(), "logits": out.logits.abs().max().item(),
               "grad": max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)}
-    return {"errors": {k: errors[k] for k in ("loss", "logits", "grad")}, "scales": scales, "plan": plan.to_dict()}
+    return {"errors": {k: errors[k] for k in ("loss", "logits", "grad")}, "scales": scales, "plan": plan.to_dict(),
+            "generation": _generation(model, ref, ids)}
+
+
+def _generation(model, ref, ids) -> str:
+    """Greedy tokens of ``model.generate`` vs single-device transformers' (left padding included):
+    "same", "differs", "transformers: <its error>" or "error: <ours>"."""
+    import torch
+
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # the first prompt is 2 tokens shorter, padded on the left
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=GENERATED, do_sample=False,
+                  pad_token_id=0)
+    try:
+        with torch.no_grad():
+            expected = ref.generate(**kwargs)
+    except Exception as err:  # noqa: BLE001 - transformers cannot generate with this model
+        return f"transformers: {type(err).__name__}: {err}"[:200]
+    try:
+        tokens = model.generate(**kwargs)
+    except Exception as err:  # noqa: BLE001 - report, the row's other checks stand
+        return f"error: {type(err).__name__}: {err}"[:300]
+    return "same" if torch.equal(tokens, expected) else "differs"
 
 
 def _per_layer(plan: dict, direction: str, layers: int) -> str:
@@ -116,8 +139,21 @@ def check_type(model_type: str, tp: int) -> dict:
         bwd=_per_layer(plan, "backward", layers),
         fallbacks=plan["fallbacks"],
         replicated_matrices=len(replicated),
+        generation=_agreed(r["generation"] for r in results),
     )
     return row
+
+
+def _agreed(answers) -> str:
+    answers = set(answers)
+    return answers.pop() if len(answers) == 1 else "ranks differ: " + " / ".join(sorted(answers))
+
+
+def _generation_cell(row: dict) -> str:
+    gen = row.get("generation")
+    if gen is None:
+        return ""
+    return gen if gen in ("same", "differs") else gen.split(":")[0]
 
 
 def write_markdown(rows: list, path: str, tp: int, total: int = 0) -> None:
@@ -137,6 +173,12 @@ def write_markdown(rows: list, path: str, tp: int, total: int = 0) -> None:
         "relative to its largest value where that exceeds 1 (fp32 rounding grows with the values: Gemma 4's "
         "gradients reach 1.6 and differ by 1.5e-5). \"max error\" is absolute.",
         "",
+        f"\"generate\": the greedy tokens of `model.generate` ({GENERATED} new tokens, a batch of 2 prompts, one "
+        "left-padded) against single-device transformers' `generate`: same, differs (wrong), error (ours, "
+        "listed below the table) or transformers (transformers' own `generate` fails on the tiny model). "
+        f"{sum(r.get('generation') == 'same' for r in rows)} types generate the same tokens"
+        f"{', ' + str(sum(r.get('generation') == 'differs' for r in rows)) + ' differ' if any(r.get('generation') == 'differs' for r in rows) else ', none differ'}.",
+        "",
         f"**{len(ok)} of {len(rows)} types checked pass**"
         + (f" ({total - len(rows)} of the {total} registered types not run yet)" if total > len(rows) else "")
         + ". Collectives are all-reduce/all-gather calls per step: per decoder layer + outside the layers "
@@ -144,8 +186,8 @@ def write_markdown(rows: list, path: str, tp: int, total: int = 0) -> None:
         "way; `fxparallel plan` prints the bytes of each).",
         "",
         "| type | result | max error | fwd collectives | bwd collectives | replicated matrices | fallbacks | "
-        "transformers tp plan | why not |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "transformers tp plan | generate | why not |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         err = f"{r['max_error']:.1e}" if "max_error" in r else ""
@@ -156,7 +198,11 @@ def write_markdown(rows: list, path: str, tp: int, total: int = 0) -> None:
         fallbacks = len(r.get("fallbacks", []))
         lines.append(f"| {r['type']} | {r['status']} | {err} | {r.get('fwd', '')} | {r.get('bwd', '')} | "
                      f"{r.get('replicated_matrices', '')} | {fallbacks if 'fallbacks' in r else ''} | "
-                     f"{'yes' if r.get('hf_plan') else 'no'} | {why} |")
+                     f"{'yes' if r.get('hf_plan') else 'no'} | {_generation_cell(r)} | {why} |")
+    failed = [r for r in rows if r.get("generation") not in (None, "same")]
+    if failed:
+        lines += ["", "Where `generate` is not \"same\":", ""]
+        lines += [f"- {r['type']}: {r['generation']}".replace("|", "/") for r in failed]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .capture import build_meta_model, capture
+from .capture.derive import without_labels
 from .capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
 from . import graph_cache
 from .graph_cache import PlannedGraph, graph_key
@@ -50,15 +51,25 @@ def _default_device(group: TPGroup) -> torch.device:
 
 
 def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None,
-               cp=None, sequence_parallel: bool = False, skip_passes=(), cache_length=None) -> PassContext:
+               cp=None, sequence_parallel: bool = False, skip_passes=(), cache_length=None, captured=None,
+               derived=None) -> PassContext:
     """Capture, solve and rewrite one graph; returns the context after every pass (rewrite/passes.py).
 
     ``cp``: the context-parallel group (or None): labels arrive shifted and attention spans the cp ranks.
     ``cache_length``: a generation graph with a static KV cache of that length (capture/cache.py); it
     runs without sequence parallelism (decode steps have one token). The seconds of each stage are in
-    ``ctx.timings`` (capture, solve, rewrite)."""
+    ``ctx.timings`` (capture, solve, rewrite).
+    ``captured``: a graph captured (or derived) before, planned instead of capturing.
+    ``derived``: a dict that gets the graph without labels derived from this capture
+    (``capture/derive.py``), by its arguments, before the passes rewrite the capture."""
     t = time.perf_counter()
-    captured = capture(meta_model, arguments, shape=shape, labels_shifted=cp is not None, cache_length=cache_length)
+    if captured is None:
+        captured = capture(meta_model, arguments, shape=shape, labels_shifted=cp is not None,
+                           cache_length=cache_length)
+        if derived is not None:
+            without = without_labels(captured)
+            if without is not None:
+                derived[tuple(a for a in arguments if a != "labels")] = without
     timings = {"capture": time.perf_counter() - t}
     sequence_parallel = sequence_parallel and cache_length is None
     if cp is not None:
@@ -118,15 +129,17 @@ def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
 
 def planned_graph(meta, arguments, group: TPGroup, device, dtype, *, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None,
                   cp=None, sequence_parallel: bool = False, skip_passes=(), cache_length=None,
-                  report: bool = False) -> PlannedGraph:
+                  report: bool = False, captured=None, derived=None) -> PlannedGraph:
     """``plan_graph`` and what the module keeps of it, from the graph cache when this exact graph was
     planned before (``graph_cache``: same model, rank, arguments, options and versions).
-    ``report``: also the ShardingPlan (the training graph's)."""
+    ``report``: also the ShardingPlan (the training graph's). ``captured`` / ``derived``: as
+    ``plan_graph`` takes them (neither is part of the key: a derived graph is the one a capture
+    of its arguments at ``shape`` gives)."""
     options = dict(shape=shape, fixed=fixed, cp=cp, sequence_parallel=sequence_parallel, skip_passes=skip_passes,
                    cache_length=cache_length)
 
     def build() -> PlannedGraph:
-        ctx = plan_graph(meta, arguments, group, device, **options)
+        ctx = plan_graph(meta, arguments, group, device, **options, captured=captured, derived=derived)
         plan = None
         if report:
             asymmetric = check_layer_symmetry(ctx.gplan.params)
@@ -215,21 +228,39 @@ class GraphFactory:
     for a new set of arguments, a KV cache length, or shapes outside every graph's guards. It captures
     the meta model (in the module's dtype) with every parameter's placement fixed to the first plan's,
     so every graph reads the same shards. ``in_dtype`` gives the factory of another dtype
-    (``model.to(dtype)``: a new meta model in that dtype, the same placements)."""
+    (``model.to(dtype)``: a new meta model in that dtype, the same placements). ``derived``: graphs
+    derived from the training capture (``capture/derive.py``) by arguments, planned instead of a
+    capture."""
 
     def __init__(self, source, meta, dtype: torch.dtype, group: TPGroup, cp, sequence_parallel: bool,
-                 trust_remote_code: bool, fixed: dict):
+                 trust_remote_code: bool, fixed: dict, derived=None):
         self.source, self.meta, self.dtype, self.group, self.cp = source, meta, dtype, group, cp
         self.sequence_parallel, self.trust_remote_code, self.fixed = sequence_parallel, trust_remote_code, fixed
+        self.derived = derived if derived is not None else {}
+        self.usual_shapes = None  # the training graph's ShapeGuards (set by parallelize)
 
     def __call__(self, module, arguments, input_shape, cache_length=None) -> LocalGraph:
         shape = tuple(int(s) for s in input_shape)
-        planned = planned_graph(self.meta, arguments, self.group, module.device_, self.dtype, shape=shape,
-                                fixed=self.fixed, cp=self.cp, sequence_parallel=self.sequence_parallel,
-                                skip_passes=module.skip_passes, cache_length=cache_length)
+        planned = None
+        usual = self.usual_shapes is not None and self.usual_shapes.holds_for(
+            {a: shape for a in training_arguments(self.cp)})
+        if cache_length is None and usual:
+            # a shape the training graph takes: planned at the training capture's example shape, so the first
+            # call's shape does not change the graph (nor its cache key); from the training capture if it was cut
+            planned = self._planned(module, arguments, (EXAMPLE_BATCH, EXAMPLE_SEQ), None,
+                                    self.derived.pop(tuple(arguments), None))
+            if not planned.local.guards.holds_for({a: shape for a in arguments}):
+                planned = None
+        if planned is None:
+            planned = self._planned(module, arguments, shape, cache_length, None)
         for name, placement in planned.params.items():  # the cache's placement holds for every later graph
             self.fixed.setdefault(name, placement)
         return planned.local
+
+    def _planned(self, module, arguments, shape, cache_length, captured) -> PlannedGraph:
+        return planned_graph(self.meta, arguments, self.group, module.device_, self.dtype, shape=shape,
+                             fixed=self.fixed, cp=self.cp, sequence_parallel=self.sequence_parallel,
+                             skip_passes=module.skip_passes, cache_length=cache_length, captured=captured)
 
     def in_dtype(self, dtype: torch.dtype) -> "GraphFactory":
         """The factory of the same model in ``dtype`` (a meta model built in it, as ``parallelize`` builds)."""
@@ -241,7 +272,8 @@ class GraphFactory:
         """(LocalGraph, ShardingPlan) of the training graph, as ``parallelize`` captures it first."""
         planned = planned_graph(self.meta, training_arguments(self.cp), self.group, module.device_, self.dtype,
                                 fixed=self.fixed, cp=self.cp, sequence_parallel=self.sequence_parallel,
-                                skip_passes=module.skip_passes, report=True)
+                                skip_passes=module.skip_passes, report=True, derived=self.derived)
+        self.usual_shapes = planned.local.guards
         return planned.local, planned.plan
 
 
@@ -311,15 +343,17 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     timings["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
+    derived = {}  # the graph without labels, cut from this capture for the first call without labels
     planned = planned_graph(meta, training_arguments(cp), group, device, dtype, fixed=fixed, cp=cp,
-                            sequence_parallel=sequence_parallel, skip_passes=skip_passes, report=True)
+                            sequence_parallel=sequence_parallel, skip_passes=skip_passes, report=True,
+                            derived=derived)
     local, sharding = planned.local, planned.plan
     if saved is not None:
         check_applied(saved, sharding)
     timings.update(planned.timings)  # capture, solve, rewrite; or the graph cache's read
     timings["capture+plan+rewrite"] = time.perf_counter() - t
     graph_factory = GraphFactory(source, meta, dtype, group, cp, sequence_parallel, trust_remote_code,
-                                 dict(planned.params))
+                                 dict(planned.params), derived)
 
     # weights: everything that can fail on input runs before any shard is written
     module = ParallelCausalLM(source.config, sharding, group, device, dtype, graph_factory, cp_group=cp)
@@ -333,6 +367,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     module.dropout_rates = dict(getattr(meta, "fxparallel_dropout", {}))
     module.set_buffers(meta.fxparallel_buffers)
     module.add_graph(local)
+    graph_factory.usual_shapes = local.guards
     t = time.perf_counter()
     if files is not None:
         module.bytes_read = load_from_files(module, sharding, files, group.rank, group.size, meta_model=meta)

@@ -1,6 +1,6 @@
 """The graph cache (fxparallel/graph_cache): a planned graph read back from disk is the graph planning
 builds (same code, plan, guards; bit-identical logits, loss, gradients and generated tokens on real
-ranks); a damaged, edited or stale file is rebuilt with a warning naming it; ranks writing the same
+ranks, and nothing captured); a damaged, edited or stale file is rebuilt with a warning naming it; ranks writing the same
 file at once leave a valid one; FXPARALLEL_GRAPH_CACHE=off writes nothing."""
 from __future__ import annotations
 
@@ -170,7 +170,9 @@ def _cached_vs_built(rank, world, path, root):
         fxparallel.parallelize(path, solo, dtype=torch.float32)
     out["solo"] = dict(graph_cache.stats)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    runs = []
+    runs, captures = [], []
+    capture = fxparallel.api.capture
+    fxparallel.api.capture = lambda *a, **k: (captures.append(a[1]), capture(*a, **k))[1]
     for _ in range(2):  # built, then read back
         model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
         loss = model(input_ids=ids, labels=ids).loss
@@ -178,6 +180,7 @@ def _cached_vs_built(rank, world, path, root):
         logits = model(input_ids=ids).logits
         tokens = model.generate(input_ids=ids[:, :5], max_new_tokens=6, do_sample=False)
         runs.append((loss.detach(), logits.detach(), {n: p.grad for n, p in model.named_parameters()}, tokens))
+        out.setdefault("captures", []).append(len(captures))
     (loss_a, logits_a, grads_a, tokens_a), (loss_b, logits_b, grads_b, tokens_b) = runs
     out["identical"] = (torch.equal(loss_a, loss_b) and torch.equal(logits_a, logits_b) and torch.equal(tokens_a, tokens_b)
                         and grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a))
@@ -193,6 +196,8 @@ def test_cached_graphs_run_bit_identical_on_ranks(checkpoints, tmp_path):
         # training graph, logits graph, prefill and decode: built once, read back once
         assert out["stats"]["hits"] - out["solo"]["hits"] == 4, out
         assert out["stats"]["misses"] - out["solo"]["misses"] == 4, out
+        # captured: training, prefill, decode (the logits graph is cut from the training capture); then nothing
+        assert out["captures"] == [3, 3], out
     assert sum(out["solo"]["misses"] for out in results) >= 1  # the shared tp=1 file was written ...
     assert all(out["solo"]["hits"] >= 1 for out in results)  # ... and read back whole by both
     for path in glob.glob(os.path.join(root, "*", "*.json")):

@@ -1,6 +1,7 @@
 """What capture hands to the planner: one FX graph and how its inputs map back to the model."""
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass, field
 
@@ -66,3 +67,25 @@ def module_path(node) -> str:
     path = _ROOT.sub("", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
     return path or "<top>"
+
+
+def mutates_in_place(node: fx.Node) -> bool:
+    """Does the node write into one of its inputs (``x.scatter_(...)``, ``x += y``)? Its result
+    may be unused while the mutation is read later (DeepSeek-style routing builds its group
+    mask with ``scatter_``), so dead-code elimination must keep it; FX counts method calls
+    as pure."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if name.startswith("__"):
+        return name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
+    return name.endswith("_") or (node.target in _INPLACE_OPERATORS)
+
+
+_INPLACE_OPERATORS = {getattr(operator, n) for n in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
+                                                      "imatmul", "iand", "ior", "ixor", "ilshift", "irshift")}
+
+
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """FX's dead-code elimination, keeping the nodes that write into their inputs."""
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutates_in_place(n))

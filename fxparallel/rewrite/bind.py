@@ -3,10 +3,10 @@ symbols are read from the arguments; meta-device constants become the runtime de
 code goes (keeping in-place writes). After it the graph is this rank's runnable code."""
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
+
+from ..capture.graph import eliminate_dead_code
 
 
 def _map_devices(obj, device: torch.device):
@@ -31,25 +31,8 @@ def bind_inputs(graph: fx.Graph, captured, device: torch.device, attributes: dic
         _bind_inputs(graph, captured, device, attributes)
 
 
-def mutates_in_place(node: fx.Node) -> bool:
-    """Does the node write into one of its inputs (``x.scatter_(...)``, ``x += y``)? Its result
-    may be unused while the mutation is read later (DeepSeek-style routing builds its group
-    mask with ``scatter_``), so dead-code elimination must keep it; FX counts method calls
-    as pure."""
-    if node.op not in ("call_method", "call_function"):
-        return False
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    if name.startswith("__"):
-        return name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
-    return name.endswith("_") or (node.target in _INPLACE_OPERATORS)
-
-
-_INPLACE_OPERATORS = {getattr(operator, n) for n in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
-                                                      "imatmul", "iand", "ior", "ixor", "ilshift", "irshift")}
-
-
 def _bind_inputs(graph: fx.Graph, captured, device: torch.device, attributes: dict) -> None:
-    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutates_in_place(n))
+    eliminate_dead_code(graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     first_real = next(n for n in graph.nodes if n.op != "placeholder")
     new_inputs = {}
