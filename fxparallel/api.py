@@ -13,6 +13,7 @@ Timings of each stage are kept on the returned module (``model.timings``).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import Union
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from .capture import build_meta_model, capture
 from .capture.derive import without_labels
+from .capture.repeat_layers import capture_layers_once
 from .capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
 from . import graph_cache
 from .graph_cache import PlannedGraph, graph_key
@@ -64,8 +66,10 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     (``capture/derive.py``), by its arguments, before the passes rewrite the capture."""
     t = time.perf_counter()
     if captured is None:
-        captured = capture(meta_model, arguments, shape=shape, labels_shifted=cp is not None,
-                           cache_length=cache_length)
+        options = dict(shape=shape, labels_shifted=cp is not None, cache_length=cache_length)
+        # a deep model with alike layers: captured with a few and repeated (capture/repeat_layers.py)
+        captured = capture_layers_once(meta_model, arguments, capture, **options) if cache_length is None else None
+        captured = captured or capture(meta_model, arguments, **options)
         if derived is not None:
             without = without_labels(captured)
             if without is not None:
@@ -78,7 +82,12 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     # uneven splits by whole heads / columns / rows
     layout = ShardLayout.for_config(meta_model.config, group.size).add_embedding_rows(meta_model)
     t = time.perf_counter()
+    if captured.few_layers is not None:  # solved on the few layers; the walk over all of them follows it
+        few = solve(captured.few_layers, group.size, fixed=fixed, layout=layout)
+        fixed = {**few.params, **(fixed or {})}
     gplan = solve(captured, group.size, fixed=fixed, layout=layout)
+    if captured.few_layers is not None:
+        gplan.reasons.update(few.reasons)  # why each was chosen, not that it was given
     timings["solve"] = time.perf_counter() - t
     t = time.perf_counter()
     ctx = PassContext(captured, gplan, group, device, sequence_parallel=sequence_parallel, cp=cp)
@@ -361,6 +370,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     module.skip_passes = tuple(skip_passes)
     module.vocab_rows, module.label_classes = _vocabulary(meta)
     module.position_limit = _position_limit(meta)
+    module.takes_position_ids = "position_ids" in inspect.signature(meta.forward).parameters
     module.sliding_window = _sliding_window(meta.config)
     module.generation_config = _generation_config(source, meta.config)
     module.embedding_modules = embedding_modules(meta)

@@ -93,6 +93,7 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         self.vocab_rows: Optional[int] = None
         self.label_classes: Optional[int] = None
         self.position_limit: Optional[int] = None  # rows of a learned position table: longest generation
+        self.takes_position_ids = True  # the model's forward has position_ids (else: positions from its cache)
         self.sliding_window: Optional[int] = None  # smallest sliding attention window: longest generation
         self.generation_config = None  # the checkpoint's (set by parallelize), as in transformers
         self.embedding_modules: dict = {}  # "input"/"output" -> (module path, class, bias) (set by parallelize)

@@ -283,7 +283,8 @@ def test_unsplit_later_graph_is_refused_on_layer_units(world2):
 
 # ---- the splitter on its own -------------------------------------------------------------
 def test_layer_container_is_found_from_names():
-    from fxparallel.rewrite.layer_units import layer_container, layer_of
+    from fxparallel.capture.graph import layer_container
+    from fxparallel.rewrite.layer_units import layer_of
 
     llama = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight",
              "model.norm.weight"]

@@ -56,4 +56,5 @@ def without_labels(captured: CapturedGraph) -> Optional[CapturedGraph]:
         guards=guards,
         symbol_sources=sources,
         static_sizes={k: v for k, v in captured.static_sizes.items() if k[0] != "labels"},
+        few_layers=without_labels(captured.few_layers) if captured.few_layers is not None else None,
     )

@@ -19,6 +19,8 @@ from .cache import argument_name, cache_tensors, meta_cache
 from .dropout import check_training_graph
 from .graph import CapturedGraph
 
+log = logging.getLogger("fxparallel")
+
 # Example sizes at capture: small primes that no model dimension is likely to equal,
 # so that Dynamo never confuses the batch or sequence with a weight dimension.
 EXAMPLE_BATCH = 3
@@ -75,19 +77,43 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
     tensors become arguments (``past_<layer>_<field>``), the attention mask spans the cache.
     """
     output_names = ("loss", "logits") if "labels" in input_names else ("logits",)
+    retry = cache_length is not None and shape[0] > 1
+    guards_log = logging.getLogger("torch._guards")
+    level = guards_log.level
+    if retry:  # Dynamo logs the failed attempt's frames at error level: the retry below is what counts
+        guards_log.setLevel(logging.CRITICAL)
+    try:
+        return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length, True)
+    except CaptureError as err:
+        if not (retry and "Constraints violated" in str(err)):
+            raise
+    finally:
+        guards_log.setLevel(level)
+    # the model's code fixes the batch of its cache (Dynamo cannot keep it symbolic): a graph per batch size
+    log.info("%s: the KV cache's batch is fixed by the model's code; capturing for batch %d",
+             type(model).__name__, shape[0])
+    return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length, False)
+
+
+def _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length,
+             dynamic_batch: bool) -> CapturedGraph:
+    def dynamic(t, dim):
+        if dim > 0 or dynamic_batch:
+            torch._dynamo.mark_dynamic(t, dim)
+
     example, state, cache = {}, {}, None
     if cache_length is not None:
         cache = meta_cache(model, shape[0], cache_length)
         for name, t in cache_tensors(cache).items():
             if shape[0] > 1 and t.dim() > 0:
-                torch._dynamo.mark_dynamic(t, 0)
+                dynamic(t, 0)
             example[name] = t
             state[name] = t
     for name in input_names:
         if name == "attention_mask" and cache is not None:  # the mask spans the whole cache
             t = torch.ones(shape[0], cache_length, dtype=torch.long, device=device)
             if shape[0] > 1:
-                torch._dynamo.mark_dynamic(t, 0)
+                dynamic(t, 0)
             example[name] = t
             continue
         if name == "attention_mask":
@@ -98,7 +124,7 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
             t = torch.zeros(*shape, dtype=torch.long, device=device)
         for dim, size in enumerate(shape):
             if size > 1:
-                torch._dynamo.mark_dynamic(t, dim)
+                dynamic(t, dim)
         example[name] = t
 
     seen = []

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import operator
 import re
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterable, Optional
 
 import torch.fx as fx
 
@@ -25,6 +27,8 @@ class CapturedGraph:
     # placeholder name -> argument name, for the KV cache tensors among the inputs: state the solver
     # places like a parameter and the graph writes in place (capture/cache.py)
     state: dict = field(default_factory=dict)
+    # the graph of the first few decoder layers this one repeats (capture/repeat_layers.py): solved first
+    few_layers: Optional["CapturedGraph"] = None
 
     def shape_guards(self) -> "ShapeGuards":
         return ShapeGuards(tuple(self.guards), dict(self.symbol_sources), dict(self.static_sizes))
@@ -89,3 +93,17 @@ _INPLACE_OPERATORS = {getattr(operator, n) for n in ("iadd", "isub", "imul", "it
 def eliminate_dead_code(graph: fx.Graph) -> None:
     """FX's dead-code elimination, keeping the nodes that write into their inputs."""
     graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutates_in_place(n))
+
+
+def layer_container(names: Iterable[str]) -> Optional[str]:
+    """The module path whose numbered children are the decoder layers, or None."""
+    counts = Counter()
+    for name in names:
+        parts = name.split(".")
+        for i in range(1, len(parts) - 1):
+            if parts[i].isdigit():
+                counts[".".join(parts[:i])] += 1
+    if not counts:
+        return None
+    # most parameters; on a tie the outermost (shortest) prefix
+    return max(counts, key=lambda prefix: (counts[prefix], -len(prefix)))

@@ -133,8 +133,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
     step_ids, step_positions = input_ids, positions
     with torch.no_grad():
         while True:
-            out = model.forward(input_ids=step_ids, attention_mask=full_mask, position_ids=step_positions,
-                                past_key_values=cache, use_cache=True, gather_logits=False, check_inputs=False)
+            # a model without position_ids (BART's decoder, BLOOM's ALiBi) counts positions in its cache, as in
+            # transformers' generate
+            positions = {"position_ids": step_positions} if model.takes_position_ids else {}
+            out = model.forward(input_ids=step_ids, attention_mask=full_mask, past_key_values=cache, use_cache=True,
+                                gather_logits=False, check_inputs=False, **positions)
             local = out.local_logits if out.local_logits is not None else out.logits
             local = local[:, -1, :].float()
             start = out.vocab_range[0] if out.vocab_range is not None else 0

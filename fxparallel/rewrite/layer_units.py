@@ -28,7 +28,6 @@ import itertools
 import logging
 import operator
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -36,6 +35,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from ..capture.graph import layer_container
 
 log = logging.getLogger("fxparallel")
 
@@ -91,20 +92,6 @@ class LayerUnit(nn.Module):
         if self.checkpoint is not None and self.training and torch.is_grad_enabled():
             return checkpoint(piece, self, *inputs, **self.checkpoint)
         return piece(self, *inputs)
-
-
-def layer_container(names: Iterable[str]) -> Optional[str]:
-    """The module path whose numbered children are the decoder layers, or None."""
-    counts = Counter()
-    for name in names:
-        parts = name.split(".")
-        for i in range(1, len(parts) - 1):
-            if parts[i].isdigit():
-                counts[".".join(parts[:i])] += 1
-    if not counts:
-        return None
-    # most parameters; on a tie the outermost (shortest) prefix
-    return max(counts, key=lambda prefix: (counts[prefix], -len(prefix)))
 
 
 def layer_of(name: str, container: Optional[str]) -> Optional[str]:
