@@ -68,7 +68,7 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     if captured is None:
         options = dict(shape=shape, labels_shifted=cp is not None, cache_length=cache_length)
         # a deep model with alike layers: captured with a few and repeated (capture/repeat_layers.py)
-        captured = capture_layers_once(meta_model, arguments, capture, **options) if cache_length is None else None
+        captured = capture_layers_once(meta_model, arguments, capture, **options)
         captured = captured or capture(meta_model, arguments, **options)
         if derived is not None:
             without = without_labels(captured)

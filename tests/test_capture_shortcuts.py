@@ -148,16 +148,24 @@ def _repeated_on_ranks(rank, tp, path):
 
     fxparallel.api.capture_layers_once = spy
     model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
-    errors = compare(model, reference(path), rank, tp)
+    ref = reference(path)
+    errors = compare(model, ref, rank, tp)
+    ids = torch.randint(1, 128, (3, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    kwargs = dict(input_ids=ids * mask, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    errors["tokens equal"] = torch.equal(model.generate(**kwargs), ref.generate(**kwargs))
     return errors, shortened
 
 
 def test_repeated_layers_equal_single_device(tmp_path):
     """A 6-layer Llama captured with 3 layers at TP=2: loss, logits (the graph without labels is cut
-    from the repeated one) and every parameter's gradient within 1e-5 of the single-device model."""
+    from the repeated one) and every parameter's gradient within 1e-5 of the single-device model; the
+    prefill and decode graphs (their KV cache repeated per layer too) generate transformers' tokens."""
     from models import save_checkpoint, tiny_config
 
     path = save_checkpoint(tiny_config("llama", num_hidden_layers=6), str(tmp_path / "llama6"))
     for errors, shortened in run_ranks(2, _repeated_on_ranks, path):
-        assert shortened == [True], shortened
+        assert shortened == [True, True, True], shortened  # training, prefill, decode
         assert max(errors["loss"], errors["logits"], errors["grad"]) < 1e-5, errors
+        assert errors["tokens equal"], errors

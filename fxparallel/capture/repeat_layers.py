@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .cache import argument_name
 from .graph import CapturedGraph, layer_container, module_path
 
 log = logging.getLogger("fxparallel")
@@ -103,6 +104,15 @@ def _renamed(name: str, container: str, src: int, dst: int) -> str:
     return re.sub(rf"(^|\.){re.escape(container)}\.{src}(?=\.|$)", rf"\g<1>{container}.{dst}", name)
 
 
+def _tensor_renamed(kind: str, name: str, container: str, src: int, dst: int) -> str:
+    """A layer's tensor as layer ``dst``'s: a parameter or buffer by its dotted name, a KV cache
+    argument (past_<layer>_<field>) by its layer number; other names unchanged."""
+    if kind == "inputs":
+        found = re.fullmatch(r"past_(\d+)_(\w+)", name)
+        return argument_name(dst, found.group(2)) if found and int(found.group(1)) == src else name
+    return _renamed(name, container, src, dst)
+
+
 def _meta_for_layer(meta: dict, container: str, src: int, dst: int) -> dict:
     meta = copy.copy(meta)
     stack = meta.get("nn_module_stack")
@@ -159,11 +169,14 @@ def repeat_layers(short: CapturedGraph, container: str, layers: int) -> Optional
         return None
     two_back, before, last = blocks[-3], blocks[-2], blocks[-1]
     src = CAPTURED - 1
-    # the last layer's own tensors (parameters, buffers) and their twins in the layer before
-    named = {**short.params, **short.buffers}
-    placeholder = {named[n.name]: n for n in graph.nodes if n.op == "placeholder" and n.name in named}
-    own = {node: name for name, node in placeholder.items() if _renamed(name, container, src, -1) != name}
-    twin = {placeholder.get(_renamed(name, container, src, src - 1)): node for node, name in own.items()}
+    # the last layer's own tensors (parameters, buffers, its KV cache) and their twins in the layer before
+    kinds = {"params": short.params, "buffers": short.buffers, "inputs": short.inputs}
+    placeholder = {(kind, names[n.name]): n for n in graph.nodes if n.op == "placeholder"
+                   for kind, names in kinds.items() if n.name in names}
+    own = {node: (kind, name) for (kind, name), node in placeholder.items()
+           if _tensor_renamed(kind, name, container, src, -1) != name}
+    twin = {placeholder.get((kind, _tensor_renamed(kind, name, container, src, src - 1))): node
+            for node, (kind, name) in own.items()}
     if None in twin:
         return None
     at = {n: i for i, n in enumerate(before)}
@@ -194,16 +207,22 @@ def repeat_layers(short: CapturedGraph, container: str, layers: int) -> Optional
         return None  # something after the layers reads a layer but the last (a size is read anywhere)
 
     new, env = fx.Graph(), {}
-    params, buffers = dict(short.params), dict(short.buffers)
+    kinds = {kind: dict(names) for kind, names in kinds.items()}
+    state, static_sizes = dict(short.state), dict(short.static_sizes)
     for node in graph.nodes:
         if node.op == "placeholder":
             env[node] = new.node_copy(node, env.__getitem__)
     own_of_layer = {}
     for k in range(CAPTURED, layers):
-        for node, name in own.items():
+        for node, (kind, name) in own.items():
             copy_ = new.placeholder(f"{node.name}_layer{k}")
             copy_.meta = _meta_for_layer(node.meta, container, src, k)
-            (params if node.name in short.params else buffers)[copy_.name] = _renamed(name, container, src, k)
+            renamed = _tensor_renamed(kind, name, container, src, k)
+            kinds[kind][copy_.name] = renamed
+            if node.name in short.state:  # a cache tensor: an argument of its own, of the same sizes
+                state[copy_.name] = renamed
+                static_sizes.update({(renamed, dim): size for (arg, dim), size in short.static_sizes.items()
+                                     if arg == name})
             own_of_layer[(node, k)] = copy_
     for node in head:
         env[node] = new.node_copy(node, env.__getitem__)
@@ -226,7 +245,7 @@ def repeat_layers(short: CapturedGraph, container: str, layers: int) -> Optional
         previous = current
     for node in tail:
         env[node] = new.node_copy(node, lambda x: previous[at_last[x]] if x in at_last else env[x])
-    return CapturedGraph(gm=fx.GraphModule(short.gm, new), params=params, buffers=buffers,
-                         inputs=dict(short.inputs), symbols=dict(short.symbols), outputs=short.outputs,
+    return CapturedGraph(gm=fx.GraphModule(short.gm, new), params=kinds["params"], buffers=kinds["buffers"],
+                         inputs=kinds["inputs"], symbols=dict(short.symbols), outputs=short.outputs,
                          guards=list(short.guards), symbol_sources=dict(short.symbol_sources),
-                         static_sizes=dict(short.static_sizes), state=dict(short.state), few_layers=short)
+                         static_sizes=static_sizes, state=state, few_layers=short)
