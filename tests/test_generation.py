@@ -171,3 +171,25 @@ def test_generate_learned_positions_and_sliding_window(tmp_path):
         assert out["gpt2"] and out["mistral"], out
         assert "beyond the model's 64 learned positions" in out["too long"], out["too long"]
         assert "exceed the model's sliding attention window of 32 tokens" in out["past window"], out["past window"]
+
+
+def test_cache_states_beyond_keys_and_values_are_refused_by_name():
+    """A linear-attention layer's cache keeps convolution and recurrent states the generation graphs do
+    not carry: the capture says so, naming the model and the state (Bailing hybrid), in one process."""
+    import os
+    import sys
+
+    import pytest
+    import torch
+
+    from fxparallel.api import _for_device
+    from fxparallel.capture import build_meta_model, capture
+    from fxparallel.errors import CaptureError
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from tiny_configs import tiny_config
+
+    meta = build_meta_model(_for_device(tiny_config("bailing_hybrid"), torch.device("cpu")), dtype=torch.float32)
+    with pytest.raises(CaptureError, match=r"BailingHybridForCausalLM: its cache keeps a state .*conv_states.*"
+                                           r"generate and use_cache are not supported for this model yet"):
+        capture(meta, ("input_ids", "attention_mask", "position_ids"), shape=(2, 9), cache_length=128)

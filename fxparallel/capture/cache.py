@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 # argument names of the cache tensors in the generated code: past_<layer>_<field>
-FIELDS = ("keys", "values", "cumulative_length")
+FIELDS = ("keys", "values", "cumulative_length", "indexer_keys", "indexer_cumulative_length")  # the last two: DSA indexers
 
 
 def argument_name(layer: int, field: str) -> str:
