@@ -23,6 +23,8 @@ A cut (plain data, so the generated code shows it) says how one dim of the local
 taken from the logical one:
 
 * ``("pieces", dim, full, ((start, stop), ...))``: tensor parallelism (segments, uneven splits);
+* ``("blocks", dim, block, ((start, stop),))``: a blocked shard (batch x heads flattened): those
+  pieces of every block of ``block`` elements;
 * ``("even", dim, parts, rank, batch)``: sequence parallelism, rank's ``1/parts`` of the tokens;
 * ``("chunks", dim, cp, rank, batch)``: context parallelism, chunks ``rank`` and ``2cp-1-rank``.
 
@@ -46,8 +48,16 @@ from ..plan.placement import Placement, shard_pieces
 def _full_shape(shape, cuts) -> list:
     full = list(shape)
     for cut in cuts:
-        full[cut[1]] = cut[2] if cut[0] == "pieces" else shape[cut[1]] * cut[2]
+        if cut[0] == "blocks":  # every block of cut[2] keeps its pieces
+            full[cut[1]] = shape[cut[1]] // sum(b - a for a, b in cut[3]) * cut[2]
+        else:
+            full[cut[1]] = cut[2] if cut[0] == "pieces" else shape[cut[1]] * cut[2]
     return full
+
+
+def _pieces(mask: torch.Tensor, dim: int, pieces) -> torch.Tensor:
+    parts = [mask.narrow(dim, a, b - a) for a, b in pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def _chunks(rank: int, cp: int) -> tuple:
@@ -57,8 +67,9 @@ def _chunks(rank: int, cp: int) -> tuple:
 def _cut(mask: torch.Tensor, cut) -> torch.Tensor:
     kind, dim = cut[0], cut[1]
     if kind == "pieces":
-        parts = [mask.narrow(dim, a, b - a) for a, b in cut[3]]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+        return _pieces(mask, dim, cut[3])
+    if kind == "blocks":
+        return _pieces(mask.unflatten(dim, (-1, cut[2])), dim + 1, cut[3]).flatten(dim, dim + 1)
     count, rank, batch = cut[2], cut[3], cut[4]
     d = dim
     if batch is not None:  # batch x sequence: cut the sequence of every row
@@ -162,8 +173,12 @@ def tp_cuts(node: fx.Node, editor, placement, dim_of=None) -> tuple:
     """The tensor-parallel cut of ``placement`` (R: none) for a node of that full shape."""
     if not isinstance(placement, Placement) or not placement.is_shard:
         return ()
-    if placement.block is not None or placement.whole:
+    if placement.whole:
         raise ShardingError(f"dropout {node.name}: a {placement} shard has no slice of the logical mask")
+    if placement.block is not None:  # batch x heads flattened: this rank's heads of every row
+        split = uneven_split(placement, placement.block, editor.layout)
+        pieces = shard_pieces(placement.block, editor.rank, editor.tp, None, split)
+        return (("blocks", placement.dim, placement.block, tuple(pieces)),)
     full = node.meta["example_value"].shape[placement.dim]
     if not isinstance(full, int):
         raise ShardingError(f"dropout {node.name}: its dim {placement.dim} has no fixed size to slice the mask by")

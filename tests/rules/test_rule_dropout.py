@@ -16,15 +16,17 @@ from fxparallel.rewrite.local_ops import apply_local_op
 
 
 # ---- the rule ---------------------------------------------------------------------------------
-def test_training_dropout_names_its_mask_slice_and_never_takes_a_block():
+def test_training_dropout_names_its_mask_slice_blocks_included():
     gm = capture(lambda x: F.dropout(x, 0.1, True), (3, 5, 32))
     (x,) = inputs_of(gm)
     found = strategies(node(gm, F.dropout), {x: S(2)})
     assert [s.output for s in found] == [S(2), R]
     assert [s.local for s in found] == [LocalOp.of("dropout_on_shards", placement=S(2)),
                                         LocalOp.of("dropout_on_shards", placement=R)]
+    # batch x heads flattened (XGLM's attention weights): this rank's heads of every row, not gathered
     blocked = strategies(node(gm, F.dropout), {x: S(2, block=8)})
-    assert [s.output for s in blocked] == [R]  # gathered: a block has no slice of the logical mask
+    assert blocked[0].output == S(2, block=8)
+    assert blocked[0].local == LocalOp.of("dropout_on_shards", placement=S(2, block=8))
 
 
 def test_eval_or_zero_rate_dropout_stays_plain_pointwise():
@@ -58,6 +60,8 @@ def test_dropout_on_shards_cuts_this_ranks_rows_segments_and_uneven_sizes():
         ("pieces", 2, 128, ((32, 64), (80, 96), (112, 128))),)
     with pytest.raises(Exception, match="no slice of the logical mask"):
         tp_cuts(node(gm, F.dropout), segmented, Placement("S", 2, (64, 32, 32), whole=(1, 2)))
+    uneven = GraphEditor(gm.graph, fake_group(3, rank=1), ShardLayout(3, {8: (3, 3, 2)}))
+    assert tp_cuts(node(gm, F.dropout), uneven, S(0, block=8)) == (("blocks", 0, 8, ((3, 6),)),)
 
 
 # ---- the masks ----------------------------------------------------------------------------------
@@ -81,6 +85,11 @@ def test_every_layouts_parts_make_up_the_one_device_mask():
     assert torch.equal(torch.cat(parts, 1), full)
     parts, full = _parts(lambda r: (16 if r is None else 4, 4), lambda r: (("even", 0, 4, r, 2),), 4)
     assert torch.equal(torch.cat([q.view(2, 2, 4) for q in parts], 1).reshape(16, 4), full)
+    # batch x heads flattened, 8 heads as 3/3/2 over 3 ranks: each rank's heads of every row
+    heads = ((0, 3), (3, 6), (6, 8))
+    parts, full = _parts(lambda r: (2 * (8 if r is None else heads[r][1] - heads[r][0]), 5, 5),
+                         lambda r: (("blocks", 0, 8, (heads[r],)),), 3)
+    assert torch.equal(torch.cat([q.view(2, -1, 5, 5) for q in parts], 1).reshape(16, 5, 5), full)
     # context parallelism: rank r holds chunks r and 2cp-1-r (cp=2: 0,3 and 1,2 of 4 chunks of 2 tokens)
     parts, full = _parts(lambda r: (2, 8 if r is None else 4, 3), lambda r: (("chunks", 1, 2, r, None),), 2)
     chunks = full.split(2, dim=1)

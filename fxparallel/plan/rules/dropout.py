@@ -3,9 +3,10 @@
 A dropout captured in training mode (``F.dropout(x, p, training=True)``, p > 0) runs where
 its input is (replicated, or sharded along any dim, segments included) and names the local
 op ``dropout_on_shards``: the rewrite draws the full logical mask on every rank and keeps this
-rank's slice (``rewrite/dropout.py``), so the mask does not depend on the layout. Blocked and
-whole-segment shards, and shards of a dim without a fixed size (the batch), have no known slice
-of that mask: they are gathered first.
+rank's slice (``rewrite/dropout.py``), so the mask does not depend on the layout. A blocked shard
+(batch x heads flattened, as XGLM's attention weights) keeps its heads of every row. Whole-segment
+shards, and shards of a dim without a fixed size (the batch), have no known slice of that mask:
+they are gathered first.
 
 A dropout that returns its input (eval capture, or p = 0) is plain pointwise, as before.
 ``scaled_dot_product_attention`` with ``dropout_p > 0`` keeps the attention rule's strategies
@@ -21,12 +22,13 @@ from .elementwise import pointwise_strategies
 
 
 def _sliceable(placement) -> bool:
-    return not isinstance(placement, Placement) or placement.block is None and not placement.whole
+    return not isinstance(placement, Placement) or not placement.whole
 
 
 def _fixed(node, placement, ctx) -> bool:
-    """Is the sharded dim of the output a fixed size (heads, columns)? The mask's slice is then known."""
-    return not placement.is_shard or isinstance(ctx.size(node, placement.dim), int)
+    """Is the sharded dim (or block: heads of batch x heads) of the output a fixed size (heads, columns)?
+    The mask's slice is then known."""
+    return not placement.is_shard or placement.block is not None or isinstance(ctx.size(node, placement.dim), int)
 
 
 def _dropout(node, placements, ctx):
@@ -39,7 +41,7 @@ def _dropout(node, placements, ctx):
             and _fixed(node, s.output, ctx)]
 
 
-register("dropout", blocks=True)(_dropout)  # identity dropouts keep blocks; the others never get one
+register("dropout", blocks=True)(_dropout)  # blocked shards: this rank's heads of each row of the mask
 
 
 def _attention(node, placements, ctx):
