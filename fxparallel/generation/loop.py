@@ -122,7 +122,10 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
         generator = torch.Generator(device=device).manual_seed(int(seed))
 
     cache = ParallelCache(cache_length(config.max_length))
-    full_mask = torch.cat([mask, mask.new_ones(batch, cache.length - prompt)], dim=1)
+    # the mask spans the cache: slots not written yet are masked, as transformers masks a static cache's
+    # (a causal mask hides them anyway; an encoder used as a decoder, RoBERTa-style, would attend to them)
+    full_mask = torch.cat([mask, mask.new_zeros(batch, cache.length - prompt)], dim=1)
+    written = prompt
     positions = _positions(mask)
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
@@ -135,9 +138,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
         while True:
             # a model without position_ids (BART's decoder, BLOOM's ALiBi) counts positions in its cache, as in
             # transformers' generate
-            positions = {"position_ids": step_positions} if model.takes_position_ids else {}
+            given = {"position_ids": step_positions} if model.takes_position_ids else {}
             out = model.forward(input_ids=step_ids, attention_mask=full_mask, past_key_values=cache, use_cache=True,
-                                gather_logits=False, check_inputs=False, **positions)
+                                gather_logits=False, check_inputs=False, **given)
             local = out.local_logits if out.local_logits is not None else out.logits
             local = local[:, -1, :].float()
             start = out.vocab_range[0] if out.vocab_range is not None else 0
@@ -166,6 +169,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
             if not bool(unfinished.any()):
                 break
             step_ids = chosen[:, None]
+            full_mask[:, written] = 1  # the slot the next step writes
+            written += 1
             step_positions = step_positions[:, -1:] + 1
     if streamer is not None and first_rank:
         streamer.end()
