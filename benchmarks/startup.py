@@ -13,7 +13,7 @@ Systems, interleaved round by round so that other load hits all alike:
   the solver without search).
 
 Per rank: seconds to ready (the call returns), to the first loss (``model(input_ids, labels)``, batch 2 x 128 tokens) and to the
-first logits (``model(input_ids)``, a second graph for fxparallel), fxparallel's stages
+first logits (``model(input_ids)``, a second graph for fxparallel, cut from the training capture), fxparallel's stages
 (``model.timings``), and the peak added resident memory from before the call to after the first
 logits (VmHWM minus RSS before, Linux). The figure of a run is its slowest rank; the table gives the
 median over rounds. The load average is recorded with each launch.
@@ -172,7 +172,7 @@ def render(results: dict) -> str:
                          f"{statistics.median(max(r['peak_added'] for r in run['ranks']) for run in runs) / MiB:.0f} | "
                          f"{len(runs)} | {loads} |")
     lines += ["", "Where a cold start goes (fxparallel, slowest rank's stages, median seconds; the first logits "
-              "call captures the logits graph):", "",
+              "call plans the logits graph, cut from the training capture):", "",
               "| layers | setup | capture | solve | rewrite | load | first loss | first logits | total |",
               "|---|---|---|---|---|---|---|---|---|"]
     for n in layers:
