@@ -174,8 +174,12 @@ def _worst(results) -> tuple:
 
 
 def _agreed(answers) -> str:
-    answers = set(answers)
-    return answers.pop() if len(answers) == 1 else "ranks differ: " + " / ".join(sorted(answers))
+    """Every rank's answer, where they agree; rank 0's error where all failed (their messages may name
+    Dynamo's symbols in another order); else what each said."""
+    answers = list(answers)
+    if len(set(answers)) == 1 or all(a.startswith("error:") for a in answers):
+        return answers[0]
+    return "ranks differ: " + " / ".join(sorted(set(answers)))
 
 
 def _generation_cell(row: dict) -> str:

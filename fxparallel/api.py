@@ -1,6 +1,8 @@
 """``parallelize``: the lifecycle, one function per stage, data flowing one way.
 
-    resolve source -> check splits -> capture (meta model, Dynamo graph)
+    resolve source -> check splits -> capture (meta model, Dynamo graph; a deep model's alike layers
+      captured once and repeated, capture/repeat_layers.py; the graph without labels cut from the
+      training capture, capture/derive.py)
       -> solve (GraphPlan: a placement and strategy per node, pure data)
       -> rewrite (rewrite/passes.py: outputs, redistribute, gradient_reductions,
          sequence_parallel, context_parallel, bind, split_by_layer)
