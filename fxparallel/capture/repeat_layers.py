@@ -200,10 +200,9 @@ def repeat_layers(short: CapturedGraph, container: str, layers: int) -> Optional
                 and _same(fx.node.map_arg(a.kwargs, expected), b.kwargs)):
             return None
     head = nodes[:nodes.index(last[-1]) + 1]
-    layer_nodes = {n for block in blocks for n in block}
-    tail = [n for n in graph.nodes if n.op != "placeholder" and n not in set(head)]
-    if any(x in layer_nodes and x not in set(last) and _size_expression(x) is None
-           for n in tail for x in n.all_input_nodes):
+    earlier = {n for block in blocks[:-1] for n in block}  # the layers before the last
+    tail = nodes[len(head):] + [n for n in graph.nodes if n.op == "output"]
+    if any(x in earlier and _size_expression(x) is None for n in tail for x in n.all_input_nodes):
         return None  # something after the layers reads a layer but the last (a size is read anywhere)
 
     new, env = fx.Graph(), {}

@@ -125,7 +125,6 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
     # the mask spans the cache: slots not written yet are masked, as transformers masks a static cache's
     # (a causal mask hides them anyway; an encoder used as a decoder, RoBERTa-style, would attend to them)
     full_mask = torch.cat([mask, mask.new_zeros(batch, cache.length - prompt)], dim=1)
-    written = prompt
     positions = _positions(mask)
     pad = config.pad_token_id if config.pad_token_id is not None else 0
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
@@ -169,8 +168,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
             if not bool(unfinished.any()):
                 break
             step_ids = chosen[:, None]
-            full_mask[:, written] = 1  # the slot the next step writes
-            written += 1
+            full_mask[:, sequences.shape[1] - 1] = 1  # the slot the next step writes: the chosen token's
             step_positions = step_positions[:, -1:] + 1
     if streamer is not None and first_rank:
         streamer.end()
