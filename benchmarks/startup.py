@@ -15,7 +15,8 @@ Systems, interleaved round by round so that other load hits all alike:
 Per rank: seconds to ready (the call returns), to the first loss (``model(input_ids, labels)``, batch 2 x 128 tokens) and to the
 first logits (``model(input_ids)``, a second graph for fxparallel, cut from the training capture), fxparallel's stages
 (``model.timings``), and the peak added resident memory from before the call to after the first
-logits (VmHWM minus RSS before, Linux). The figure of a run is its slowest rank; the table gives the
+logits (VmHWM minus RSS before, Linux); then two training steps (forward, backward, AdamW) with the peak added memory
+through them and the graphs captured during them, and a first call at batch 1. The figure of a run is its slowest rank; the table gives the
 median over rounds. The load average is recorded with each launch.
 """
 from __future__ import annotations
@@ -94,10 +95,30 @@ def run_rank(args) -> None:
         model(input_ids=ids)
         first_logits = time.perf_counter() - t0
     peak = status("VmHWM") - before
+    # then training: two steps of forward + backward + AdamW (the second with the optimizer's states)
+    graphs = len(model.graphs()) if args.system != "transformers" else 0
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    t = time.perf_counter()
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    train_s = time.perf_counter() - t
+    peak_train = status("VmHWM") - before
+    captured_in_training = len(model.graphs()) - graphs if args.system != "transformers" else 0
+    # a shape outside the training graph's guards (batch 1): fxparallel captures and plans its graph
+    model.eval()
+    t = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=ids[:1])
+    batch1_s = time.perf_counter() - t
     if args.system != "transformers" and args.save_plan and rank == 0:
         model.plan.save(args.save_plan)
     row = dict(system=args.system, rank=rank, tp=world, import_s=imported, ready_s=ready, first_loss_s=first_loss,
-               first_logits_s=first_logits, peak_added=peak, stages=stages, load=os.getloadavg()[0])
+               first_logits_s=first_logits, peak_added=peak, train_s=train_s, peak_train_added=peak_train,
+               captured_in_training=captured_in_training, batch1_s=batch1_s, stages=stages,
+               load=os.getloadavg()[0])
     rows = everyone(row)
     if rank == 0:
         with open(args.out, "w") as f:
@@ -142,7 +163,9 @@ def run_all(args) -> dict:
                 slow = max(rows, key=lambda r: r["first_logits_s"])
                 print(f"{layers:>3} layers  round {round_}  {system:<22} ready {slow['ready_s']:6.2f} s  "
                       f"first loss {slow['first_loss_s']:6.2f} s  first logits {slow['first_logits_s']:6.2f} s  "
-                      f"peak +{max(r['peak_added'] for r in rows) / MiB:6.0f} MiB  load {slow['load']:.1f}",
+                      f"peak +{max(r['peak_added'] for r in rows) / MiB:6.0f} MiB  training peak "
+                      f"+{max(r['peak_train_added'] for r in rows) / MiB:6.0f} MiB  batch-1 call "
+                      f"{max(r['batch1_s'] for r in rows):5.2f} s  load {slow['load']:.1f}",
                       flush=True)
     return results
 
@@ -171,6 +194,26 @@ def render(results: dict) -> str:
                          f"{_median(runs, 'first_loss_s'):.2f} | {logits:.2f} | {ratio} | "
                          f"{statistics.median(max(r['peak_added'] for r in run['ranks']) for run in runs) / MiB:.0f} | "
                          f"{len(runs)} | {loads} |")
+    lines += ["", "Then training and a new shape, in the same launch: two steps of forward + backward + AdamW "
+              "(batch 2 x 128, `model.train()`), the peak added resident memory per rank from before the call to "
+              "the end of the second step, graphs captured during those steps, and a first call at batch 1 "
+              "(outside the training graph's guards: fxparallel plans its own graph).", "",
+              "| layers | system | 2 training steps s | peak added MiB/rank | vs transformers | graphs captured "
+              "in training | first batch-1 call s |", "|---|---|---|---|---|---|---|"]
+    for n in layers:
+        runs_of = {s: [r for r in results["runs"] if r["layers"] == n and r["system"] == s
+                       and "peak_train_added" in r["ranks"][0]] for s in SYSTEMS}
+        base = (statistics.median(max(r["peak_train_added"] for r in run["ranks"]) for run in runs_of["transformers"])
+                if runs_of["transformers"] else None)
+        for system, runs in runs_of.items():
+            if not runs:
+                continue
+            peak = statistics.median(max(r["peak_train_added"] for r in run["ranks"]) for run in runs)
+            ratio = f"{peak / base:.2f}x" if base else "-"
+            captured = max(r["captured_in_training"] for run in runs for r in run["ranks"])
+            captured = captured if system != "transformers" else "-"
+            lines.append(f"| {n} | {system} | {_median(runs, 'train_s'):.2f} | {peak / MiB:.0f} | {ratio} | "
+                         f"{captured} | {_median(runs, 'batch1_s'):.2f} |")
     lines += ["", "Where a cold start goes (fxparallel, slowest rank's stages, median seconds; the first logits "
               "call plans the logits graph, cut from the training capture):", "",
               "| layers | setup | capture | solve | rewrite | load | first loss | first logits | total |",
