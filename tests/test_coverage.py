@@ -14,8 +14,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 # the ten types the coverage issue names, plus fused Phi-3, MoE Mixtral, OLMo-2 (q/k norm over all heads) and
 # GPT-OSS (experts' gate and up interleaved: gate_up[..., ::2], gate_up[..., 1::2])
+# and Mamba, whose scan runs torch.vmap traced inline: its nesting calls survive dead-code elimination
 TP2 = ("gpt2", "opt", "bloom", "falcon", "gptj", "gpt_neo", "gpt_bigcode", "codegen", "mpt", "stablelm", "phi3",
-       "mixtral", "olmo2", "gpt_oss")
+       "mixtral", "olmo2", "gpt_oss", "mamba")
 # at TP=4 also 3 kv heads over 4 ranks (transformers' tp plan crashes in view here): the kv heads are
 # replicated; 6 query heads split 2/2/1/1, so rank 1 uses query heads 2 and 3, of kv heads 1 and 2
 # and Falcon (x @ W.T) with an MLP width tp=4 does not divide (130: 33/33/33/31), its multi-query k and v whole

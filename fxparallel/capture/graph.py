@@ -90,9 +90,19 @@ _INPLACE_OPERATORS = {getattr(operator, n) for n in ("iadd", "isub", "imul", "it
                                                       "imatmul", "iand", "ior", "ixor", "ilshift", "irshift")}
 
 
+def sets_interpreter_state(node: fx.Node) -> bool:
+    """Does the node enter or leave a functorch transform (``torch.vmap`` traced inline, as in Mamba's
+    associative scan: ``_vmap_increment_nesting`` ... ``_vmap_decrement_nesting``)? Its result is
+    unused, but the batched ops between the two need the level it opens; FX counts it as pure."""
+    name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    return name.startswith("_vmap_") and name.endswith("_nesting")
+
+
 def eliminate_dead_code(graph: fx.Graph) -> None:
-    """FX's dead-code elimination, keeping the nodes that write into their inputs."""
-    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutates_in_place(n))
+    """FX's dead-code elimination, keeping the nodes that write into their inputs or set functorch's
+    transform state."""
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutates_in_place(n)
+                              or sets_interpreter_state(n))
 
 
 def layer_container(names: Iterable[str]) -> Optional[str]:
