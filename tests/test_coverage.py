@@ -14,7 +14,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 # the ten types the coverage issue names, plus fused Phi-3, MoE Mixtral, OLMo-2 (q/k norm over all heads) and
 # GPT-OSS (experts' gate and up interleaved: gate_up[..., ::2], gate_up[..., 1::2])
-# and Mamba, whose scan runs torch.vmap traced inline: its nesting calls survive dead-code elimination
+# and Mamba, split by channels: in_proj by column (its x and gate halves as segments, found through the
+# transpose before the chunk), the depthwise conv and the scan (torch.vmap traced inline) per channel,
+# x_proj and out_proj by row
 TP2 = ("gpt2", "opt", "bloom", "falcon", "gptj", "gpt_neo", "gpt_bigcode", "codegen", "mpt", "stablelm", "phi3",
        "mixtral", "olmo2", "gpt_oss", "mamba")
 # at TP=4 also 3 kv heads over 4 ranks (transformers' tp plan crashes in view here): the kv heads are
@@ -112,6 +114,15 @@ def test_architectures_without_transformers_plan(arch_checkpoints, tp, types):
             assert not [c for c in olmo if c[0] == "all_gather"], olmo
             assert sorted(c for c in olmo if c[2] < 8) == [("all_reduce", "backward", 4.0)] * 2 + \
                 [("all_reduce", "forward", 4.0)] * 2, olmo
+            # Mamba: two all-reduces per layer forward (x_proj's dt/B/C, 80 floats, and out_proj's output), no
+            # gather: in_proj, dt_proj, the conv and the scan run on this rank's channels
+            mamba = results["mamba"]
+            assert [c[:2] for c in mamba["layer_collectives"] if c[1] == "forward"] == [("all_reduce", "forward")] * 2
+            assert mamba["layer_forward_calls"] == 2 * 2 and not mamba["layer_gathers"], mamba
+            assert {n.split(".mixer.")[-1]: v for n, v in mamba["placements"].items()
+                    if ".layers.0.mixer." in n and n.endswith("proj.weight")} == \
+                {"in_proj.weight": "S(0)[128,128]", "x_proj.weight": "S(1)", "dt_proj.weight": "S(0)",
+                 "out_proj.weight": "S(1)"}, mamba["placements"]
             # Bloom flattens batch and heads into one dim for baddbmm/bmm: the heads stay sharded there
             # (a blocked shard), so attention needs no gather: 2 all-reduces per layer each way
             bloom = results["bloom"]["layer_collectives"]
@@ -137,3 +148,50 @@ def test_architectures_without_transformers_plan(arch_checkpoints, tp, types):
 
 
 
+
+
+def _data_dependent(rank, tp, paths):
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    import fxparallel
+    from checks import batch, compare
+    from models import reference
+
+    results = {}
+    for name, path in paths.items():
+        # float64: CPM-Ant's fp32 rounding reaches 1e-4 (its logits are large); a wrong plan's error would not
+        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float64)
+        ids = batch(model.config.vocab_size, b=2, s=9)
+        errors = compare(model, reference(path).to(torch.float64), rank, tp, ids=ids, gather_logits=True)
+        shorter = batch(model.config.vocab_size, b=2, s=7, seed=3)
+        with torch.no_grad():
+            errors["other length"] = (model(input_ids=shorter).logits
+                                      - reference(path).to(torch.float64)(input_ids=shorter).logits).abs().max().item()
+        results[name] = {k: errors[k] for k in ("loss", "logits", "grad", "other length")}
+        results[name]["graphs"] = len(model.graphs())
+    return results
+
+
+def test_data_dependent_and_length_fixed_graphs(arch_checkpoints_extra):
+    """JetMoE sizes its experts with ``.tolist()`` (unbacked sizes in the graph, which cannot run on meta:
+    captured all the same); CPM-Ant builds its position buckets from ``range(seq_len)`` (Dynamo cannot keep
+    the length symbolic: a graph per length). Both match one device."""
+    for results in run_ranks(2, _data_dependent, arch_checkpoints_extra, timeout=900):
+        for name, r in results.items():
+            for key in ("loss", "logits", "grad", "other length"):
+                # (transformers' loss casts the logits to float32: the gradients keep float32 rounding)
+                assert r[key] < 1e-5, (name, key, r)
+        assert results["cpmant"]["graphs"] == 3, results["cpmant"]  # length 9 with labels, 9 and 7 without
+
+
+@pytest.fixture(scope="module")
+def arch_checkpoints_extra(tmp_path_factory):
+    from models import save_checkpoint
+    from tiny_configs import tiny_config
+
+    root = tmp_path_factory.mktemp("archs_extra")
+    return {t: save_checkpoint(tiny_config(t), str(root / t)) for t in ("jetmoe", "cpmant")}

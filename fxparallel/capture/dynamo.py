@@ -77,28 +77,42 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
     tensors become arguments (``past_<layer>_<field>``), the attention mask spans the cache.
     """
     output_names = ("loss", "logits") if "labels" in input_names else ("logits",)
-    retry = cache_length is not None and shape[0] > 1
     guards_log = logging.getLogger("torch._guards")
     level = guards_log.level
-    if retry:  # Dynamo logs the failed attempt's frames at error level: the retry below is what counts
-        guards_log.setLevel(logging.CRITICAL)
+    # Dynamo logs a failed attempt's frames at error level: a retry below is what counts
+    guards_log.setLevel(logging.CRITICAL)
     try:
-        return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length, True)
+        return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length, (0, 1))
     except CaptureError as err:
-        if not (retry and "Constraints violated" in str(err)):
+        fixed = _fixed_dim(str(err), shape, cache_length)
+        if fixed is None:
             raise
     finally:
         guards_log.setLevel(level)
-    # the model's code fixes the batch of its cache (Dynamo cannot keep it symbolic): a graph per batch size
-    log.info("%s: the KV cache's batch is fixed by the model's code; capturing for batch %d",
-             type(model).__name__, shape[0])
-    return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length, False)
+    # the model's code fixes a size (a cache's batch; a loop over the tokens, RWKV / RecurrentGemma / CPM-Ant):
+    # Dynamo cannot keep it symbolic, so that size gets a graph of its own
+    log.info("%s: its code fixes the %s; capturing for %d", type(model).__name__, ("batch", "sequence length")[fixed],
+             shape[fixed])
+    return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length,
+                    tuple(d for d in (0, 1) if d != fixed))
+
+
+def _fixed_dim(message: str, shape, cache_length):
+    """The argument dim Dynamo reports the model's code fixes ("Constraints violated (...size()[d])"): the
+    batch of a KV cache, or the sequence of a plain forward; None for any other failure."""
+    if "Constraints violated" not in message:
+        return None
+    if cache_length is not None and shape[0] > 1:
+        return 0
+    if cache_length is None and shape[1] > 1 and "size()[1])" in message:
+        return 1
+    return None
 
 
 def _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length,
-             dynamic_batch: bool) -> CapturedGraph:
+             dynamic_dims: tuple) -> CapturedGraph:
     def dynamic(t, dim):
-        if dim > 0 or dynamic_batch:
+        if dim > 1 or dim in dynamic_dims:
             torch._dynamo.mark_dynamic(t, dim)
 
     example, state, cache = {}, {}, None
@@ -131,7 +145,14 @@ def _capture(model, input_names, output_names, shape, device, labels_shifted, ca
 
     def backend(gm, example_inputs):
         seen.append((gm, list(example_inputs)))
-        return gm.forward
+
+        def run_on_meta(*args):
+            try:
+                return gm.forward(*args)
+            except Exception as err:  # noqa: BLE001 - see _RunOnMeta
+                raise _RunOnMeta(str(err)) from err
+
+        return run_on_meta
 
     fn = _forward_fn(model, input_names, output_names, labels_shifted and "labels" in input_names, cache)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
@@ -148,6 +169,9 @@ def _capture(model, input_names, output_names, shape, device, labels_shifted, ca
         model.train(training)
         with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
             compiled(**{k: v for k, v in example.items() if k not in state})
+    except _RunOnMeta as err:
+        # captured whole; only running it on meta failed (data-dependent ops have no meta kernel)
+        log.debug("%s: the captured graph could not run on meta (%s); it is used as captured", type(model).__name__, err)
     except Exception as err:  # Dynamo raises many exception types; all mean "not capturable whole"
         kind = type(model).__name__
         mode = " in training mode" if training else ""
@@ -161,6 +185,13 @@ def _capture(model, input_names, output_names, shape, device, labels_shifted, ca
     if training:
         check_training_graph(gm, type(model).__name__)
     return _bind(gm, example_inputs, model, example, output_names, set(state))
+
+
+class _RunOnMeta(Exception):
+    """Dynamo runs the graph it captured on the example (meta) inputs. Data-dependent ops (``.item()``,
+    ``.tolist()``, ``nonzero``: JetMoE's expert sizes, XLM's length check) are in the graph as unbacked
+    sizes but have no meta kernel, so that run fails after the capture succeeded; nothing needs its
+    result. (Python side effects Dynamo would apply after the run are then not applied to the meta model.)"""
 
 
 def _finite(bound) -> bool:

@@ -16,6 +16,7 @@ import operator
 from typing import Optional
 
 import torch
+import torch._functorch.predispatch  # noqa: F401 - the vmap ops traced inline (rules/vmap.py)
 import torch.fx as fx
 import torch.nn.functional as F
 
@@ -73,14 +74,14 @@ SPELLINGS = {
     "rms_norm": (F.rms_norm, getattr(torch, "rms_norm", None)),
     # ---- views and shapes -----------------------------------------------------------------------
     **{name: (getattr(torch, name), name) for name in ("reshape", "flatten", "squeeze", "unsqueeze", "transpose",
-                                                       "permute")},
+                                                       "permute", "movedim")},
     **{name: (name,) for name in ("view", "unflatten", "expand", "view_as", "swapaxes", "swapdims", "t")},
     "getattr": (builtins.getattr,),  # ``x.T`` / ``x.mT``
     "view_as_complex": (torch.view_as_complex,),
     "view_as_real": (torch.view_as_real,),
     "cat": (torch.cat, torch.concat, torch.concatenate),
     "stack": (torch.stack,),
-    "pad": (F.pad,),
+    "pad": (F.pad, torch._C._nn.pad),
     **{name: (name,) for name in ("size", "dim", "ndimension", "get_device")},
     # ---- several outputs and indexing -----------------------------------------------------------
     **{name: (getattr(torch, name), name) for name in ("chunk", "split", "tensor_split", "unbind", "topk", "sort",
@@ -103,6 +104,8 @@ SPELLINGS = {
     # ---- mixing tokens along the sequence -------------------------------------------------------
     **{name: (getattr(torch, name), name) for name in ("roll", "flip", "diff", "cummax", "cummin", "logcumsumexp")},
     **{name: (getattr(F, name),) for name in ("conv1d", "conv2d", "conv3d")},
+    # ---- torch.vmap traced inline ---------------------------------------------------------------
+    **{name: (getattr(torch._functorch.predispatch, name),) for name in ("_add_batch_dim", "_remove_batch_dim")},
 }
 
 _FUNCTIONS: dict = {}  # call_function target -> canonical name

@@ -97,6 +97,16 @@ def segment_slice(node: fx.Node, editor: GraphEditor, placement: Placement, inde
         editor.partial_grad_after(node)
 
 
+def local_groups(node: fx.Node, editor: GraphEditor, channels: int) -> None:
+    """A depthwise convolution on this rank's channels: one group each."""
+    args = list(node.args)
+    if len(args) > 6:
+        args[6] = editor.local_size(channels)
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, "groups": editor.local_size(channels)}
+
+
 LOCAL_OPS = {
     "vocab_parallel_embedding": vocab_parallel_embedding,
     "vocab_parallel_cross_entropy": vocab_parallel_cross_entropy,
@@ -106,6 +116,7 @@ LOCAL_OPS = {
     "local_view_size": local_view_size,
     "block_view_size": block_view_size,
     "segment_slice": segment_slice,
+    "local_groups": local_groups,
     "dropout_on_shards": dropout_on_shards,
     "attention_with_dropout": attention_with_dropout,
 }

@@ -47,7 +47,7 @@ class LocalOp:
     (bias_index, dense), ``local_split_sizes`` (placement), ``mean_of_full`` (parts),
     ``local_view_size`` (dim, full, segmented), ``block_view_size`` (dim, block),
     ``segment_slice`` (placement, position, segment), ``dropout_on_shards`` (placement),
-    ``attention_with_dropout`` (placement)."""
+    ``attention_with_dropout`` (placement), ``local_groups`` (channels)."""
 
     kind: str
     args: tuple = ()  # (name, value) pairs, so the op is hashable and compares by value
@@ -194,6 +194,19 @@ def arg(node: fx.Node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+# what costs assume for a size known only when the graph runs (``.tolist()`` of expert sizes, ``nonzero``)
+UNBACKED_SIZE = 64
+
+
+def size_hint(size) -> int:
+    """A size at the capture's example shapes; a data-dependent (unbacked) size has no example value,
+    and counts as UNBACKED_SIZE in costs."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else UNBACKED_SIZE
+    return int(size)
+
+
 def bytes_per_token(node, tokens: int) -> float:
     """Bytes of a node's (full) value per token, at the example sizes used for capture."""
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
@@ -201,7 +214,7 @@ def bytes_per_token(node, tokens: int) -> float:
         return 0.0
     numel = 1
     for s in value.shape:
-        numel *= int(s.node.hint) if isinstance(s, torch.SymInt) else int(s)
+        numel *= size_hint(s)
     return numel * value.element_size() / tokens
 
 

@@ -11,15 +11,13 @@ from typing import Optional
 import sympy
 import torch
 
+from .base import size_hint as _hint
+
 
 def _expr(size):
     return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
 
 
-def _hint(size) -> int:
-    if isinstance(size, torch.SymInt):
-        return int(size.node.hint)
-    return int(size)
 
 
 def _same(a, b) -> bool:

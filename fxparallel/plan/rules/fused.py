@@ -5,7 +5,8 @@ sliced ``[..., :q]``, ``[..., q:q+kv]``, ...; ``gate_up_proj`` is ``chunk``-ed i
 Sharding such a weight contiguously would give rank 0 all of q and rank 1 all of
 v; sharding each part (segment) on its own keeps every rank's heads together.
 This analysis follows the output through shape-preserving ops (``op_traits.KEEPS_FEATURES``)
-to the split and returns the segment sizes, which the linear rule turns into a segmented shard.
+and transposes (Mamba's ``in_proj(x).transpose(1, 2).chunk(2, dim=1)``) to the split and returns
+the segment sizes, which the linear rule turns into a segmented shard.
 
 A part of fewer heads than ranks (multi-query attention's single key and value head)
 cannot be split by head: every rank keeps it whole (``whole_segments``) and computes it
@@ -26,28 +27,42 @@ def _value(node):
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
-def _last_dim_size(node) -> Optional[int]:
+def _feature_size(node, dim: int = -1) -> Optional[int]:
+    """The size of dimension ``dim`` (counted from the end) of a node's value, if a constant."""
     v = _value(node)
-    if isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(v.shape[-1], int):
-        return int(v.shape[-1])
+    if isinstance(v, torch.Tensor) and v.dim() >= -dim and isinstance(v.shape[dim], int):
+        return int(v.shape[dim])
     return None
 
 
-def _cuts(node: fx.Node, size: int) -> Optional[set]:
-    """Boundaries at which ``node``'s last dimension is split (None: not split)."""
+def _transposed(node: fx.Node, source: fx.Node, dim: int) -> Optional[int]:
+    """Where ``node``, a transpose of ``source``, puts its dimension ``dim`` (counted from the end)."""
+    if op_name(node) not in ("transpose", "swapaxes", "swapdims") or node.args[0] is not source \
+            or not all(isinstance(a, int) for a in node.args[1:3]):
+        return None
+    ndim = _value(source).dim()
+    a, b = (d % ndim for d in node.args[1:3])
+    d = dim % ndim
+    return (b if d == a else a if d == b else d) - ndim
+
+
+def _cuts(node: fx.Node, size: int, feature_dim: int = -1) -> Optional[set]:
+    """Boundaries at which ``node``'s dimension ``feature_dim`` (from the end) is split (None: not split)."""
     target = node.target
     value = _value(node)
     if op_name(node) in ("split", "chunk"):
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         x_dim = _value(node.args[0]).dim()
-        if dim % x_dim != x_dim - 1 or not isinstance(value, (tuple, list)):
+        if dim % x_dim != feature_dim % x_dim or not isinstance(value, (tuple, list)):
             return None
-        sizes = [int(v.shape[-1]) for v in value]
+        sizes = [int(v.shape[feature_dim]) for v in value]
         cuts, offset = set(), 0
         for s in sizes[:-1]:
             offset += s
             cuts.add(offset)
         return cuts
+    if feature_dim != -1:
+        return None
     if node.op == "call_function" and target is operator.getitem and isinstance(_value(node.args[0]), torch.Tensor):
         index = node.args[1]
         items = index if isinstance(index, tuple) else (index,)
@@ -114,21 +129,24 @@ def _fused_parts(node: fx.Node) -> Optional[tuple]:
     """Sizes of the parts a matmul's output features are split into later, or None (cached on the node)."""
     if "fxparallel_segments" in node.meta:
         return node.meta["fxparallel_segments"]
-    size = _last_dim_size(node)
-    cuts, frontier, seen = set(), [node], set()
+    size = _feature_size(node)
+    cuts, frontier, seen = set(), [(node, -1)], set()  # (value, its dimension holding the features)
     while size and frontier:
-        current = frontier.pop()
+        current, dim = frontier.pop()
         for user in current.users:
             if user in seen:
                 continue
             seen.add(user)
-            found = _cuts(user, size)
-            if found is None:
+            found = _cuts(user, size, dim)
+            if found is None and dim == -1:
                 found = _head_cuts(user, size)
+            moved = _transposed(user, current, dim)
             if found is not None:
                 cuts |= found
-            elif op_name(user) in KEEPS_FEATURES and _last_dim_size(user) == size:
-                frontier.append(user)
+            elif moved is not None and _feature_size(user, moved) == size:
+                frontier.append((user, moved))
+            elif op_name(user) in KEEPS_FEATURES and _feature_size(user, dim) == size:
+                frontier.append((user, dim))
     segments = None
     if cuts:
         bounds = [0] + sorted(cuts) + [size]

@@ -8,7 +8,7 @@ from typing import Optional
 import torch.fx as fx
 
 from ..placement import R, S
-from .base import LocalOp, Strategy, register, tensor_inputs
+from .base import LocalOp, Strategy, norm_dim, register, tensor_inputs
 from .dim_maps import index_shard_dim
 from .experts import gather_index, gather_strategies
 
@@ -51,6 +51,22 @@ def _getitem(node, placements, ctx):
             strategies.append(Strategy({x: p}, p.with_dim(o)))
     strategies.append(Strategy({i: R for i in inputs}, R))
     return strategies
+
+
+def _aten_slice(node, placements, ctx):
+    """``torch.ops.aten.slice(x, dim, start, end, step)`` (Dynamo's spelling of a slice inside traced
+    library code): a shard on another dimension is untouched."""
+    x = node.args[0]
+    p = placements[x]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    strategies = []
+    if p.is_shard and isinstance(dim, int) and norm_dim(dim, ctx.ndim(x)) != p.dim:
+        strategies.append(Strategy({x: p}, p))
+    strategies.append(Strategy({x: R}, R))
+    return strategies
+
+
+register("aten::slice", blocks=True, whole=True)(_aten_slice)
 
 
 def _one_item_list_as_slice(index, shape) -> Optional[tuple]:

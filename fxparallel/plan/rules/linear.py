@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from ..placement import P, R, S
 from .base import LocalOp, Strategy, arg, register, tensor_inputs
+from .experts import input_choices
 from .fused import output_segments, whole_segments
 
 
@@ -104,10 +105,12 @@ def _matmul(node, placements, ctx):
     # contraction dim sharded on both sides -> partial sum
     if ctx.can_split(fa.shape[-1]):
         strategies.append(Strategy({a: S(na - 1), b: S(nb - 2)}, P, own_bytes=ctx.bytes_per_token(node), name="row"))
-    # rows of a (a segmented shard, e.g. gathered gate/up expert weights, keeps its segments)
-    pa, pb = placements[a], placements[b]
-    if ctx.can_split(out.shape[-2]) and pa.is_shard and pa.dim == na - 2:
-        strategies.append(Strategy({a: pa, b: R}, pa.with_dim(no - 2)))
+    # rows of a (a segmented shard, e.g. gathered gate/up expert weights, keeps its segments; a weight
+    # matrix on the left, Mamba's ``dt_proj.weight @ x``, may be split by rows here)
+    pb = placements[b]
+    for pa in input_choices(a, placements, ctx, matrices=True):
+        if ctx.can_split(out.shape[-2]) and pa.is_shard and pa.dim == na - 2:
+            strategies.append(Strategy({a: pa, b: R}, pa.with_dim(no - 2), name="rows"))
     # columns of b
     if ctx.can_split(out.shape[-1]):
         pb = pb if pb.is_shard and pb.dim == nb - 1 else S(nb - 1)

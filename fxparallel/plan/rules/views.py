@@ -13,7 +13,7 @@ from ..op_traits import SIZED_VIEWS, op_name
 from ..placement import R, S
 from .base import LocalOp, Strategy, arg, norm_dim, register, tensor_inputs
 from .dim_maps import _hint, _same, dim_groups, reshape_shard_dim
-from .experts import input_choices, is_expert_weight
+from .experts import input_choices, is_expert_weight, is_weight, weight_choices
 
 
 def _view_size(dim: int, full: int, segmented=None) -> LocalOp:
@@ -30,7 +30,22 @@ def _reshape(node, placements, ctx):
     if not inputs or node.args[0] is not inputs[0]:
         return []
     x = inputs[0]
-    p = placements[x]
+    strategies = []
+    for p in _view_input_choices(node, x, placements, ctx):
+        strategies.extend(_sharded_view(node, x, p, ctx))
+    strategies.append(Strategy({x: R}, R))
+    return strategies
+
+
+def _view_input_choices(node, x, placements, ctx) -> list:
+    """A weight only given a size-1 dim or losing one (Mamba's depthwise conv weight, squeezed and
+    unsqueezed before the conv) may take any split here; any other input comes as it is placed."""
+    if op_name(node) in ("squeeze", "unsqueeze") and is_weight(x, ctx.ndim(x)) and not is_expert_weight(x):
+        return [c for c in weight_choices(x, ctx, first_dim=0) if c.is_shard]
+    return [placements[x]]
+
+
+def _sharded_view(node, x, p, ctx) -> list:
     out = ctx.fake(node)
     strategies = []
     sized = op_name(node) in SIZED_VIEWS  # sizes spelled out in the arguments
@@ -46,7 +61,6 @@ def _reshape(node, placements, ctx):
             strategies.append(Strategy({x: p}, p.with_dim(o), local=rw))
         elif not p.segments:
             strategies.extend(_into_block(node, x, p, out, ctx, sized))
-    strategies.append(Strategy({x: R}, R))
     return strategies
 
 
@@ -168,6 +182,11 @@ def _permutation(node, ndim):
         return [norm_dim(d, ndim) for d in dims]
     if name == "t":
         return list(reversed(range(ndim)))
+    if name == "movedim" and all(isinstance(a, int) for a in node.args[1:3]):
+        source, destination = norm_dim(node.args[1], ndim), norm_dim(node.args[2], ndim)
+        perm = [d for d in range(ndim) if d != source]
+        perm.insert(destination, source)
+        return perm
     if name == "getattr" and node.args[1] in ("T", "mT"):  # Falcon's ``x @ self.weight.T``
         perm = list(range(ndim))
         if node.args[1] == "T":
@@ -190,7 +209,7 @@ def _permute(node, placements, ctx):
     return strategies
 
 
-register("transpose", "permute", "swapaxes", "swapdims", "t", "getattr", blocks=True, whole=True)(_permute)
+register("transpose", "permute", "swapaxes", "swapdims", "t", "getattr", "movedim", blocks=True, whole=True)(_permute)
 
 
 def _join(node, placements, ctx, new_dim: bool):
@@ -234,7 +253,10 @@ def _pad(node, placements, ctx):
     p = placements[x]
     inputs = tensor_inputs(node)
     strategies = []
-    if p.is_shard and isinstance(pad, (tuple, list)) and p.dim < ctx.ndim(x) - len(pad) // 2 and inputs == [x]:
+    pair = ctx.ndim(x) - 1 - p.dim if p.is_shard else None  # pad[2k:2k+2] pads the k-th dim from the end
+    untouched = isinstance(pad, (tuple, list)) and (2 * pair >= len(pad) or tuple(pad[2 * pair:2 * pair + 2]) == (0, 0)) \
+        if pair is not None else False
+    if untouched and inputs == [x]:  # nothing padded along the sharded dim
         strategies.append(Strategy({x: p}, S(p.dim)))
     strategies.append(Strategy({i: R for i in inputs}, R))
     return strategies

@@ -1,0 +1,56 @@
+"""Mamba's mixer split by channels: plan/rules/conv.py (depthwise convolution), vmap.py (torch.vmap
+traced inline), the pad and aten.slice rules that keep a channel shard, and fused.py finding the
+x / gate halves of in_proj through the transpose before the chunk."""
+import torch
+import torch.nn.functional as F
+from rule_graphs import capture, inputs_of, node, strategies
+
+from fxparallel.plan.placement import R, S
+from fxparallel.plan.rules.base import LocalOp
+from fxparallel.plan.rules.fused import output_segments
+
+
+def test_depthwise_conv_splits_by_channels():
+    gm = capture(lambda x, w, b: F.conv1d(x, w, b, padding=3, groups=8), (2, 8, 5), (8, 1, 4), (8,), params=(1, 2))
+    x, w, b = inputs_of(gm)
+    found = strategies(node(gm, F.conv1d), {x: S(1)})
+    assert found[0].inputs == {x: S(1), w: S(0), b: S(0)} and found[0].output == S(1)
+    assert found[0].local == LocalOp.of("local_groups", channels=8)
+    assert found[-1].output == R
+
+
+def test_a_convolution_that_mixes_channels_runs_replicated():
+    gm = capture(lambda x, w: F.conv1d(x, w, padding=1), (2, 8, 5), (8, 8, 3), params=(1,))
+    x, w = inputs_of(gm)
+    assert [s.output for s in strategies(node(gm, F.conv1d), {x: S(1)})] == [R]
+
+
+def test_vmapped_dims_move_a_shard():
+    def fn(x):  # vmap over dim 0 of [4, 3, 8]: the body sees [3, 8]; the result comes back at dim 0
+        return torch.vmap(lambda t: t * 2)(x)
+
+    gm = capture(fn, (4, 3, 8))
+    (x,) = inputs_of(gm)
+    add = node(gm, torch._functorch.predispatch._add_batch_dim)
+    assert strategies(add, {x: S(2)})[0].output == S(1)
+    assert [s.output for s in strategies(add, {x: S(0)})] == [R]  # the vmapped dim itself stays whole
+    remove = node(gm, torch._functorch.predispatch._remove_batch_dim)
+    assert strategies(remove, {remove.args[0]: S(1)})[0].output == S(2)
+
+
+def test_pad_keeps_a_shard_it_does_not_pad():
+    gm = capture(lambda x: F.pad(x, (0, 0, 0, 0, 0, 1)), (4, 6, 8))  # pads dim 0 only
+    (x,) = inputs_of(gm)
+    pad = next(n for n in gm.graph.nodes if n.op == "call_function" and "pad" in str(n.target))
+    assert strategies(pad, {x: S(1)})[0].output == S(1)
+    assert [s.output for s in strategies(pad, {x: S(0)})] == [R]
+
+
+def test_fused_halves_found_through_a_transpose():
+    def fn(x, w):
+        projected = F.linear(x, w).transpose(1, 2)
+        hidden, gate = projected.chunk(2, dim=1)
+        return hidden * gate
+
+    gm = capture(fn, (2, 5, 16), (64, 16), params=(1,))
+    assert output_segments(node(gm, F.linear), 2) == (32, 32)
