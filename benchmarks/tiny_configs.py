@@ -67,6 +67,8 @@ TYPE_OVERRIDES = {
     "xmod": {"default_language": "en_XX"},  # the default has none, and forward requires one
     "xlstm": {"embedding_dim": 64, "num_blocks": 2},  # its own names of hidden size and depth
     "rwkv": {"attention_hidden_size": 64},
+    # the real vocabulary inside the padded one: not above it
+    **{t: {"unpadded_vocab_size": 256} for t in ("inkling2_text", "inkling2_loop_text")},
     # block-sparse attention on short sequences switches to full attention inside forward (new modules)
     "big_bird": {"attention_type": "original_full"},
 }
