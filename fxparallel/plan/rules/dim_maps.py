@@ -1,5 +1,5 @@
 """Shape arithmetic the view and indexing rules share: which output dimension a sharded input
-dimension becomes through a reshape or a basic index, if it survives whole.
+dimension becomes through a reshape, a basic index or a permutation of dims, if it survives whole.
 
 Reshapes are matched by groups of dimensions with equal products (symbolic sizes compared as
 sympy expressions); a shard survives a reshape only if it is the outermost dimension of its group
@@ -11,13 +11,12 @@ from typing import Optional
 import sympy
 import torch
 
-from .base import size_hint as _hint
+from ..op_traits import op_name
+from .base import norm_dim, size_hint as _hint
 
 
 def _expr(size):
     return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
-
-
 
 
 def _same(a, b) -> bool:
@@ -120,4 +119,32 @@ def index_shard_dim(index, ndim: int, dim: int) -> Optional[int]:
             return None  # tensor or symbolic index
     if dim >= src:
         return out + (dim - src)
+    return None
+
+
+def permutation(node, ndim) -> Optional[list]:
+    """The dims of a transpose / permute / movedim / ``x.T`` output, as input dims (None: not one)."""
+    name = op_name(node)
+    if name in ("transpose", "swapaxes", "swapdims"):
+        a = norm_dim(node.args[1], ndim)
+        b = norm_dim(node.args[2], ndim)
+        perm = list(range(ndim))
+        perm[a], perm[b] = perm[b], perm[a]
+        return perm
+    if name == "permute":
+        dims = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
+        return [norm_dim(d, ndim) for d in dims]
+    if name == "t":
+        return list(reversed(range(ndim)))
+    if name == "movedim" and all(isinstance(a, int) for a in node.args[1:3]):
+        source, destination = norm_dim(node.args[1], ndim), norm_dim(node.args[2], ndim)
+        perm = [d for d in range(ndim) if d != source]
+        perm.insert(destination, source)
+        return perm
+    if name == "getattr" and node.args[1] in ("T", "mT"):  # Falcon's ``x @ self.weight.T``
+        perm = list(range(ndim))
+        if node.args[1] == "T":
+            return list(reversed(perm))
+        perm[-1], perm[-2] = perm[-2], perm[-1]
+        return perm
     return None

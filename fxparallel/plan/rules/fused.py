@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..op_traits import KEEPS_FEATURES, op_name
+from .dim_maps import permutation
 
 
 def _value(node):
@@ -41,9 +42,7 @@ def _transposed(node: fx.Node, source: fx.Node, dim: int) -> Optional[int]:
             or not all(isinstance(a, int) for a in node.args[1:3]):
         return None
     ndim = _value(source).dim()
-    a, b = (d % ndim for d in node.args[1:3])
-    d = dim % ndim
-    return (b if d == a else a if d == b else d) - ndim
+    return permutation(node, ndim).index(dim % ndim) - ndim
 
 
 def _cuts(node: fx.Node, size: int, feature_dim: int = -1) -> Optional[set]:

@@ -12,7 +12,7 @@ import torch.fx as fx
 from ..op_traits import SIZED_VIEWS, op_name
 from ..placement import R, S
 from .base import LocalOp, Strategy, arg, norm_dim, register, tensor_inputs
-from .dim_maps import _hint, _same, dim_groups, reshape_shard_dim
+from .dim_maps import _hint, _same, dim_groups, permutation, reshape_shard_dim
 from .experts import input_choices, is_expert_weight, is_weight, weight_choices
 
 
@@ -169,39 +169,12 @@ def _expand(node, placements, ctx):
 register("expand")(_expand)
 
 
-def _permutation(node, ndim):
-    name = op_name(node)
-    if name in ("transpose", "swapaxes", "swapdims"):
-        a = norm_dim(node.args[1], ndim)
-        b = norm_dim(node.args[2], ndim)
-        perm = list(range(ndim))
-        perm[a], perm[b] = perm[b], perm[a]
-        return perm
-    if name == "permute":
-        dims = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
-        return [norm_dim(d, ndim) for d in dims]
-    if name == "t":
-        return list(reversed(range(ndim)))
-    if name == "movedim" and all(isinstance(a, int) for a in node.args[1:3]):
-        source, destination = norm_dim(node.args[1], ndim), norm_dim(node.args[2], ndim)
-        perm = [d for d in range(ndim) if d != source]
-        perm.insert(destination, source)
-        return perm
-    if name == "getattr" and node.args[1] in ("T", "mT"):  # Falcon's ``x @ self.weight.T``
-        perm = list(range(ndim))
-        if node.args[1] == "T":
-            return list(reversed(perm))
-        perm[-1], perm[-2] = perm[-2], perm[-1]
-        return perm
-    return None
-
-
 def _permute(node, placements, ctx):
     x = node.args[0]
     strategies = []
     for p in input_choices(x, placements, ctx, matrices=True):  # a weight transposed first is decided here
         if p.is_shard:
-            perm = _permutation(node, ctx.ndim(x))
+            perm = permutation(node, ctx.ndim(x))
             if perm is not None:
                 note = "expert weights (each rank its slice of every expert)" if is_expert_weight(x) else ""
                 strategies.append(Strategy({x: p}, p.with_dim(perm.index(p.dim)), note=note))
