@@ -34,15 +34,32 @@ TIMEOUT = 240  # seconds per type
 MAX_PARAMS = 20_000_000  # larger "tiny" models are skipped (they would not be tiny)
 
 
-def _check(rank, tp, model_type, path, dtype_name="float32"):
-    """Runs on every rank: parallelize and compare with the single-device model (in ``dtype_name``; the
-    float32 run also generates)."""
+def _dory_in_float64():
+    """Dory's norms and logits cast to float32 whatever the model's dtype: kept in the model's dtype."""
+    import torch.nn.functional as F
+    from transformers.models.dory import modeling_dory
+
+    modeling_dory.DoryL2Norm.forward = lambda self, x: self._norm(x)
+    modeling_dory.DoryLMHead.forward = lambda self, h: F.linear(h, self.weight) * (
+        self.logit_scale * self.logit_scale_factor)
+
+
+# types whose own code rounds at float32 in a float64 model: for the float64 check, that code keeps float64
+# (in the reference and in the parallel model alike; the float32 check runs their code as it is)
+FLOAT64_AS_IS = {"dory": _dory_in_float64}
+
+
+def _check(rank, tp, model_type, path, dtype_name="float32", generate=True):
+    """Runs on every rank: parallelize and compare with the single-device model (in ``dtype_name``), and
+    generate (unless ``generate`` is False)."""
     import warnings
 
     import torch
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
+    if dtype_name == "float64" and model_type in FLOAT64_AS_IS:
+        FLOAT64_AS_IS[model_type]()
     import fxparallel
     from checks import compare
     from models import reference
@@ -59,7 +76,7 @@ def _check(rank, tp, model_type, path, dtype_name="float32"):
     scales = {"loss": out.loss.abs().item(), "logits": out.logits.abs().max().item(),
               "grad": max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)}
     return {"errors": {k: errors[k] for k in ("loss", "logits", "grad")}, "scales": scales, "plan": plan.to_dict(),
-            "generation": _generation(model, ref, ids) if dtype == torch.float32 else None}
+            "generation": _generation(model, ref, ids) if generate else None}
 
 
 def _generation(model, ref, ids) -> str:
@@ -100,7 +117,27 @@ def _tiny_config(model_type: str, layers=None):
     return tiny_config(model_type, **{depth: layers})
 
 
-def check_type(model_type: str, tp: int, layers=None) -> dict:
+def _transformers_error(model_type: str, layers=None, default=False):
+    """transformers' own error where its single-device model cannot train on the sweep's input (a training
+    step, as the check makes), or cannot be built from ``model_type``'s default config (``default``); else None."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    try:
+        if default:
+            with torch.device("meta"):
+                AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type]())
+            return None
+        config = _tiny_config(model_type, layers)
+        model = AutoModelForCausalLM.from_config(config).train()
+        ids = torch.randint(0, config.get_text_config().vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        return None
+    except Exception as err:  # noqa: BLE001 - the answer is the error
+        return f"{type(err).__name__}: {err}"
+
+
+def check_type(model_type: str, tp: int, layers=None, generate=True) -> dict:
     from distributed import run_ranks
     from models import save_checkpoint
 
@@ -118,10 +155,17 @@ def check_type(model_type: str, tp: int, layers=None) -> dict:
         with torch.device("meta"):
             numel = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     except Exception as err:  # noqa: BLE001
-        row.update(status="config", why=f"cannot build model: {type(err).__name__}: {err}"[:300])
+        failing = _transformers_error(model_type, default=True)
+        row.update(status="transformers" if failing else "config",
+                   why=(f"transformers cannot build its default config: {failing}" if failing
+                        else f"cannot build model: {type(err).__name__}: {err}")[:300])
         return row
     if numel > MAX_PARAMS:
         row.update(status="config", why=f"tiny config still has {numel / 1e6:.0f}M parameters (sizes not reached)")
+        return row
+    failing = _transformers_error(model_type, layers=layers)
+    if failing:
+        row.update(status="transformers", why=f"transformers' own model fails: {failing}"[:300])
         return row
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -130,7 +174,7 @@ def check_type(model_type: str, tp: int, layers=None) -> dict:
             row.update(status="config", why=f"cannot build/save model: {type(err).__name__}: {err}"[:300])
             return row
         try:
-            results = run_ranks(tp, _check, model_type, tmp, timeout=TIMEOUT)
+            results = run_ranks(tp, _check, model_type, tmp, "float32", generate, timeout=TIMEOUT)
         except AssertionError as err:
             text = str(err).strip().splitlines()
             last = next((ln for ln in reversed(text) if ln.strip()), "")
@@ -144,8 +188,12 @@ def check_type(model_type: str, tp: int, layers=None) -> dict:
         within = all(worst[k] < TOL * max(1.0, scales[k]) for k in worst)
         if not within:  # rounding, or a wrong plan? In float64 rounding shrinks by 1e-9; a wrong plan does not
             try:
-                worst64, _ = _worst(run_ranks(tp, _check, model_type, tmp, "float64", timeout=TIMEOUT))
-                row["float64_errors"] = worst64
+                # (greedy tokens again too where float32's differ: near-tied logits, or a wrong plan?)
+                again = generate and _agreed(r["generation"] for r in results) == "differs"
+                results64 = run_ranks(tp, _check, model_type, tmp, "float64", again, timeout=TIMEOUT)
+                row["float64_errors"], _ = _worst(results64)
+                if again:
+                    row["generation_float64"] = _agreed(r["generation"] for r in results64)
             except Exception as err:  # noqa: BLE001
                 row["float64_errors"] = f"{type(err).__name__}: {str(err)[-200:]}"
     rounding = isinstance(row.get("float64_errors"), dict) and \
@@ -162,8 +210,9 @@ def check_type(model_type: str, tp: int, layers=None) -> dict:
         bwd=_per_layer(plan, "backward", layers),
         fallbacks=plan["fallbacks"],
         replicated_matrices=len(replicated),
-        generation=_agreed(r["generation"] for r in results),
     )
+    if generate:
+        row["generation"] = _agreed(r["generation"] for r in results)
     return row
 
 
@@ -186,14 +235,19 @@ def _generation_cell(row: dict) -> str:
     gen = row.get("generation")
     if gen is None:
         return ""
+    if gen == "differs" and row.get("generation_float64") == "same":
+        return "same in float64"  # float32 rounding decided a near tie of the logits
     return gen if gen in ("same", "differs") else gen.split(":")[0]
 
 
-def write_markdown(rows: list, path: str, tp: int, total: int = 0, layers=None) -> None:
+def write_markdown(rows: list, path: str, tp: int, total: int = 0, layers=None, tp4=None) -> None:
+    """The table of ``rows``; ``tp4``: rows of a TP=4 sweep (type -> row), shown as a column."""
     import torch
     import transformers
 
     ok = [r for r in rows if r["status"] == "ok"]
+    theirs = [r for r in rows if r["status"] == "transformers"]
+    ok4 = [r for r in (tp4 or {}).values() if r["status"] == "ok"]
     lines = [
         "# Coverage: causal-LM types of the installed transformers",
         "",
@@ -209,23 +263,31 @@ def write_markdown(rows: list, path: str, tp: int, total: int = 0, layers=None) 
         "gradients reach 1.6 and differ by 1.5e-5). \"max error\" is absolute. A type outside that is checked "
         "again in float64, where rounding shrinks a billionfold and a wrong plan does not: within 1e-6 there "
         "(transformers' loss casts the logits to float32, so the reference keeps float32 rounding), it counts as "
-        "ok and \"why\" gives both.",
+        "ok and \"why\" gives both. Where a model's own code casts to float32 whatever its dtype ("
+        + ", ".join(sorted(FLOAT64_AS_IS)) + "'s norms and logits), that code keeps float64 in this check, in the "
+        "reference and the parallel model alike (`FLOAT64_AS_IS` in the script).",
         "",
         f"\"generate\": the greedy tokens of `model.generate` ({GENERATED} new tokens, a batch of 2 prompts, one "
         "left-padded) against single-device transformers' `generate`: same, differs (wrong), error (ours, "
         "listed below the table) or transformers (transformers' own `generate` fails on the tiny model). "
-        f"{sum(r.get('generation') == 'same' for r in rows)} types generate the same tokens"
-        f"{', ' + str(sum(r.get('generation') == 'differs' for r in rows)) + ' differ' if any(r.get('generation') == 'differs' for r in rows) else ', none differ'}.",
+        "Where float32's tokens differ, they are generated again in float64 (\"same in float64\": float32 "
+        "rounding decided a near tie of the logits). "
+        f"{sum(_generation_cell(r) == 'same' for r in rows)} types generate the same tokens, "
+        f"{sum(_generation_cell(r) == 'same in float64' for r in rows)} the same in float64, "
+        f"{sum(_generation_cell(r) == 'differs' for r in rows) or 'none'} differ.",
         "",
-        f"**{len(ok)} of {len(rows)} types checked pass**"
+        f"**{len(ok)} of {len(rows)} types checked pass at TP={tp}**"
+        + (f", **{len(ok4)} of {len(tp4)} at TP=4**" if tp4 else "")
         + (f" ({total - len(rows)} of the {total} registered types not run yet)" if total > len(rows) else "")
+        + (f"; transformers' own model fails on {len(theirs)} of them (result \"transformers\", with its error: "
+           "not a limit of fxparallel, nothing to compare with)" if theirs else "")
         + ". Collectives are all-reduce/all-gather calls per step: per decoder layer + outside the layers "
         "(a norm over a sharded projection, e.g. OLMo-2's q/k norm, adds one 4-byte all-reduce per token each "
         "way; `fxparallel plan` prints the bytes of each).",
         "",
-        "| type | result | max error | fwd collectives | bwd collectives | replicated matrices | fallbacks | "
+        "| type | result" + (" | TP=4" if tp4 else "") + " | max error | fwd collectives | bwd collectives | replicated matrices | fallbacks | "
         "transformers tp plan | generate | why not |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- " * (11 if tp4 else 10) + "|",
     ]
     for r in rows:
         err = f"{r['max_error']:.1e}" if "max_error" in r else ""
@@ -239,13 +301,19 @@ def write_markdown(rows: list, path: str, tp: int, total: int = 0, layers=None) 
             why = f"float32 rounding: float32 errors above 1e-5, in float64 {f64}"
         why = why.replace("|", "/")
         fallbacks = len(r.get("fallbacks", []))
-        lines.append(f"| {r['type']} | {r['status']} | {err} | {r.get('fwd', '')} | {r.get('bwd', '')} | "
+        col4 = f" {(tp4 or {}).get(r['type'], {}).get('status', 'not run')} |" if tp4 else ""
+        lines.append(f"| {r['type']} | {r['status']} |{col4} {err} | {r.get('fwd', '')} | {r.get('bwd', '')} | "
                      f"{r.get('replicated_matrices', '')} | {fallbacks if 'fallbacks' in r else ''} | "
                      f"{'yes' if r.get('hf_plan') else 'no'} | {_generation_cell(r)} | {why} |")
-    failed = [r for r in rows if r.get("generation") not in (None, "same")]
+    failed = [r for r in rows if _generation_cell(r) not in ("", "same", "same in float64")]
     if failed:
         lines += ["", "Where `generate` is not \"same\":", ""]
         lines += [f"- {r['type']}: {r['generation']}".replace("|", "/") for r in failed]
+    failed4 = [r for r in (tp4 or {}).values() if r["status"] not in ("ok", "transformers")]
+    if failed4:
+        lines += ["", "Where TP=4 is not ok:", ""]
+        lines += [f"- {r['type']}: {r['status']}: {r.get('why', '')}".replace("|", "/").replace("\n", " ")
+                  for r in sorted(failed4, key=lambda r: r["type"])]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -261,13 +329,20 @@ def main(argv=None):
     parser.add_argument("--merge", default=None, help="rows of an earlier run (JSON): rerun only the given "
                         "types and write the table of all of them")
     parser.add_argument("--render", default=None, help="only write the table of the rows in this JSON file")
+    parser.add_argument("--no-generate", dest="generate", action="store_false",
+                        help="skip the greedy generation check (the TP=4 column: it doubles the time per type)")
+    parser.add_argument("--tp4", default=None, help="rows of a TP=4 sweep (JSON), shown as a column")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of each tiny model (default: "
                         "the tiny config's, mostly 2; 5 or more exercises capture/repeat_layers.py)")
     args = parser.parse_args(argv)
+    tp4 = None
+    if args.tp4:
+        with open(args.tp4) as f:
+            tp4 = {r["type"]: r for r in json.load(f)}
     if args.render:
         with open(args.render) as f:
             rows = json.load(f)
-        write_markdown(rows, args.out, args.tp, total=len(causal_lm_types()), layers=args.layers)
+        write_markdown(rows, args.out, args.tp, total=len(causal_lm_types()), layers=args.layers, tp4=tp4)
         return rows
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     types = args.types or causal_lm_types()
@@ -278,14 +353,14 @@ def main(argv=None):
     rows = []
     for t in types:
         start = time.time()
-        row = check_type(t, args.tp, args.layers)
+        row = check_type(t, args.tp, args.layers, args.generate)
         rows.append(row)
         print(f"{t:28s} {row['status']:6s} {time.time() - start:5.1f}s {row.get('max_error', '')} "
               f"{row.get('why', '')[:160]}", flush=True)
         # rewrite after every type, so an interrupted sweep still leaves its rows
         every = sorted(earlier + rows, key=lambda r: r["type"])
         if not args.types or args.merge or args.out != os.path.join(HERE, "..", "docs", "coverage.md"):
-            write_markdown(every, args.out, args.tp, total=len(earlier) + len(types), layers=args.layers)
+            write_markdown(every, args.out, args.tp, total=len(earlier) + len(types), layers=args.layers, tp4=tp4)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(every, f, indent=1)

@@ -57,16 +57,33 @@ TYPE_OVERRIDES = {
     "dots3_note_text": _DOTS3_TEXT,
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
     "qwen4_exp_text": _QWEN4_EXP_TEXT,
-    "reformer": {"is_decoder": True, "axial_pos_embds_dim": (32, 32)},  # the LM head is causal; dims sum to hidden
+    # the LM head is causal. Axial position embeddings need prod(axial_pos_shape) == the sequence length when
+    # training (9) but > every position when generating (15): learned absolute ones instead (chunk lengths
+    # stay 64 > 15, so local and LSH layers attend in full, without random hashing)
+    "reformer": {"is_decoder": True, "axial_pos_embds": False, "axial_pos_embds_dim": (32, 32)},
     # attention reads [hidden, embeddings] (2 x hidden); the shared transformer is tied over >= 2 hybrid layers
     "zamba": {"attention_hidden_size": 128, "mamba_dt_rank": 4, "num_hidden_layers": 3,
               "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
+    # sizes __post_init__ derives from the full-size hidden size / heads / layer pattern: attention reads
+    # [hidden, embeddings] (2 x hidden, head_dim 2 x hidden / heads), Mamba heads are expand x hidden / heads
+    # wide; the shared block (with one MLP adapter per hybrid layer) is tied over >= 2 hybrid layers
+    "zamba2": {"attention_hidden_size": 128, "head_dim": 16, "mamba_headdim": 16, "kv_channels": 8,
+               "num_query_groups": 8, "adapter_rank": 16, "num_hidden_layers": 3,
+               "layers_block_type": ["linear_attention", "hybrid", "hybrid"], "hybrid_layer_ids": [1, 2]},
     "zaya": {"num_experts_per_tok": 1},  # ZAYA supports top-1 routing only
     # the default puts attention every 8th layer from the 4th: 2 layers would be Mamba only
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "xmod": {"default_language": "en_XX"},  # the default has none, and forward requires one
-    "xlstm": {"embedding_dim": 64, "num_blocks": 2},  # its own names of hidden size and depth
+    # its own names of hidden size and depth; the cache sizes q/k heads by qk_dim rounded up to a multiple of 64,
+    # the layers by hidden x qk_dim_factor unrounded: the two agree at 64 x 1.0 (the default 0.5 gives 32 vs 64)
+    "xlstm": {"embedding_dim": 64, "num_blocks": 2, "qk_dim_factor": 1.0},
     "rwkv": {"attention_hidden_size": 64},
+    # the default pattern (recurrent, recurrent, attention) has no attention layer in 2 (and the cache needs one);
+    # lru_width and the last layers' init scale are derived from the full-size hidden size / depth
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 64,
+                        "final_w_init_variance_scale": 1.0},
+    # its sections must add up to the depth (n_recurrent_layers is derived in __post_init__): one layer each
+    "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
     # the real vocabulary inside the padded one: not above it
     **{t: {"unpadded_vocab_size": 256} for t in ("inkling2_text", "inkling2_loop_text")},
     # block-sparse attention on short sequences switches to full attention inside forward (new modules)

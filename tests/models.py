@@ -40,9 +40,16 @@ def save_checkpoint(config, directory: str, seed: int = 0, max_shard_size=None) 
 
 
 def reference(directory: str):
-    from transformers import AutoModelForCausalLM
+    """The single-device transformers model (by the class its config names where transformers' Auto mapping
+    lacks the config, e.g. Emu3ForCausalLM's text config)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(directory)
+    cls = AutoModelForCausalLM
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        cls = getattr(transformers, config.architectures[0])
+    return cls.from_pretrained(directory, dtype=torch.float32).eval()
 
 
 def edited_copy(src: str, dst: str, edit) -> str:

@@ -168,3 +168,66 @@ def test_converted_tensor_of_the_wrong_shape_names_file_and_tensor(saved, loaded
     assert f"tensor {bad!r} in {os.path.join(directory, 'model.safetensors')} has shape [24, 64] but the config " \
            "gives [32, 64]" in message
     assert message.count("but the config gives") == 1
+
+
+def _read(node, tensors: dict, index: tuple) -> torch.Tensor:
+    """``node[index]`` assembled from its pieces, as the loader reads them (``index``: (start, stop) per dim)."""
+    out = torch.full([b - a for a, b in index], float("nan"))
+    for name, source, dest in node.pieces(index, out):
+        dest.copy_(tensors[name][source])
+    return out
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_interleave_is_read_in_slices_as_transformers_converts_it(dim, inverse):
+    """Inkling 2 stores gate/up rows interleaved; every slice read row by row equals transformers' Interleave."""
+    from transformers.core_model_loading import Interleave
+
+    from fxparallel.load.conversion import Interleaved, Stored
+
+    stored = torch.randn(3, 8, 5) if dim == 1 else torch.randn(8, 5)
+    op = Interleave(dim=dim, inverse=inverse)
+    expected = op.convert({"w": stored}, ["w"], ["p"])["p"]
+    node = Interleaved(Stored("w", stored.shape), dim, inverse)
+    for a, b in ((0, 8), (0, 4), (4, 8), (3, 6)):  # halves (gate / up), a shard crossing them
+        index = tuple((a, b) if d == dim else (0, n) for d, n in enumerate(stored.shape))
+        torch.testing.assert_close(_read(node, {"w": stored}, index), expected[tuple(slice(a, b) for a, b in index)],
+                                   rtol=0, atol=0)
+
+
+def test_inkling2_unpadded_vocab_and_loop_queries_are_read_as_transformers_converts_them():
+    from transformers.core_model_loading import Inkling2LoopMergeMessageQueries, Inkling2UnpadVocab
+
+    from transformers.core_model_loading import Inkling2LoopDequantizeExperts
+
+    from fxparallel.load.conversion import (ConversionError, Stored, _dequantize_experts, _merge_message_queries,
+                                            _unpad_vocab)
+
+    config = tiny_config("inkling2_text", vocab_size=12, unpadded_vocab_size=10)
+    padded = torch.randn(12, 4)
+    op = Inkling2UnpadVocab()
+    model = torch.nn.Module()
+    model.register_parameter("w", torch.nn.Parameter(torch.empty(10, 4)))
+    expected = op.convert({"u": padded}, ["u"], ["w"], config=config, model=model, full_layer_name="w")["w"]
+    node = _unpad_vocab(op, {"u": Stored("u", padded.shape)}, ["u"], ["w"], config=config)["w"]
+    assert node.shape == (10, 4)
+    torch.testing.assert_close(_read(node, {"u": padded}, ((5, 10), (0, 4))), expected[5:10], rtol=0, atol=0)
+    with pytest.raises(ConversionError, match="direction save_pretrained writes"):
+        _unpad_vocab(op.reverse_op, {"u": Stored("u", padded.shape)}, ["u"], ["w"], config=config)
+
+    queries, kv = torch.randn(6, 4), torch.randn(6, 4)  # 3 loop layers: [query, mlp], [key, value] each
+    op = Inkling2LoopMergeMessageQueries()
+    expected = op.convert({"q": queries, "kv": kv}, ["q", "kv"], ["m"])["m"]
+    node = _merge_message_queries(op, {"q": Stored("q", queries.shape), "kv": Stored("kv", kv.shape)},
+                                  ["q", "kv"], ["m"])["m"]
+    assert node.shape == expected.shape == (3, 4, 4)
+    torch.testing.assert_close(_read(node, {"q": queries, "kv": kv}, ((1, 3), (0, 4), (1, 3))), expected[1:3, :, 1:3],
+                               rtol=0, atol=0)
+    with pytest.raises(ConversionError, match="needs stored tensors for each of"):
+        _merge_message_queries(op, {"q": Stored("q", queries.shape)}, ["q", "kv"], ["m"])
+
+    op, w = Inkling2LoopDequantizeExperts(), Stored("w", (2, 4, 8))  # unquantized: one tensor, as stored
+    assert _dequantize_experts(op, {"w": w}, ["w", "s"], ["e"]) == {"e": w}
+    with pytest.raises(ConversionError, match="cannot read in slices .store the experts unquantized"):
+        _dequantize_experts(op, {"w": w, "s": Stored("s", (2, 4, 1))}, ["w", "s"], ["e"])

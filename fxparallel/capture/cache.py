@@ -9,6 +9,7 @@ with the shapes its own code asks for (any number of kv heads, head size, slidin
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 # argument names of the cache tensors in the generated code: past_<layer>_<field>
 FIELDS = ("keys", "values", "cumulative_length", "indexer_keys", "indexer_cumulative_length")  # the last two: DSA indexers
@@ -23,9 +24,14 @@ def meta_cache(model, batch: int, length: int):
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=length)
-    ids = torch.zeros(batch, 1, dtype=torch.long, device="meta")
-    with torch.no_grad():
+    # under a fake mode, transformers sees a trace (is_tracing) and skips its checks of data meta lacks: padding
+    # in the ids, a mask it could leave out. The tensors the layers allocate come out fake: made meta again
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        ids = torch.zeros(batch, 1, dtype=torch.long, device="meta")
         model(input_ids=ids, past_key_values=cache, use_cache=True)
+    for layer in cache.layers:
+        for name, value in list(vars(layer).items()):
+            setattr(layer, name, _on_meta(value))
     for layer in cache.layers:  # back to empty: the graph is captured for a cache that is being filled
         length_so_far = getattr(layer, "cumulative_length", None)
         if isinstance(length_so_far, torch.Tensor):
@@ -36,6 +42,15 @@ def meta_cache(model, batch: int, length: int):
             # graph takes the offset from the cache it is given, not the count it was captured at
             layer.get_seq_length = _tensor_count(layer)
     return cache
+
+
+def _on_meta(value):
+    """``value`` with each fake tensor in it (alone, or in a list / tuple) a meta tensor of its layout."""
+    if isinstance(value, FakeTensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_meta(v) for v in value)
+    return value
 
 
 def _tensor_count(layer):

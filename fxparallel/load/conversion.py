@@ -134,6 +134,54 @@ class Transposed:
         return self.child.leaves()
 
 
+class Unflattened:
+    """``child.unflatten(dim, (-1, inner))``: one dim read as (outer, inner)."""
+
+    def __init__(self, child, dim: int, inner: int):
+        self.child, self.dim, self.inner = child, _dim(dim, len(child.shape)), inner
+        n = child.shape[self.dim]
+        if n % inner:
+            raise ConversionError(f"cannot unflatten dim {self.dim} of shape {list(child.shape)} into rows of {inner}")
+        self.shape = child.shape[:self.dim] + (n // inner, inner) + child.shape[self.dim + 1:]
+
+    def pieces(self, index, out):
+        (a, b), (c, d) = index[self.dim], index[self.dim + 1]
+        for i in range(a, b):  # each outer row is one contiguous run of the child's dim
+            sub = index[:self.dim] + ((i * self.inner + c, i * self.inner + d),) + index[self.dim + 2:]
+            yield from self.child.pieces(sub, out.select(self.dim, i - a))
+
+    def leaves(self):
+        return self.child.leaves()
+
+
+class Interleaved:
+    """transformers' ``Interleave(dim)``: rows ``0, 2, 4, ...`` of ``child`` first, then ``1, 3, 5, ...``
+    (``inverse``: the other way round). No two neighbouring rows of the result are neighbours in the
+    checkpoint, so a slice is read row by row along ``dim`` (each row's own bytes, nothing more)."""
+
+    def __init__(self, child, dim: int, inverse: bool):
+        self.child, self.dim, self.inverse = child, _dim(dim, len(child.shape)), inverse
+        self.shape = child.shape
+        if self.shape[self.dim] % 2:
+            raise ConversionError(f"cannot interleave an odd dim {self.dim} of shape {list(self.shape)}")
+
+    def _source(self, i: int) -> int:
+        half = self.shape[self.dim] // 2
+        if self.inverse:
+            return (i % 2) * half + i // 2
+        return 2 * i if i < half else 2 * (i - half) + 1
+
+    def pieces(self, index, out):
+        a, b = index[self.dim]
+        for i in range(a, b):
+            j = self._source(i)
+            sub = index[:self.dim] + ((j, j + 1),) + index[self.dim + 1:]
+            yield from self.child.pieces(sub, out.narrow(self.dim, i - a, 1))
+
+    def leaves(self):
+        return self.child.leaves()
+
+
 def _listing(nodes) -> str:
     return ", ".join(f"{list(n.shape)}" + (f" ({n.name!r})" if isinstance(n, Stored) else "") for n in nodes)
 
@@ -191,11 +239,49 @@ def _transpose(op, values, sources, targets, full_layer_name="", shape_of=None, 
     return {name: Transposed(t, op.dim0, op.dim1)}
 
 
+def _interleave(op, values, sources, targets, **_):
+    return {targets[0]: Interleaved(_one(values), op.dim, op.inverse)}
+
+
+def _unpad_vocab(op, values, sources, targets, config=None, **_):
+    """Inkling 2 stores its unembedding padded to ``vocab_size`` rows; the model keeps the first
+    ``unpadded_vocab_size``."""
+    t = _one(values)
+    if op.inverse:
+        raise ConversionError("Inkling2UnpadVocab(inverse=True) is the direction save_pretrained writes")
+    return {targets[0]: Narrow(t, 0, 0, config.get_text_config().unpadded_vocab_size)}
+
+
+def _merge_message_queries(op, values, sources, targets, **_):
+    """Inkling 2 Loop stores its message queries as two (2 * loops, hidden) tensors, [query, mlp] and
+    [key, value] of each loop layer; the model keeps (loops, 4, hidden): query, key, value, mlp."""
+    if op.inverse:
+        raise ConversionError("Inkling2LoopMergeMessageQueries(inverse=True) is the direction save_pretrained writes")
+    if any(p not in values for p in sources):
+        raise ConversionError(f"needs stored tensors for each of {sources}, found {sorted(values)}")
+    queries, kv = (Unflattened(_one({p: values[p]}), 0, 2) for p in sources)
+    return {targets[0]: Cat([Narrow(queries, 1, 0, 1), kv, Narrow(queries, 1, 1, 1)], 1)}
+
+
+def _dequantize_experts(op, values, sources, targets, **_):
+    """Only the unquantized form (one stored tensor, which the op passes through) is read in slices."""
+    if len(values) != 1:
+        raise ConversionError(f"transformers dequantizes {sorted(values)} through {type(op).__name__}, "
+                              "which fxparallel cannot read in slices (store the experts unquantized)")
+    return {targets[0]: _one(values)}
+
+
 def _replayers() -> dict:
     from transformers import core_model_loading as cml
 
-    return {cml.MergeModulelist: _merge, cml.Concatenate: _concatenate, cml.Chunk: _chunk, cml.Split: _split,
-            cml.Transpose: _transpose}
+    replay = {cml.MergeModulelist: _merge, cml.Concatenate: _concatenate, cml.Chunk: _chunk, cml.Split: _split,
+              cml.Transpose: _transpose}
+    for name, fn in (("Interleave", _interleave), ("Inkling2UnpadVocab", _unpad_vocab),
+                     ("Inkling2LoopMergeMessageQueries", _merge_message_queries),
+                     ("Inkling2LoopDequantizeExperts", _dequantize_experts)):
+        if hasattr(cml, name):  # newer transformers only
+            replay[getattr(cml, name)] = fn
+    return replay
 
 
 # ---- which stored tensors feed which parameter -----------------------------------------

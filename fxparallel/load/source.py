@@ -29,15 +29,26 @@ class ModelSource:
     hub_kwargs: dict = field(default_factory=dict)
 
 
-def _check_causal_lm(config, where: str, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM
+def causal_lm_class(config, where: str, trust_remote_code: bool) -> Optional[type]:
+    """None where AutoModelForCausalLM builds ``config``; else the causal-LM class that wrote it.
 
-    mapping = AutoModelForCausalLM._model_mapping
-    if type(config) in mapping:
-        return
+    A text config saved by e.g. ``Emu3ForCausalLM.save_pretrained`` (model_type ``emu3_text_model``) is not
+    a key of transformers' Auto mapping, though the class its ``architectures`` names takes it: that class
+    loads it, as ``Emu3ForCausalLM.from_pretrained`` would."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return None
     auto_map = getattr(config, "auto_map", None) or {}
     if trust_remote_code and "AutoModelForCausalLM" in auto_map:
-        return
+        return None
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None) if name in causal else None
+        if cls is not None and isinstance(config, cls.config_class):
+            return cls
     model_type = getattr(config, "model_type", type(config).__name__)
     raise FxParallelError(
         f"{where} is not a causal language model: model_type {model_type!r} ({type(config).__name__}) has no "
@@ -121,13 +132,12 @@ def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=Non
     if local_files_only is not None:
         hub_kwargs["local_files_only"] = local_files_only
     if isinstance(model, PreTrainedModel):
-        _check_causal_lm(model.config, type(model).__name__, trust_remote_code)
+        causal_lm_class(model.config, type(model).__name__, trust_remote_code)
         has_weights = any(p.device.type != "meta" for p in model.parameters())
         state = {k: v.detach() for k, v in model.state_dict().items()} if has_weights else None
         return ModelSource(model.config, state_dict=state, model_class=type(model))
     if isinstance(model, PretrainedConfig):
-        _check_causal_lm(model, type(model).__name__, trust_remote_code)
-        return ModelSource(model)
+        return ModelSource(model, model_class=causal_lm_class(model, type(model).__name__, trust_remote_code))
     if isinstance(model, (str, os.PathLike)):
         name = os.fspath(model)
         try:
@@ -136,8 +146,8 @@ def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=Non
             raise _invalid_loaded_config(name, hub_kwargs, err) from err
         except (OSError, ValueError) as err:
             raise CheckpointError(_config_error(name, hub_kwargs, err)) from err
-        _check_causal_lm(config, repr(name), trust_remote_code)
-        return ModelSource(config, checkpoint=name, hub_kwargs=hub_kwargs)
+        model_class = causal_lm_class(config, repr(name), trust_remote_code)
+        return ModelSource(config, checkpoint=name, model_class=model_class, hub_kwargs=hub_kwargs)
     raise FxParallelError(
         f"model must be a hub id, a directory, a PretrainedConfig or a PreTrainedModel; got {type(model).__name__}"
     )

@@ -75,7 +75,7 @@ SPELLINGS = {
     # ---- views and shapes -----------------------------------------------------------------------
     **{name: (getattr(torch, name), name) for name in ("reshape", "flatten", "squeeze", "unsqueeze", "transpose",
                                                        "permute", "movedim")},
-    **{name: (name,) for name in ("view", "unflatten", "expand", "view_as", "swapaxes", "swapdims", "t")},
+    **{name: (name,) for name in ("view", "unflatten", "expand", "expand_as", "view_as", "swapaxes", "swapdims", "t")},
     "getattr": (builtins.getattr,),  # ``x.T`` / ``x.mT``
     "view_as_complex": (torch.view_as_complex,),
     "view_as_real": (torch.view_as_real,),

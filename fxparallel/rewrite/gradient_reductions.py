@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from ..capture.graph import mutates_in_place
 from ..plan.grad_reduction import reduction_point
 from ..plan.placement import Placement
 from ..plan.rules.base import requires_grad
@@ -76,4 +77,23 @@ def insert_copy_to_tp(graph: fx.Graph, value: fx.Node, users, handle: int) -> fx
     f.meta["example_value"] = value.meta.get("example_value")
     for user in set(users):
         user.replace_input_with(value, f)
+    _clone_if_mutated(graph, value, f)
     return f
+
+
+def _clone_if_mutated(graph: fx.Graph, value: fx.Node, f: fx.Node) -> None:
+    """A custom autograd Function's output may not be modified in place (XLM's ``tensor *= mask``): such a
+    user gets a copy. Only where nothing reads ``value`` after the first such write, as it would see the
+    write (then torch's own error stands)."""
+    mutating = [u for u in f.users if mutates_in_place(u) and u.args and u.args[0] is f]
+    if not mutating:
+        return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(order[u] for u in mutating)
+    if any(order[u] > first and u not in mutating for u in list(value.users) + list(f.users)):
+        return
+    with graph.inserting_after(f):
+        copy = graph.call_method("clone", (f,))
+    copy.meta["example_value"] = f.meta.get("example_value")
+    for u in mutating:
+        u.replace_input_with(f, copy)

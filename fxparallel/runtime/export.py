@@ -91,9 +91,13 @@ def _save(model, state: dict, directory: str, dtype: Optional[torch.dtype], save
     """Write ``state`` (every full tensor) as a transformers checkpoint (the writer only)."""
     from transformers import AutoModelForCausalLM
 
+    from ..load.source import causal_lm_class
+
     out_dtype = dtype or next(iter(state.values())).dtype
+    cls = causal_lm_class(model.config, "save_pretrained", trust_remote_code=True)  # (the model was built already)
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(model.config, dtype=out_dtype)
+        hf = cls._from_config(model.config, dtype=out_dtype) if cls else AutoModelForCausalLM.from_config(
+            model.config, dtype=out_dtype)
     expected = set(hf.state_dict())
     missing = sorted(expected - set(state))
     if missing:

@@ -1,5 +1,4 @@
 """rewrite/local_ops.py: what each LocalOp does to a node, per rank (fake group, no processes)."""
-import torch
 import torch.nn.functional as F
 from rule_graphs import capture, node
 

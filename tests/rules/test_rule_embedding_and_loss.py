@@ -1,6 +1,5 @@
 """plan/rules/embedding.py and loss.py: vocab-parallel lookup (a partial sum) and cross-entropy
 over vocab-sharded logits, each naming the local op the rewrite applies."""
-import torch
 import torch.nn.functional as F
 from rule_graphs import by_name, capture, inputs_of, node, strategies
 

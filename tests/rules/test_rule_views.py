@@ -32,3 +32,26 @@ def test_dim_maps():
     assert reshape_shard_dim((3, 48), (3, 6, 8), 1, 4, layout.sizes) == 1
     assert index_shard_dim((slice(None), 0), 3, 2) == 1
     assert index_shard_dim((Ellipsis, slice(0, 4)), 3, 2) is None
+
+
+def test_expand_as_is_sharded_where_its_shape_source_is():
+    """XLM: ``mask.view(...).expand_as(scores)`` (a replicated mask broadcast over sharded heads) and
+    ``positions.expand_as(embeddings)`` (both sharded alike)."""
+    gm = capture(lambda m, s: m.expand_as(s), (2, 1, 5, 5), (2, 8, 5, 5))
+    m, s = inputs_of(gm)
+    found = strategies(node(gm, "expand_as"), {s: S(1)})
+    assert (found[0].inputs, found[0].output) == ({m: R, s: S(1)}, S(1))  # size 1 there: broadcast whole
+    assert found[-1].output == R
+    gm = capture(lambda p, e: p.expand_as(e), (1, 5, 16), (2, 5, 16))
+    p, e = inputs_of(gm)
+    found = strategies(node(gm, "expand_as"), {p: S(2)})
+    assert (found[0].inputs, found[0].output) == ({p: S(2), e: S(2)}, S(2))
+
+
+def test_cat_onto_an_empty_cache_ignores_the_empty_tensor():
+    """transformers' caches start as ``torch.tensor([])`` and cat the first keys onto it; torch.cat skips a
+    1-D empty tensor, so it does not take (or block) the keys' head shard."""
+    gm = capture(lambda e, k: torch.cat([e, k], dim=-2), (0,), (2, 8, 5, 4))
+    e, k = inputs_of(gm)
+    found = strategies(node(gm, torch.cat), {k: S(1)})
+    assert (found[0].inputs, found[0].output) == ({e: R, k: S(1)}, S(1))

@@ -169,6 +169,30 @@ def _expand(node, placements, ctx):
 register("expand")(_expand)
 
 
+def _expand_as(node, placements, ctx):
+    """``x.expand_as(other)``: the output takes ``other``'s (local) shape, so it is sharded where ``other`` is:
+    on a dim ``x`` holds sharded alike, or on one ``x`` broadcasts (size 1, or a leading dim it lacks)."""
+    x, other = node.args[0], arg(node, 1, "other")
+    if not isinstance(other, fx.Node):
+        return []
+    out = ctx.fake(node)
+    lead = out.dim() - ctx.ndim(x)
+    strategies = []
+    for p in (placements[x], placements[other]):
+        if not p.is_shard or p.segments or p.block is not None or not ctx.can_split(out.shape[p.dim]):
+            continue
+        o = p.dim if p is placements[other] else p.dim + lead
+        broadcast = o < lead or ctx.fake(x).shape[o - lead] == 1
+        s = Strategy({x: R if broadcast else S(o - lead), other: S(o)}, S(o))
+        if all(s.output != t.output or s.inputs != t.inputs for t in strategies):
+            strategies.append(s)
+    strategies.append(Strategy({x: R, other: R}, R))
+    return strategies
+
+
+register("expand_as")(_expand_as)
+
+
 def _permute(node, placements, ctx):
     x = node.args[0]
     strategies = []
@@ -192,14 +216,16 @@ def _join(node, placements, ctx, new_dim: bool):
         return []
     out = ctx.fake(node)
     join_dim = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), out.dim())
+    # torch.cat skips 1-D empty tensors whatever the others' shapes (a cache's first cat onto torch.tensor([]))
+    skipped = {t for t in tensors if not new_dim and out.dim() > 1 and tuple(ctx.fake(t).shape) == (0,)}
     strategies = []
     for t in tensors:
         p = placements[t]
-        if not p.is_shard or (not new_dim and p.dim == join_dim):
+        if t in skipped or not p.is_shard or (not new_dim and p.dim == join_dim):
             continue
         o = p.dim + 1 if new_dim and p.dim >= join_dim else p.dim
         if ctx.can_split(out.shape[o]):
-            s = Strategy({u: p for u in tensors}, p.with_dim(o))
+            s = Strategy({u: R if u in skipped else p for u in tensors}, p.with_dim(o))
             if all(s.output != other.output for other in strategies):
                 strategies.append(s)
     strategies.append(Strategy({t: R for t in tensors}, R))
