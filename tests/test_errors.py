@@ -33,6 +33,23 @@ def test_not_a_causal_lm():
         fxparallel.plan_model(ViTConfig(hidden_size=64, num_attention_heads=4, intermediate_size=64), 2)
 
 
+def test_a_text_config_auto_does_not_map_loads_through_the_class_that_saved_it(tmp_path):
+    """Emu3ForCausalLM.save_pretrained writes its text config (model_type emu3_text_model), which
+    transformers' AutoModelForCausalLM does not map: the class its ``architectures`` names takes it."""
+    from transformers import Emu3ForCausalLM, Emu3TextConfig
+
+    from fxparallel.load.source import resolve_source
+
+    text = Emu3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2)
+    Emu3ForCausalLM(text).save_pretrained(str(tmp_path))
+    assert resolve_source(str(tmp_path)).model_class is Emu3ForCausalLM
+    config = resolve_source(str(tmp_path)).config
+    config.architectures = ["Emu3ForConditionalGeneration"]  # not a causal LM class: still refused
+    with pytest.raises(FxParallelError, match=r"not a causal language model: model_type 'emu3_text_model'"):
+        fxparallel.plan_model(config, 2)
+
+
 def test_graph_break_names_the_op_and_source_line(monkeypatch):
     from transformers.models.llama import modeling_llama
 
