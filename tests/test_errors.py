@@ -40,8 +40,8 @@ def test_a_text_config_auto_does_not_map_loads_through_the_class_that_saved_it(t
 
     from fxparallel.load.source import resolve_source
 
-    text = Emu3TextConfig(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2)
+    text = Emu3TextConfig(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=64,
+                          intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
     Emu3ForCausalLM(text).save_pretrained(str(tmp_path))
     assert resolve_source(str(tmp_path)).model_class is Emu3ForCausalLM
     config = resolve_source(str(tmp_path)).config
