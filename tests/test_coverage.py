@@ -179,7 +179,9 @@ def _data_dependent(rank, tp, paths):
 def test_data_dependent_and_length_fixed_graphs(arch_checkpoints_extra):
     """JetMoE sizes its experts with ``.tolist()`` (unbacked sizes in the graph, which cannot run on meta:
     captured all the same); CPM-Ant builds its position buckets from ``range(seq_len)`` (Dynamo cannot keep
-    the length symbolic: a graph per length). Both match one device."""
+    the length symbolic: a graph per length); RecurrentGemma's scan writes ``states[:, t]`` token by token
+    (each write keeps the shard: rules/indexing.py); XLM checks ``lengths.max().item()`` and scales its
+    replicated hidden states in place where a copy_to_tp stands (the write gets a copy). All match one device."""
     for results in run_ranks(2, _data_dependent, arch_checkpoints_extra, timeout=900):
         for name, r in results.items():
             for key in ("loss", "logits", "grad", "other length"):
@@ -194,4 +196,4 @@ def arch_checkpoints_extra(tmp_path_factory):
     from tiny_configs import tiny_config
 
     root = tmp_path_factory.mktemp("archs_extra")
-    return {t: save_checkpoint(tiny_config(t), str(root / t)) for t in ("jetmoe", "cpmant")}
+    return {t: save_checkpoint(tiny_config(t), str(root / t)) for t in ("jetmoe", "cpmant", "recurrent_gemma", "xlm")}

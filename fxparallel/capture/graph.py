@@ -83,7 +83,7 @@ def mutates_in_place(node: fx.Node) -> bool:
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     if name.startswith("__"):
         return name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
-    return name.endswith("_") or (node.target in _INPLACE_OPERATORS)
+    return name.endswith("_") or node.target in _INPLACE_OPERATORS or node.target is operator.setitem
 
 
 _INPLACE_OPERATORS = {getattr(operator, n) for n in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",

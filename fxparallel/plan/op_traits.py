@@ -87,6 +87,7 @@ SPELLINGS = {
     **{name: (getattr(torch, name), name) for name in ("chunk", "split", "tensor_split", "unbind", "topk", "sort",
                                                        "index_select")},
     "getitem": (operator.getitem,),
+    "setitem": (operator.setitem,),  # ``x[index] = value``: writes into ``x`` (rules/indexing.py)
     # ---- products, attention, embedding, loss, dropout -------------------------------------------
     "linear": (F.linear,),
     "addmm": (torch.addmm,),

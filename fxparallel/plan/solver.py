@@ -197,7 +197,7 @@ class Solver:
         if not undecided and all(p is None or p.is_replicate for p in in_pl.values()):
             plan.placements[node] = _replicated_like(value)
             return None
-        if not _has_tensor(value):
+        if not _has_tensor(value) and op_name(node) != "setitem":  # setitem returns nothing but writes a tensor
             return [((0.0, 0.0, 0, ()), self._non_tensor(node, plan, ins, in_pl))]
         rule = rule_for(node)
         strategies = rule(node, in_pl, self.ctx) if rule else []

@@ -10,7 +10,10 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from ..capture.graph import mutates_in_place
+from ..errors import ShardingError
 from ..plan.layout import uneven_split
+from ..plan.op_traits import op_name
 from ..plan.placement import R, Placement, is_sharded
 from ..plan.solver import GraphPlan
 from . import collectives
@@ -48,6 +51,27 @@ def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: 
     for s in steps:
         s.meta["example_value"] = node.meta.get("example_value")
     return steps
+
+
+def _writes_data(node: fx.Node) -> bool:
+    return mutates_in_place(node) and bool(node.args) and op_name(node) != "requires_grad_"
+
+
+def _write_back(graph, node: fx.Node, dest: fx.Node, cur: Placement, req: Placement, copy: fx.Node, handle: int,
+                layout, rank: int) -> None:
+    """``node`` writes in place into ``copy``, the redistributed ``dest``: the readers of ``dest`` after it must
+    see the write, so this rank's part of ``copy`` goes back into ``dest``. (A slice of a replicated ``dest``
+    is a view of it, written through already.)"""
+    where = node.meta.get("stack_trace", "").strip().splitlines()[-2:]
+    if cur.is_partial or (cur.is_replicate and req.is_shard and (req.segments or req.block is not None)):
+        raise ShardingError(f"{op_name(node) or node.target} writes in place into a value planned {cur} that it "
+                            f"needs {req}: the write would land in a copy ({' '.join(s.strip() for s in where)})")
+    if not cur.is_shard:
+        return
+    steps = _redistribute(graph, copy, R, cur, handle, node.next, layout, rank)  # right after ``node``
+    with graph.inserting_after(steps[-1]):
+        back = graph.call_method("copy_", (dest, steps[-1]))
+    back.meta["example_value"] = dest.meta.get("example_value")
 
 
 def _blockwise(graph, value: fx.Node, p: Placement, block: Optional[int], collective) -> list:
@@ -92,6 +116,12 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, editor: GraphEdito
             if req.is_replicate and out_sharded:
                 # a gathered/reduced value used on shards: its gradient is partial too
                 sharded_consumers[cache[key]].append(node)
+            if _writes_data(node) and node.args[0] is cache[key]:
+                _write_back(graph, node, inp, cur, req, cache[key], group.handle, editor.layout, group.rank)
+        if _writes_data(node) and isinstance(node.args[0], fx.Node):
+            written = next((v for (v, _), made in cache.items() if node.args[0] in (v, made)), node.args[0])
+            for key in [k for k in cache if k[0] is written]:  # copies made before the write are stale now
+                del cache[key]
         if strategy.local is not None:
             apply_local_op(node, strategy.local, editor)
     # graph outputs: partial sums are reduced; shards stay local (the module gathers on request)

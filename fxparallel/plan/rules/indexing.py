@@ -119,6 +119,39 @@ def _symbolic_index_dim(index, ndim, dim):
 register("getitem", whole=True)(_getitem)
 
 
+def _plain_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or isinstance(i, int) or (isinstance(i, slice) and not any(
+        isinstance(getattr(i, a), fx.Node) for a in ("start", "stop", "step"))) for i in items)
+
+
+def _setitem(node, placements, ctx):
+    """``x[index] = value`` writes into ``x``: ``x`` keeps its placement (a redistributed copy of it would take
+    the write, and the readers of ``x`` would never see it: RecurrentGemma's scan fills
+    ``contextualized_states[:, t]``). With basic indexing that keeps ``x``'s sharded dim whole, ``value`` is
+    written by its shard of that dim (replicated where it broadcasts along it)."""
+    x, index = node.args[0], node.args[1]
+    value = node.args[2] if len(node.args) > 2 else None
+    p = placements[x]
+    inputs = tensor_inputs(node)
+    strategies = []
+    if p.is_shard and _plain_index(index) and all(i in (x, value) for i in inputs):
+        o = index_shard_dim(index, ctx.ndim(x), p.dim)
+        if o is not None:
+            items = index if isinstance(index, tuple) else (index,)
+            view_ndim = ctx.ndim(x) - sum(1 for i in items if isinstance(i, int)) + sum(1 for i in items if i is None)
+            req = {x: p}
+            if isinstance(value, fx.Node) and value in inputs:
+                d = o - (view_ndim - ctx.ndim(value))
+                req[value] = R if d < 0 or ctx.fake(value).shape[d] == 1 else p.with_dim(d)
+            strategies.append(Strategy(req, p, note="written by its shard"))
+    strategies.append(Strategy({i: R for i in inputs}, R))
+    return strategies
+
+
+register("setitem")(_setitem)
+
+
 def _sharded_item(items: tuple, ndim: int, dim: int) -> Optional[int]:
     """Position in ``items`` (slices, ints, Ellipsis, None) of the item that indexes input dim ``dim``."""
     consumed = sum(1 for i in items if isinstance(i, (int, slice)))

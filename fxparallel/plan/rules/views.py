@@ -217,7 +217,8 @@ def _join(node, placements, ctx, new_dim: bool):
     out = ctx.fake(node)
     join_dim = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), out.dim())
     # torch.cat skips 1-D empty tensors whatever the others' shapes (a cache's first cat onto torch.tensor([]))
-    skipped = {t for t in tensors if not new_dim and out.dim() > 1 and tuple(ctx.fake(t).shape) == (0,)}
+    skipped = {t for t in tensors if not new_dim and out.dim() > 1 and ctx.ndim(t) == 1
+               and isinstance(ctx.fake(t).shape[0], int) and ctx.fake(t).shape[0] == 0}
     strategies = []
     for t in tensors:
         p = placements[t]
