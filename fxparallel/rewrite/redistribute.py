@@ -59,9 +59,12 @@ def _writes_data(node: fx.Node) -> bool:
 
 def _write_back(graph, node: fx.Node, dest: fx.Node, cur: Placement, req: Placement, copy: fx.Node, handle: int,
                 layout, rank: int) -> None:
-    """``node`` writes in place into ``copy``, the redistributed ``dest``: the readers of ``dest`` after it must
+    """``node`` writes in place into ``copy``, the redistributed ``dest``: readers of ``dest`` after it must
     see the write, so this rank's part of ``copy`` goes back into ``dest``. (A slice of a replicated ``dest``
-    is a view of it, written through already.)"""
+    is a view of it, written through already; readers of the op's result read the written copy.)"""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    if not any(order[u] > order[node] for u in dest.users):
+        return  # nothing reads ``dest`` after the write (its readers take the op's result, the written copy)
     where = node.meta.get("stack_trace", "").strip().splitlines()[-2:]
     if cur.is_partial or (cur.is_replicate and req.is_shard and (req.segments or req.block is not None)):
         raise ShardingError(f"{op_name(node) or node.target} writes in place into a value planned {cur} that it "
