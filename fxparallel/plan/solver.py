@@ -33,6 +33,7 @@ run on replicated inputs: always correct, and recorded as a fallback.
 """
 from __future__ import annotations
 
+import logging
 import operator
 import re
 from dataclasses import dataclass, field
@@ -50,9 +51,15 @@ from .rules import RuleContext, Strategy, rule_for, tensor_inputs
 from .rules.base import requires_block, requires_grad, requires_whole
 from .layout import ShardLayout  # noqa: I001 (kept apart from the imports above to keep merges clean)
 
+log = logging.getLogger("fxparallel")
+
 INFEASIBLE = float("inf")
 _LAYER_INDEX = re.compile(r"\.(\d+)(?=\.|$)")  # model.layers.3.mlp, and a layer itself: model.layers.3
 MAX_BRANCHES = 100  # complete plans evaluated at most (deterministic: every rank stops at the same one)
+# node steps of the search at most, in passes over the graph: branches cut part-way are not complete plans,
+# and a graph with many undecided patterns (DeepSeek-V4, HY-V4) could walk them for hours. Past it, each
+# open branch point keeps the branch it is on and the walk finishes greedily (deterministic too)
+MAX_PASSES = 500
 NEGLIGIBLE_SHARE = 0.01  # a matrix below this share of its layer's matrix bytes is decided by communication
 
 
@@ -124,6 +131,7 @@ class Solver:
         self.negligible = negligible_matrices(self.param_nodes)
         self.best: Optional[GraphPlan] = None
         self.explored = 0
+        self.steps = 0  # nodes walked, over all branches
 
     # ---- search --------------------------------------------------------------
     def solve(self) -> GraphPlan:
@@ -138,19 +146,27 @@ class Solver:
                 plan.params[name] = plan.patterns.get(layer_pattern(name), R)
             plan.placements[node] = plan.params[name]
         plan.explored = self.explored
+        log.debug("solver: %d complete plans, %.1f passes over %d nodes", self.explored,
+                  self.steps / max(1, len(self.nodes)), len(self.nodes))
         plan.layout = self.layout
         return plan
+
+    def _over_budget(self) -> bool:
+        return self.steps >= MAX_PASSES * len(self.nodes)
 
     def _walk(self, i: int, plan: GraphPlan) -> None:
         while i < len(self.nodes):
             node = self.nodes[i]
+            self.steps += 1
             options = self._options(node, plan)
             if options is None:  # handled in place (placeholders, replicated fast path)
                 i += 1
                 continue
             branches = self._branches(options)
-            if len(branches) > 1 and self.explored < MAX_BRANCHES:
-                for key, strategy in branches:
+            if len(branches) > 1 and self.explored < MAX_BRANCHES and not self._over_budget():
+                for n, (key, strategy) in enumerate(branches):
+                    if n and self.best is not None and self._over_budget():
+                        break
                     child = plan.copy()
                     self._apply(node, strategy, key, child)
                     if self.best is None or child.cost < self.best.cost:

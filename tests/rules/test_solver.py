@@ -27,3 +27,24 @@ def test_fixed_placements_are_kept():
     plan = solve(captured_graph(gm, params={1: "up.weight", 2: "down.weight"}, inputs={0: "x"}), 2,
                  fixed=fixed, layout=ShardLayout(2))
     assert plan.params == fixed
+
+
+def test_search_past_its_budget_finishes_greedily(monkeypatch):
+    """A graph whose branch points would take hours (DeepSeek-V4) stops branching after MAX_PASSES passes
+    over the graph and completes the branch it is on: the same plan on every rank, in bounded time."""
+    import fxparallel.plan.solver as solver
+
+    def two_mlps(x, up, down, up2, down2):
+        return _mlp(_mlp(x, up, down) + x, up2, down2)
+
+    gm = capture(two_mlps, (3, 5, 16), (64, 16), (16, 64), (64, 16), (16, 64), params=(1, 2, 3, 4))
+    captured = captured_graph(gm, params={1: "up.weight", 2: "down.weight", 3: "up2.weight", 4: "down2.weight"},
+                              inputs={0: "x"})
+    full = solver.Solver(captured, 2, layout=ShardLayout(2))
+    full.solve()
+    monkeypatch.setattr(solver, "MAX_PASSES", 0)
+    greedy = solver.Solver(captured, 2, layout=ShardLayout(2))
+    plan = greedy.solve()
+    assert full.steps > len(full.nodes) and greedy.steps == len(greedy.nodes)  # one pass, no branch explored
+    assert plan.explored == 1 and plan.params == {"up.weight": S(0), "down.weight": S(1), "up2.weight": S(0),
+                                                  "down2.weight": S(1)}  # the preferred branches
