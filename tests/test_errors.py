@@ -89,3 +89,37 @@ def test_op_without_rule_is_gathered_and_recorded(monkeypatch):
     assert any("flip" in f and "gathered" in f for f in plan.fallbacks), plan.fallbacks
     assert "replicated by fallback" in str(plan)
     assert "collectives_all_gather(" in graph.code  # the gather the fallback needs
+
+
+def test_a_model_that_copies_its_cache_layers_as_it_runs_is_refused_generation():
+    """Dory's recurrent loops append deep copies of their cache layers on the first call (given the cache
+    by its 5.24 keyword, ``cache``: under the old one it built a cache of its own and decoded without the
+    prompt's keys, silently): a graph captured once cannot follow that, so use_cache is refused by name."""
+    import os
+    import sys
+
+    from fxparallel.capture import build_meta_model
+    from fxparallel.capture.cache import meta_cache
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    from tiny_configs import tiny_config as sweep_config
+
+    config = sweep_config("dory")
+    with pytest.raises(CaptureError, match=r"DoryForCausalLM cannot fill a static cache on the meta device "
+                                           r"\(RuntimeError: .*generate and use_cache are not supported"):
+        meta_cache(build_meta_model(config, dtype=torch.float32), 1, 8)
+
+
+def test_a_model_that_adds_cache_layers_as_it_runs_is_refused_generation():
+    """The same for any model whose forward adds layers to the cache it is given (the captured graphs hold
+    the layers they saw)."""
+    from fxparallel.capture.cache import meta_cache
+
+    class Appends(torch.nn.Module):
+        config = tiny_config("llama", num_hidden_layers=2)
+
+        def forward(self, input_ids, use_cache=True, cache=None):
+            cache.layers.append(cache.layers[0])
+
+    with pytest.raises(CaptureError, match=r"Appends adds layers to its cache as it runs \(2 -> 3"):
+        meta_cache(Appends(), 1, 8)

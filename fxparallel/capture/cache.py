@@ -8,8 +8,12 @@ filled once eagerly on meta (free: nothing is computed), so each layer allocates
 with the shapes its own code asks for (any number of kv heads, head size, sliding windows)."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from ..errors import CaptureError
 
 # argument names of the cache tensors in the generated code: past_<layer>_<field>
 FIELDS = ("keys", "values", "cumulative_length", "indexer_keys", "indexer_cumulative_length")  # the last two: DSA indexers
@@ -19,16 +23,33 @@ def argument_name(layer: int, field: str) -> str:
     return f"past_{layer}_{field}"
 
 
+def cache_argument(model, cache) -> dict:
+    """``cache`` as the keyword the model's forward takes: ``cache`` (transformers 5.24 on), else
+    ``past_key_values``. (5.24 maps the old name on for most models, not all: Dory's forward would build a
+    cache of its own, and the graph would never read the one given.)"""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
 def meta_cache(model, batch: int, length: int):
     """A StaticCache for ``model`` (on meta) whose layers hold their tensors, for ``batch`` rows."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=length)
+    layers = len(cache.layers)
     # under a fake mode, transformers sees a trace (is_tracing) and skips its checks of data meta lacks: padding
     # in the ids, a mask it could leave out. The tensors the layers allocate come out fake: made meta again
-    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
-        ids = torch.zeros(batch, 1, dtype=torch.long, device="meta")
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    try:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            ids = torch.zeros(batch, 1, dtype=torch.long, device="meta")
+            model(input_ids=ids, use_cache=True, **cache_argument(model, cache))
+    except Exception as err:  # noqa: BLE001 - e.g. a deep copy of cache layers (Dory), data read on meta
+        raise CaptureError(f"{type(model).__name__} cannot fill a static cache on the meta device ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else ''}): generate and use_cache are not "
+                           "supported for this model; its forward without a cache is") from err
+    if len(cache.layers) != layers:  # a graph captured once cannot replay that: it holds the layers it saw
+        raise CaptureError(f"{type(model).__name__} adds layers to its cache as it runs ({layers} -> "
+                           f"{len(cache.layers)}, e.g. Dory's recurrent loops): generate and use_cache are not "
+                           "supported for this model; its forward without a cache is")
     for layer in cache.layers:
         for name, value in list(vars(layer).items()):
             setattr(layer, name, _on_meta(value))

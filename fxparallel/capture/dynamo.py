@@ -15,7 +15,7 @@ import torch
 import torch._dynamo
 
 from ..errors import CaptureError
-from .cache import FIELDS, argument_name, cache_tensors, meta_cache
+from .cache import FIELDS, argument_name, cache_argument, cache_tensors, meta_cache
 from .dropout import check_training_graph
 from .graph import CapturedGraph
 
@@ -32,7 +32,7 @@ def _forward_fn(model, input_names, output_names, labels_shifted=False, cache=No
         if labels_shifted:  # context parallelism: the loss takes labels as given (transformers' shift_labels)
             kwargs["shift_labels"] = kwargs["labels"]
         if cache is not None:
-            out = model(**kwargs, past_key_values=cache, use_cache=True, return_dict=True)
+            out = model(**kwargs, **cache_argument(model, cache), use_cache=True, return_dict=True)
         else:
             out = model(**kwargs, use_cache=False, return_dict=True)
         return tuple(getattr(out, name) for name in output_names)
