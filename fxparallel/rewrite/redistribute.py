@@ -65,7 +65,7 @@ def _write_back(graph, node: fx.Node, dest: fx.Node, cur: Placement, req: Placem
     order = {n: i for i, n in enumerate(graph.nodes)}
     if not any(order[u] > order[node] for u in dest.users):
         return  # nothing reads ``dest`` after the write (its readers take the op's result, the written copy)
-    where = node.meta.get("stack_trace", "").strip().splitlines()[-2:]
+    where = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:]
     if cur.is_partial or (cur.is_replicate and req.is_shard and (req.segments or req.block is not None)):
         raise ShardingError(f"{op_name(node) or node.target} writes in place into a value planned {cur} that it "
                             f"needs {req}: the write would land in a copy ({' '.join(s.strip() for s in where)})")
