@@ -12,6 +12,7 @@ import inspect
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..errors import CaptureError
 
@@ -37,9 +38,10 @@ def meta_cache(model, batch: int, length: int):
     cache = StaticCache(config=model.config, max_cache_len=length)
     layers = len(cache.layers)
     # under a fake mode, transformers sees a trace (is_tracing) and skips its checks of data meta lacks: padding
-    # in the ids, a mask it could leave out. The tensors the layers allocate come out fake: made meta again
+    # in the ids, a mask it could leave out; with a shape env, data-dependent sizes (JetMoE's expert counts,
+    # X-MOD's nonzero) are symbols. The tensors the layers allocate come out fake: made meta again
     try:
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
             ids = torch.zeros(batch, 1, dtype=torch.long, device="meta")
             model(input_ids=ids, use_cache=True, **cache_argument(model, cache))
     except Exception as err:  # noqa: BLE001 - e.g. a deep copy of cache layers (Dory), data read on meta
