@@ -276,8 +276,14 @@ def write_markdown(rows: list, path: str, tp: int, total: int = 0, layers=None, 
         f"{sum(_generation_cell(r) == 'same in float64' for r in rows)} the same in float64, "
         f"{sum(_generation_cell(r) == 'differs' for r in rows) or 'none'} differ.",
         "",
+        *(["\"TP=4\": the same check over 4 gloo ranks (`--tp 4 --no-generate`: no generation, which doubles the "
+           "time per type; heads, kv heads and vocabulary then split 4 ways, kv heads 1 per rank). \"not run\": "
+           "types that fail at TP=2 for a reason the rank count does not change (transformers' own failures, "
+           "data-dependent expert loops).", ""] if tp4 else []),
         f"**{len(ok)} of {len(rows)} types checked pass at TP={tp}**"
         + (f", **{len(ok4)} of {len(tp4)} at TP=4**" if tp4 else "")
+        + f"; {sum(r['status'] == 'wrong' for r in rows) or 'none'} wrong"
+        + (f" at TP={tp}, {sum(r['status'] == 'wrong' for r in tp4.values()) or 'none'} at TP=4" if tp4 else "")
         + (f" ({total - len(rows)} of the {total} registered types not run yet)" if total > len(rows) else "")
         + (f"; transformers' own model fails on {len(theirs)} of them (result \"transformers\", with its error: "
            "not a limit of fxparallel, nothing to compare with)" if theirs else "")
