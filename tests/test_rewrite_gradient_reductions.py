@@ -34,3 +34,23 @@ def test_no_copy_where_the_write_must_be_seen_by_a_later_reader():
     g, x, y = _graph(read_after=True)
     f = insert_copy_to_tp(g, x, [y], fake_group(1).handle)
     assert y.args[0] is f and not any(n.target == "clone" for n in g.nodes)
+
+
+def test_users_after_a_write_into_the_value_get_their_own_copy_to_tp():
+    """Gemma 3n writes into a replicated value between its sharded users: a view made before the write
+    cannot be used after it, so the users after it read a copy_to_tp made after it."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    before = g.call_function(operator.mul, (x, 2))
+    write = g.call_function(operator.setitem, (x, 0, 5.0))
+    after = g.call_function(operator.mul, (x, 3))
+    g.output((before, after))
+    insert_copy_to_tp(g, x, [before, after], fake_group(1).handle)
+    first, second = before.args[0], after.args[0]
+    assert first.target is second.target and first is not second and second.args[0] is x
+    nodes = list(g.nodes)
+    assert nodes.index(first) < nodes.index(before) < nodes.index(write) < nodes.index(second) < nodes.index(after)
+    leaf = torch.ones(2, requires_grad=True)
+    out_before, out_after = fx.GraphModule(torch.nn.Module(), g)(leaf * 1)
+    (out_before.sum() + out_after.sum()).backward()  # one view across the write: "modified inplace" error
+    assert torch.equal(out_after, torch.tensor([15.0, 3.0])) and torch.equal(leaf.grad, torch.tensor([2.0, 5.0]))

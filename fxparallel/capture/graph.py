@@ -86,6 +86,11 @@ def mutates_in_place(node: fx.Node) -> bool:
     return name.endswith("_") or node.target in _INPLACE_OPERATORS or node.target is operator.setitem
 
 
+def writes_data(node: fx.Node) -> bool:
+    """Does the node write into the data of its first argument (``requires_grad_`` only flags it)?"""
+    return mutates_in_place(node) and bool(node.args) and node.target != "requires_grad_"
+
+
 _INPLACE_OPERATORS = {getattr(operator, n) for n in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
                                                       "imatmul", "iand", "ior", "ixor", "ilshift", "irshift")}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..capture.graph import mutates_in_place
+from ..capture.graph import writes_data
 from ..plan.grad_reduction import reduction_point
 from ..plan.placement import Placement
 from ..plan.rules.base import requires_grad
@@ -68,24 +68,37 @@ def insert_gradient_reductions(graph: fx.Graph, sharded_consumers: dict, handle:
 
 def insert_copy_to_tp(graph: fx.Graph, value: fx.Node, users, handle: int) -> fx.Node:
     """Put ``copy_to_tp(value)`` (identity forward, all-reduce of the gradient backward) between
-    ``value`` and ``users``; after the last placeholder if ``value`` is one."""
-    anchor = value
-    if value.op == "placeholder":
-        anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    with graph.inserting_after(anchor):
-        f = graph.call_function(collectives.copy_to_tp, (value, handle))
-    f.meta["example_value"] = value.meta.get("example_value")
-    for user in set(users):
-        user.replace_input_with(value, f)
-    _clone_if_mutated(graph, value, f)
-    return f
+    ``value`` and ``users``; after the last placeholder if ``value`` is one. Returns the first one made.
+
+    copy_to_tp's output is a view of ``value``, which autograd forbids using once ``value`` has been written
+    in place (Gemma 3n's ``x[..., :n] = y`` on a replicated value): users after such a write get their own
+    copy_to_tp, made after it (each reduces its part of the gradient, which sums to the same)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    writes = [w for w in value.users if writes_data(w) and w.args[0] is value]
+    groups = {}  # the last write before a user (or None) -> its users
+    for user in sorted(set(users), key=order.__getitem__):
+        before = [w for w in writes if order[w] < order[user]]
+        groups.setdefault(max(before, key=order.__getitem__) if before else None, []).append(user)
+    made = []
+    for write, group in groups.items():
+        anchor = write or value
+        if anchor.op == "placeholder":
+            anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(anchor):
+            f = graph.call_function(collectives.copy_to_tp, (value, handle))
+        f.meta["example_value"] = value.meta.get("example_value")
+        for user in group:
+            user.replace_input_with(value, f)
+        _clone_if_mutated(graph, value, f)
+        made.append(f)
+    return made[0]
 
 
 def _clone_if_mutated(graph: fx.Graph, value: fx.Node, f: fx.Node) -> None:
     """A custom autograd Function's output may not be modified in place (XLM's ``tensor *= mask``): such a
     user gets a copy. Only where nothing reads ``value`` after the first such write, as it would see the
     write (then torch's own error stands)."""
-    mutating = [u for u in f.users if mutates_in_place(u) and u.args and u.args[0] is f]
+    mutating = [u for u in f.users if writes_data(u) and u.args[0] is f]
     if not mutating:
         return
     order = {n: i for i, n in enumerate(graph.nodes)}

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..capture.graph import mutates_in_place
+from ..capture.graph import writes_data
 from ..errors import ShardingError
 from ..plan.layout import uneven_split
 from ..plan.op_traits import op_name
@@ -51,10 +51,6 @@ def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: 
     for s in steps:
         s.meta["example_value"] = node.meta.get("example_value")
     return steps
-
-
-def _writes_data(node: fx.Node) -> bool:
-    return mutates_in_place(node) and bool(node.args) and op_name(node) != "requires_grad_"
 
 
 def _write_back(graph, node: fx.Node, dest: fx.Node, cur: Placement, req: Placement, copy: fx.Node, handle: int,
@@ -119,9 +115,9 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, editor: GraphEdito
             if req.is_replicate and out_sharded:
                 # a gathered/reduced value used on shards: its gradient is partial too
                 sharded_consumers[cache[key]].append(node)
-            if _writes_data(node) and node.args[0] is cache[key]:
+            if writes_data(node) and node.args[0] is cache[key]:
                 _write_back(graph, node, inp, cur, req, cache[key], group.handle, editor.layout, group.rank)
-        if _writes_data(node) and isinstance(node.args[0], fx.Node):
+        if writes_data(node) and isinstance(node.args[0], fx.Node):
             written = next((v for (v, _), made in cache.items() if node.args[0] in (v, made)), node.args[0])
             for key in [k for k in cache if k[0] is written]:  # copies made before the write are stale now
                 del cache[key]
