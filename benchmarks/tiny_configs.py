@@ -78,6 +78,9 @@ TYPE_OVERRIDES = {
     # the layers by hidden x qk_dim_factor unrounded: the two agree at 64 x 1.0 (the default 0.5 gives 32 vs 64)
     "xlstm": {"embedding_dim": 64, "num_blocks": 2, "qk_dim_factor": 1.0},
     "rwkv": {"attention_hidden_size": 64},
+    # HRM's cache counts layer calls, num_layers_per_stack x H_cycles x (L_cycles + 1) = 8 with one layer per
+    # stack; __post_init__ derives it before the sizes shrink
+    "hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8},
     # the default pattern (recurrent, recurrent, attention) has no attention layer in 2 (and the cache needs one);
     # lru_width and the last layers' init scale are derived from the full-size hidden size / depth
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 64,
