@@ -6,9 +6,10 @@ and every parameter gradient with the single-device transformers model.
 
     python benchmarks/coverage.py                 # all types (about 10 s each on 2 cores)
     python benchmarks/coverage.py llama gpt2      # some types
-    python benchmarks/coverage.py --tp 4 --out docs/coverage.md
-    python benchmarks/coverage.py gpt2 opt --merge docs/coverage.json --json docs/coverage.json  # update rows
-    python benchmarks/coverage.py --render docs/coverage.json   # rewrite the table from saved rows
+    python benchmarks/coverage.py gpt2 opt --merge docs/coverage.json --json docs/coverage.json \
+        --tp4 docs/coverage_tp4.json  # update rows (the table keeps its TP=4 column)
+    python benchmarks/coverage.py --tp 4 --no-generate --json docs/coverage_tp4.json --out /tmp/tp4.md  # TP=4 rows
+    python benchmarks/coverage.py --render docs/coverage.json --tp4 docs/coverage_tp4.json  # the table, TP=4 column
     python benchmarks/coverage.py --layers 5 llama mixtral --out /tmp/deep.md   # deeper models: layers captured once
 """
 from __future__ import annotations
