@@ -54,14 +54,18 @@ def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: 
 
 
 def _write_back(graph, node: fx.Node, dest: fx.Node, cur: Placement, req: Placement, copy: fx.Node, handle: int,
-                layout, rank: int) -> None:
+                layout, rank: int, gplan: GraphPlan) -> None:
     """``node`` writes in place into ``copy``, the redistributed ``dest``: readers of ``dest`` after it must
     see the write, so this rank's part of ``copy`` goes back into ``dest``. (A slice of a replicated ``dest``
     is a view of it, written through already; readers of the op's result read the written copy.)"""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    if not any(order[u] > order[node] for u in dest.users):
+    later = [u for u in dest.users if order[u] > order[node]]
+    if not later:
         return  # nothing reads ``dest`` after the write (its readers take the op's result, the written copy)
     where = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:]
+    if cur.is_partial and req.is_replicate and all(
+            getattr(gplan.strategies.get(u), "inputs", {}).get(dest, R) == R for u in later):
+        return  # a partial sum is read whole after the write: its reduced copy, which took the write, serves them
     if cur.is_partial or (cur.is_replicate and req.is_shard and (req.segments or req.block is not None)):
         raise ShardingError(f"{op_name(node) or node.target} writes in place into a value planned {cur} that it "
                             f"needs {req}: the write would land in a copy ({' '.join(s.strip() for s in where)})")
@@ -116,10 +120,11 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, editor: GraphEdito
                 # a gathered/reduced value used on shards: its gradient is partial too
                 sharded_consumers[cache[key]].append(node)
             if writes_data(node) and node.args[0] is cache[key]:
-                _write_back(graph, node, inp, cur, req, cache[key], group.handle, editor.layout, group.rank)
+                _write_back(graph, node, inp, cur, req, cache[key], group.handle, editor.layout, group.rank, gplan)
         if writes_data(node) and isinstance(node.args[0], fx.Node):
             written = next((v for (v, _), made in cache.items() if node.args[0] in (v, made)), node.args[0])
-            for key in [k for k in cache if k[0] is written]:  # copies made before the write are stale now
+            # copies made before the write are stale now, but the one written into
+            for key in [k for k in cache if k[0] is written and cache[k] is not node.args[0]]:
                 del cache[key]
         if strategy.local is not None:
             apply_local_op(node, strategy.local, editor)
