@@ -339,7 +339,7 @@ class Solver:
         if s.name == "fallback" and any(
             p is not None and not p.is_replicate for p in (plan.placements.get(i) for i in s.inputs)
         ):
-            plan.fallbacks.append((_describe(node), s.note or "no sharding rule: inputs gathered"))
+            plan.fallbacks.append((describe(node), s.note or "no sharding rule: inputs gathered"))
         plan.strategies[node] = s
         plan.placements[node] = s.output
 
@@ -396,7 +396,7 @@ def _replicated_like(value):
     return None
 
 
-def _describe(node: fx.Node) -> str:
+def describe(node: fx.Node) -> str:
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     stack = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in stack.strip().splitlines() if ln.strip().startswith("File")]

@@ -73,12 +73,14 @@ def insert_copy_to_tp(graph: fx.Graph, value: fx.Node, users, handle: int) -> fx
     copy_to_tp's output is a view of ``value``, which autograd forbids using once ``value`` has been written
     in place (Gemma 3n's ``x[..., :n] = y`` on a replicated value): users after such a write get their own
     copy_to_tp, made after it (each reduces its part of the gradient, which sums to the same)."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
     writes = [w for w in value.users if writes_data(w) and w.args[0] is value]
-    groups = {}  # the last write before a user (or None) -> its users
-    for user in sorted(set(users), key=order.__getitem__):
-        before = [w for w in writes if order[w] < order[user]]
-        groups.setdefault(max(before, key=order.__getitem__) if before else None, []).append(user)
+    groups = {None: list(set(users))}  # the last write before a user (or None) -> its users
+    if writes:  # (numbering the graph only then: this runs for every value reduced)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        groups = {}
+        for user in sorted(set(users), key=order.__getitem__):
+            before = [w for w in writes if order[w] < order[user]]
+            groups.setdefault(max(before, key=order.__getitem__) if before else None, []).append(user)
     made = []
     for write, group in groups.items():
         anchor = write or value

@@ -13,9 +13,8 @@ import torch.fx as fx
 from ..capture.graph import writes_data
 from ..errors import ShardingError
 from ..plan.layout import uneven_split
-from ..plan.op_traits import op_name
 from ..plan.placement import R, Placement, is_sharded
-from ..plan.solver import GraphPlan
+from ..plan.solver import GraphPlan, describe
 from . import collectives
 from .editor import GraphEditor
 from .local_ops import apply_local_op
@@ -62,13 +61,12 @@ def _write_back(graph, node: fx.Node, dest: fx.Node, cur: Placement, req: Placem
     later = [u for u in dest.users if order[u] > order[node]]
     if not later:
         return  # nothing reads ``dest`` after the write (its readers take the op's result, the written copy)
-    where = (node.meta.get("stack_trace") or "").strip().splitlines()[-2:]
     if cur.is_partial and req.is_replicate and all(
             getattr(gplan.strategies.get(u), "inputs", {}).get(dest, R) == R for u in later):
         return  # a partial sum is read whole after the write: its reduced copy, which took the write, serves them
     if cur.is_partial or (cur.is_replicate and req.is_shard and (req.segments or req.block is not None)):
-        raise ShardingError(f"{op_name(node) or node.target} writes in place into a value planned {cur} that it "
-                            f"needs {req}: the write would land in a copy ({' '.join(s.strip() for s in where)})")
+        raise ShardingError(f"{describe(node)} writes in place into a value planned {cur} that it needs {req}: "
+                            "the write would land in a copy")
     if not cur.is_shard:
         return
     steps = _redistribute(graph, copy, R, cur, handle, node.next, layout, rank)  # right after ``node``
