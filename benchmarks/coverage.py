@@ -68,6 +68,7 @@ def _check(rank, tp, model_type, path, dtype_name="float32", generate=True):
     dtype = getattr(torch, dtype_name)
     model = fxparallel.parallelize(path, dist.group.WORLD, dtype=dtype)
     ref = reference(path).to(dtype)
+    ref.config.use_cache = False  # scoring needs no cache (and BLT cannot build its own from its config)
     vocab = model.config.get_text_config().vocab_size  # (a multimodal config keeps it in text_config)
     ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(1))
     errors = compare(model, ref, rank, tp, ids=ids)

@@ -95,19 +95,34 @@ def test_a_model_that_copies_its_cache_layers_as_it_runs_is_refused_generation()
     """Dory's recurrent loops append deep copies of their cache layers on the first call (given the cache
     by its 5.24 keyword, ``cache``: under the old one it built a cache of its own and decoded without the
     prompt's keys, silently): a graph captured once cannot follow that, so use_cache is refused by name."""
+    from fxparallel.capture.cache import meta_cache
+
+    with pytest.raises(CaptureError, match=r"DoryForCausalLM cannot fill a static cache on the meta device "
+                                           r"\(RuntimeError: .*generate and use_cache are not supported"):
+        meta_cache(_sweep_meta_model("dory"), 1, 8)
+
+
+def test_a_model_whose_layer_types_have_no_static_cache_is_refused_generation():
+    """DeepSeek-V4's compressed-attention layers have no static cache layer in transformers (its generate
+    uses a dynamic cache): refused by name before any capture, not a KeyError inside transformers."""
+    from fxparallel.capture.cache import meta_cache
+
+    with pytest.raises(CaptureError, match=r"DeepseekV4ForCausalLM has layers of type \['compressed_sparse_attention', "
+                                           r"'heavily_compressed_attention'\], for which transformers has no static"):
+        meta_cache(_sweep_meta_model("deepseek_v4"), 1, 8)
+
+
+def _sweep_meta_model(model_type: str):
+    """The coverage sweep's tiny ``model_type`` model, on the meta device."""
     import os
     import sys
 
     from fxparallel.capture import build_meta_model
-    from fxparallel.capture.cache import meta_cache
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
     from tiny_configs import tiny_config as sweep_config
 
-    config = sweep_config("dory")
-    with pytest.raises(CaptureError, match=r"DoryForCausalLM cannot fill a static cache on the meta device "
-                                           r"\(RuntimeError: .*generate and use_cache are not supported"):
-        meta_cache(build_meta_model(config, dtype=torch.float32), 1, 8)
+    return build_meta_model(sweep_config(model_type), dtype=torch.float32)
 
 
 def test_a_model_that_adds_cache_layers_as_it_runs_is_refused_generation():

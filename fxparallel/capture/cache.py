@@ -34,7 +34,14 @@ def cache_argument(model, cache) -> dict:
 def meta_cache(model, batch: int, length: int):
     """A StaticCache for ``model`` (on meta) whose layers hold their tensors, for ``batch`` rows."""
     from transformers import StaticCache
+    from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
+    layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    missing = sorted(set(layer_types) - set(STATIC_LAYER_TYPE_MAPPING))
+    if missing:  # (e.g. DeepSeek-V4's compressed attention: transformers generates with a dynamic cache)
+        raise CaptureError(f"{type(model).__name__} has layers of type {missing}, for which transformers has no "
+                           "static cache layer: generate and use_cache are not supported for this model; its "
+                           "forward without a cache is")
     cache = StaticCache(config=model.config, max_cache_len=length)
     layers = len(cache.layers)
     # under a fake mode, transformers sees a trace (is_tracing) and skips its checks of data meta lacks: padding

@@ -51,7 +51,7 @@ SPELLINGS = {
     "silu": (F.silu, _nn.silu, "silu"),
     "gelu": (F.gelu, _nn.gelu, "gelu"),
     "softplus": (F.softplus, _nn.softplus, "softplus"),
-    "relu": (F.relu, "relu"),
+    "relu": (F.relu, torch.relu, "relu"),
     **{name: (getattr(F, name),) for name in ("leaky_relu", "elu", "mish", "hardtanh", "relu6")},
     **{name: (name,) for name in ("clamp_min", "clamp_max")},
     # ---- casts and copies (methods) -------------------------------------------------------------
