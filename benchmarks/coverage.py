@@ -233,12 +233,19 @@ def _agreed(answers) -> str:
     return "ranks differ: " + " / ".join(sorted(set(answers)))
 
 
+# what fxparallel's refusals of generate say (their messages are cut at 300 characters in the rows)
+REFUSALS = ("not supported for this model", "generation graphs do not carry", "cannot fill a static cache",
+            "takes no KV cache", "no static cache layer")
+
+
 def _generation_cell(row: dict) -> str:
     gen = row.get("generation")
     if gen is None:
         return ""
     if gen == "differs" and row.get("generation_float64") == "same":
         return "same in float64"  # float32 rounding decided a near tie of the logits
+    if gen.startswith("error:") and any(text in gen for text in REFUSALS):
+        return "refused"  # generate refused by name before any step (a cache the graphs cannot carry)
     return gen if gen in ("same", "differs") else gen.split(":")[0]
 
 
@@ -270,13 +277,17 @@ def write_markdown(rows: list, path: str, tp: int, total: int = 0, layers=None, 
         "reference and the parallel model alike (`FLOAT64_AS_IS` in the script).",
         "",
         f"\"generate\": the greedy tokens of `model.generate` ({GENERATED} new tokens, a batch of 2 prompts, one "
-        "left-padded) against single-device transformers' `generate`: same, differs (wrong), error (ours, "
-        "listed below the table) or transformers (transformers' own `generate` fails on the tiny model). "
+        "left-padded) against single-device transformers' `generate`: same, differs (wrong), refused (ours "
+        "refuses the model by name before any step: a cache its graphs cannot carry, no KV cache at all), error "
+        "(ours fails otherwise; both listed below the table) or transformers (transformers' own `generate` fails "
+        "on the tiny model). "
         "Where float32's tokens differ, they are generated again in float64 (\"same in float64\": float32 "
         "rounding decided a near tie of the logits). "
         f"{sum(_generation_cell(r) == 'same' for r in rows)} types generate the same tokens, "
         f"{sum(_generation_cell(r) == 'same in float64' for r in rows)} the same in float64, "
-        f"{sum(_generation_cell(r) == 'differs' for r in rows) or 'none'} differ.",
+        f"{sum(_generation_cell(r) == 'differs' for r in rows) or 'none'} differ; "
+        f"{sum(_generation_cell(r) == 'refused' for r in rows)} are refused, "
+        f"{sum(_generation_cell(r) == 'error' for r in rows)} fail otherwise.",
         "",
         *(["\"TP=4\": the same check over 4 gloo ranks (`--tp 4 --no-generate`: no generation, which doubles the "
            "time per type; heads, kv heads and vocabulary then split 4 ways, kv heads 1 per rank). \"not run\": "

@@ -99,6 +99,7 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         self.embedding_modules: dict = {}  # "input"/"output" -> (module path, class, bias) (set by parallelize)
         self.dropout_rates: dict = {}  # the model's dropout rates above 0 (set by parallelize): masks in train()
         object.__setattr__(self, "_last_graph", None)
+        object.__setattr__(self, "_compiled", {})  # (graph id, compile options) -> (graph, compiled code)
         # decoder layers as modules the graphs call, so FSDP can make each one a unit
         self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params)
         for p in plan.params:
@@ -196,17 +197,29 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         self._graph_of_shapes[key] = graph
         return graph
 
+    def _compiled_code(self, graph: LocalGraph, compile_config):
+        """``graph``'s code under ``torch.compile`` with ``compile_config``'s options (compiled on its first call)."""
+        options = compile_config.to_dict()
+        key = (id(graph), repr(sorted(options.items())))
+        known = self._compiled.get(key)
+        if known is None or known[0] is not graph:
+            known = self._compiled[key] = (graph, torch.compile(graph.forward, **options))
+        return known[1]
+
     def set_buffers(self, buffers: dict) -> None:
         for name, value in buffers.items():
             _set_path(self, name, value.to(self.device_), "buffer")
 
     # ---- forward -------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, gather_logits=None,
-                past_key_values=None, use_cache=None, return_dict=None, check_inputs=True, **unsupported):
+                past_key_values=None, use_cache=None, return_dict=None, check_inputs=True, compile_config=None,
+                **unsupported):
         """The model's forward on this rank's shards: same arguments and outputs as the Hugging Face model
         (see the README's "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
         earlier call) runs with a static KV cache sharded by heads (``generation/cache.py``) and returns
-        it as ``past_key_values``; ``check_inputs=False`` skips the per-call checks (``inputs.py``)."""
+        it as ``past_key_values``; ``check_inputs=False`` skips the per-call checks (``inputs.py``);
+        ``compile_config`` (transformers' ``CompileConfig``) runs the graph ``torch.compile``d with its options,
+        compiled once per graph (``generate`` passes it for its decode steps)."""
         refuse_arguments(unsupported)  # naming each and what to do instead (hf_methods.py)
         if input_ids is None:
             raise TypeError("input_ids is required")
@@ -230,7 +243,8 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
                 cache.allocate(input_ids.shape[0], self.device_)
             args.update(cache.tensors)
         self._last_graph = graph
-        results = dict(zip(graph.outputs, graph.forward(self, **args)))
+        run = graph.forward if compile_config is None else self._compiled_code(graph, compile_config)
+        results = dict(zip(graph.outputs, run(self, **args)))
         logits = results["logits"]
         placement = graph.output_placements.get("logits")
         gather = (labels is None) if gather_logits is None else gather_logits

@@ -166,13 +166,16 @@ def _data_dependent(rank, tp, paths):
         # float64: CPM-Ant's fp32 rounding reaches 1e-4 (its logits are large); a wrong plan's error would not
         model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float64)
         ids = batch(model.config.vocab_size, b=2, s=9)
-        errors = compare(model, reference(path).to(torch.float64), rank, tp, ids=ids, gather_logits=True)
+        # (use_cache=False: RWKV's own training step with its cached state modifies a tensor saved for backward)
+        errors = compare(model, reference(path).to(torch.float64), rank, tp, ids=ids, gather_logits=True,
+                         use_cache=False)
         shorter = batch(model.config.vocab_size, b=2, s=7, seed=3)
         with torch.no_grad():
             errors["other length"] = (model(input_ids=shorter).logits
                                       - reference(path).to(torch.float64)(input_ids=shorter).logits).abs().max().item()
         results[name] = {k: errors[k] for k in ("loss", "logits", "grad", "other length")}
         results[name]["graphs"] = len(model.graphs())
+        results[name]["fallbacks"] = model.plan.to_dict()["fallbacks"]
     return results
 
 
@@ -181,13 +184,16 @@ def test_data_dependent_and_length_fixed_graphs(arch_checkpoints_extra):
     captured all the same); CPM-Ant builds its position buckets from ``range(seq_len)`` (Dynamo cannot keep
     the length symbolic: a graph per length); RecurrentGemma's scan writes ``states[:, t]`` token by token
     (each write keeps the shard: rules/indexing.py); XLM checks ``lengths.max().item()`` and scales its
-    replicated hidden states in place where a copy_to_tp stands (the write gets a copy). All match one device."""
+    replicated hidden states in place where a copy_to_tp stands (the write gets a copy); RWKV loops over the
+    tokens with its recurrent state (a graph per length), its feed-forward sharded through ``torch.relu``.
+    All match one device."""
     for results in run_ranks(2, _data_dependent, arch_checkpoints_extra, timeout=900):
         for name, r in results.items():
             for key in ("loss", "logits", "grad", "other length"):
                 # (transformers' loss casts the logits to float32: the gradients keep float32 rounding)
                 assert r[key] < 1e-5, (name, key, r)
         assert results["cpmant"]["graphs"] == 3, results["cpmant"]  # length 9 with labels, 9 and 7 without
+        assert results["rwkv"]["fallbacks"] == [], results["rwkv"]["fallbacks"]  # (torch.relu: elementwise)
 
 
 @pytest.fixture(scope="module")
@@ -196,4 +202,5 @@ def arch_checkpoints_extra(tmp_path_factory):
     from tiny_configs import tiny_config
 
     root = tmp_path_factory.mktemp("archs_extra")
-    return {t: save_checkpoint(tiny_config(t), str(root / t)) for t in ("jetmoe", "cpmant", "recurrent_gemma", "xlm")}
+    types = ("jetmoe", "cpmant", "recurrent_gemma", "xlm", "rwkv")
+    return {t: save_checkpoint(tiny_config(t), str(root / t)) for t in types}

@@ -112,6 +112,20 @@ def test_a_model_whose_layer_types_have_no_static_cache_is_refused_generation():
         meta_cache(_sweep_meta_model("deepseek_v4"), 1, 8)
 
 
+@pytest.mark.parametrize("model_type, message", [
+    ("openai-gpt", r"OpenAIGPTLMHeadModel's forward takes no KV cache \(no `cache` or `past_key_values` argument\)"),
+    ("rwkv", r"RwkvForCausalLM's forward takes no KV cache \(.*; it carries `state` instead\): generate and "
+             r"use_cache are not supported"),
+])
+def test_a_model_whose_forward_takes_no_kv_cache_is_refused_generation(model_type, message):
+    """GPT-1 recomputes the whole prefix per token in transformers; RWKV carries a recurrent state of its own:
+    neither has a KV cache for the generation graphs to shard, so both are refused by name."""
+    from fxparallel.capture.cache import meta_cache
+
+    with pytest.raises(CaptureError, match=message):
+        meta_cache(_sweep_meta_model(model_type), 1, 8)
+
+
 def _sweep_meta_model(model_type: str):
     """The coverage sweep's tiny ``model_type`` model, on the meta device."""
     import os

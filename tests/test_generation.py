@@ -108,6 +108,24 @@ def _llama(rank, tp, path):
                              and torch.equal(three, ref.generate(input_ids=ids, attention_mask=mask, **kwargs)))
     out["num_parameters"] = (model.num_parameters() == ref.num_parameters(),
                              model.num_parameters(local=True) < model.num_parameters())
+    # compile_config: the decode steps run compiled, compiled once (no recompile per token, nor for other
+    # prompt lengths), the prefill eager; disable_compile wins; tokens as eager
+    from transformers import CompileConfig
+
+    compiled = []
+
+    def backend(gm, example_inputs):  # counts compilations; runs the traced graph as is (exact numerics)
+        compiled.append(sum(1 for n in gm.graph.nodes if n.op == "placeholder"))
+        return gm.forward
+
+    config = CompileConfig(backend=backend, fullgraph=True, dynamic=False, mode=None)
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, compile_config=config)
+    shorter = dict(input_ids=ids[:, 2:], attention_mask=mask[:, 2:], max_new_tokens=10, do_sample=False, pad_token_id=0)
+    out["compiled equal"] = (torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
+                             and torch.equal(model.generate(**shorter, compile_config=config), ref.generate(**shorter)))
+    out["compilations"] = len(compiled)  # (a new batch size would compile again: dynamic=False)
+    model.generate(input_ids=ids, attention_mask=mask, disable_compile=True, **kwargs)
+    out["compilations with disable_compile"] = len(compiled)
     out["beam"] = _raises(lambda: model.generate(input_ids=ids, num_beams=2, max_new_tokens=2))
     out["prompts differ"] = _raises(lambda: model.generate(input_ids=ids + rank, max_new_tokens=2, pad_token_id=0))
     out["unknown argument"] = _raises(lambda: model.generate(input_ids=ids, max_new_tokens=2, assistant_model=ref))
@@ -125,6 +143,8 @@ def test_generate_llama(checkpoints):
         assert out["graphs at the end"] == 3
         assert abs(out["cache share"] - 0.5) < 1e-9, out["cache share"]
         assert out["decode collectives"] == (2 * 2 + 1, 0)
+        assert out["compiled equal"] and out["compilations"] == 1, out["compilations"]
+        assert out["compilations with disable_compile"] == 1
         assert "generate: beam_search is not supported on the parallel model (num_beams=2" in out["beam"]
         assert "generate: the tp ranks were given different prompts or generation arguments" in out["prompts differ"]
         assert "generate: unsupported arguments ['assistant_model']" in out["unknown argument"]

@@ -36,6 +36,13 @@ def meta_cache(model, batch: int, length: int):
     from transformers import StaticCache
     from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
+    parameters = inspect.signature(model.forward).parameters
+    if "cache" not in parameters and "past_key_values" not in parameters:  # GPT-1; RWKV's state, XLNet's mems
+        own = [name for name in ("state", "mems", "cache_params") if name in parameters]
+        raise CaptureError(f"{type(model).__name__}'s forward takes no KV cache (no `cache` or `past_key_values` "
+                           f"argument{'; it carries ' + ', '.join(f'`{n}`' for n in own) + ' instead' if own else ''}"
+                           "): generate and use_cache are not supported for this model; its forward without a "
+                           "cache is")
     layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
     missing = sorted(set(layer_types) - set(STATIC_LAYER_TYPE_MAPPING))
     if missing:  # (e.g. DeepSeek-V4's compressed attention: transformers generates with a dynamic cache)

@@ -3,8 +3,9 @@ model with a static cache sharded by heads.
 
 What is transformers' own: the GenerationConfig (the checkpoint's ``generation_config.json`` by
 default, overridden by keyword arguments), special tokens, logits processors, stopping criteria,
-streamers and the output class. What tensor parallelism changes: the next token is chosen from
-vocab-sharded logits (``select.py``), every rank returns the same tokens (the arguments are
+streamers, the output class and ``compile_config`` (the decode steps run ``torch.compile``d with it;
+unlike transformers, never by default on a GPU: not measured there yet). What tensor parallelism
+changes: the next token is chosen from vocab-sharded logits (``select.py``), every rank returns the same tokens (the arguments are
 checked equal on every rank first, sampling draws from a generator seeded alike on every rank),
 and two graphs (prefill, decode) are captured per cache length, not per token or prompt length.
 """
@@ -34,6 +35,14 @@ def _same_on_every_rank(model, what: str, text: str) -> None:
     if differ:
         raise InputError(f"generate: the tp ranks were given different {what} (rank 0 vs ranks {differ}); every tp "
                          f"rank must call generate with the same prompts and generation arguments")
+
+
+def _described(config) -> str:
+    """The generation config as text that is the same on every rank for the same arguments (a function in it,
+    e.g. a compile backend, by its name: its address differs between processes)."""
+    import json
+
+    return json.dumps(config.to_dict(), sort_keys=True, default=lambda o: getattr(o, "__qualname__", type(o).__name__))
 
 
 def _vocab_parallel_top_k(processors, sample: bool, config):
@@ -85,7 +94,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
     if tuple(mask.shape) != (batch, prompt):
         raise InputError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has {(batch, prompt)}")
     _same_on_every_rank(model, "prompts or generation arguments",
-                        config.to_json_string(use_diff=False) + str(input_ids.tolist()) + str(mask.tolist()))
+                        _described(config) + str(input_ids.tolist()) + str(mask.tolist()))
     model._prepare_special_tokens(config, attention_mask is not None, device=device)
     if config.max_new_tokens is not None:
         config.max_length = prompt + config.max_new_tokens
@@ -132,6 +141,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
     first_rank = model.tp_group.rank == 0
     if streamer is not None and first_rank:
         streamer.put(input_ids.cpu())
+    # decode steps (one token per row: the same shapes every step) run compiled where the caller asks
+    # (``compile_config``), as transformers compiles its decode forward; the prefill stays eager
+    compile_config = None if config.disable_compile else config.compile_config
     step_ids, step_positions = input_ids, positions
     with torch.no_grad():
         while True:
@@ -139,7 +151,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
             # transformers' generate
             given = {"position_ids": step_positions} if model.takes_position_ids else {}
             out = model.forward(input_ids=step_ids, attention_mask=full_mask, past_key_values=cache, use_cache=True,
-                                gather_logits=False, check_inputs=False, **given)
+                                gather_logits=False, check_inputs=False,
+                                compile_config=compile_config if step_ids.shape[1] == 1 else None, **given)
             local = out.local_logits if out.local_logits is not None else out.logits
             local = local[:, -1, :].float()
             start = out.vocab_range[0] if out.vocab_range is not None else 0

@@ -58,8 +58,10 @@ _LAYER_INDEX = re.compile(r"\.(\d+)(?=\.|$)")  # model.layers.3.mlp, and a layer
 MAX_BRANCHES = 100  # complete plans evaluated at most (deterministic: every rank stops at the same one)
 # node steps of the search at most, in passes over the graph: branches cut part-way are not complete plans,
 # and a graph with many undecided patterns (DeepSeek-V4, HY-V4) could walk them for hours. Past it, each
-# open branch point keeps the branch it is on and the walk finishes greedily (deterministic too)
-MAX_PASSES = 500
+# open branch point keeps the branch it is on and the walk finishes greedily (deterministic too). 500
+# passes left Qwen3.5-MoE at 26 forward collectives where 2000 find 8 (tiny config, TP=2; 31 s to plan,
+# DeepSeek-V4 46 s): a plan is made once (the graph cache keeps it), its collectives cost every step
+MAX_PASSES = 2000
 NEGLIGIBLE_SHARE = 0.01  # a matrix below this share of its layer's matrix bytes is decided by communication
 
 
