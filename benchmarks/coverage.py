@@ -292,7 +292,7 @@ def write_markdown(rows: list, path: str, tp: int, total: int = 0, layers=None, 
         *(["\"TP=4\": the same check over 4 gloo ranks (`--tp 4 --no-generate`: no generation, which doubles the "
            "time per type; heads, kv heads and vocabulary then split 4 ways, kv heads 1 per rank). \"not run\": "
            "types that fail at TP=2 for a reason the rank count does not change (transformers' own failures, "
-           "data-dependent expert loops).", ""] if tp4 else []),
+           "data-dependent control flow in the model's code).", ""] if tp4 else []),
         f"**{len(ok)} of {len(rows)} types checked pass at TP={tp}**"
         + (f", **{len(ok4)} of {len(tp4)} at TP=4**" if tp4 else "")
         + f"; {sum(r['status'] == 'wrong' for r in rows) or 'none'} wrong"
