@@ -9,6 +9,7 @@ re-materialized.
 """
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -99,7 +100,7 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         self.embedding_modules: dict = {}  # "input"/"output" -> (module path, class, bias) (set by parallelize)
         self.dropout_rates: dict = {}  # the model's dropout rates above 0 (set by parallelize): masks in train()
         object.__setattr__(self, "_last_graph", None)
-        object.__setattr__(self, "_compiled", {})  # (graph id, compile options) -> (graph, compiled code)
+        object.__setattr__(self, "_compiled", [])  # (compile config, graph, compiled code)
         # decoder layers as modules the graphs call, so FSDP can make each one a unit
         self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params)
         for p in plan.params:
@@ -198,13 +199,14 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         return graph
 
     def _compiled_code(self, graph: LocalGraph, compile_config):
-        """``graph``'s code under ``torch.compile`` with ``compile_config``'s options (compiled on its first call)."""
-        options = compile_config.to_dict()
-        key = (id(graph), repr(sorted(options.items())))
-        known = self._compiled.get(key)
-        if known is None or known[0] is not graph:
-            known = self._compiled[key] = (graph, torch.compile(graph.forward, **options))
-        return known[1]
+        """``graph``'s code under ``torch.compile`` with ``compile_config``'s options (compiled on its first call).
+        Found by comparing configs (a dataclass), as transformers does: no copy of the options per decode step."""
+        for config, compiled_graph, code in self._compiled:
+            if compiled_graph is graph and config == compile_config:
+                return code
+        code = torch.compile(graph.forward, **compile_config.to_dict())
+        self._compiled.append((copy.deepcopy(compile_config), graph, code))  # (the caller's may change later)
+        return code
 
     def set_buffers(self, buffers: dict) -> None:
         for name, value in buffers.items():

@@ -115,7 +115,7 @@ def _llama(rank, tp, path):
     compiled = []
 
     def backend(gm, example_inputs):  # counts compilations; runs the traced graph as is (exact numerics)
-        compiled.append(sum(1 for n in gm.graph.nodes if n.op == "placeholder"))
+        compiled.append(gm)
         return gm.forward
 
     config = CompileConfig(backend=backend, fullgraph=True, dynamic=False, mode=None)

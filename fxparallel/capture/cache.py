@@ -24,11 +24,17 @@ def argument_name(layer: int, field: str) -> str:
     return f"past_{layer}_{field}"
 
 
+def _cache_keyword(model):
+    """The keyword the model's forward takes its KV cache by: ``cache`` (transformers 5.24 on), else
+    ``past_key_values``; None for a forward without one."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
 def cache_argument(model, cache) -> dict:
-    """``cache`` as the keyword the model's forward takes: ``cache`` (transformers 5.24 on), else
-    ``past_key_values``. (5.24 maps the old name on for most models, not all: Dory's forward would build a
-    cache of its own, and the graph would never read the one given.)"""
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+    """``cache`` as the keyword the model's forward takes. (5.24 maps the old name on for most models, not
+    all: Dory's forward would build a cache of its own, and the graph would never read the one given.)"""
+    return {_cache_keyword(model) or "past_key_values": cache}
 
 
 def meta_cache(model, batch: int, length: int):
@@ -36,8 +42,8 @@ def meta_cache(model, batch: int, length: int):
     from transformers import StaticCache
     from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
-    parameters = inspect.signature(model.forward).parameters
-    if "cache" not in parameters and "past_key_values" not in parameters:  # GPT-1; RWKV's state, XLNet's mems
+    if _cache_keyword(model) is None:  # GPT-1; RWKV's state, XLNet's mems
+        parameters = inspect.signature(model.forward).parameters
         own = [name for name in ("state", "mems", "cache_params") if name in parameters]
         raise CaptureError(f"{type(model).__name__}'s forward takes no KV cache (no `cache` or `past_key_values` "
                            f"argument{'; it carries ' + ', '.join(f'`{n}`' for n in own) + ' instead' if own else ''}"

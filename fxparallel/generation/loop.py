@@ -5,9 +5,10 @@ What is transformers' own: the GenerationConfig (the checkpoint's ``generation_c
 default, overridden by keyword arguments), special tokens, logits processors, stopping criteria,
 streamers, the output class and ``compile_config`` (the decode steps run ``torch.compile``d with it;
 unlike transformers, never by default on a GPU: not measured there yet). What tensor parallelism
-changes: the next token is chosen from vocab-sharded logits (``select.py``), every rank returns the same tokens (the arguments are
-checked equal on every rank first, sampling draws from a generator seeded alike on every rank),
-and two graphs (prefill, decode) are captured per cache length, not per token or prompt length.
+changes: the next token is chosen from vocab-sharded logits (``select.py``), every rank returns the
+same tokens (the arguments are checked equal on every rank first, sampling draws from a generator
+seeded alike on every rank), and two graphs (prefill, decode) are captured per cache length, not
+per token or prompt length.
 """
 from __future__ import annotations
 
