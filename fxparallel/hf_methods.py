@@ -49,7 +49,7 @@ other attribute transformers' PreTrainedModel has and this class lacks
     An error (an AttributeError, so ``hasattr`` stays False) naming what to use instead.
 Forward arguments the graphs do not take
     (``inputs_embeds``, ``output_attentions``, ``output_hidden_states``, ``cache_position``,
-    ``logits_to_keep``, ...): a TypeError naming the argument and the alternative; a value that
+    ``num_logits_to_keep``, ...): a TypeError naming the argument and the alternative; a value that
     asks for nothing (``output_attentions=False``, ``inputs_embeds=None``) is accepted.
 ``gradient_checkpointing_enable`` / ``_disable``: module.py (activation checkpointing).
 """
@@ -72,8 +72,7 @@ ALTERNATIVES = {
                             "them on the single-device transformers model",
     "output_router_logits": "router logits are not returned; inspect them on the single-device transformers model",
     "cache_position": "positions come from position_ids (and the KV cache from past_key_values): pass position_ids",
-    "logits_to_keep": "logits are computed for every position: slice out.logits[:, -k:] instead",
-    "num_logits_to_keep": "logits are computed for every position: slice out.logits[:, -k:] instead",
+    "num_logits_to_keep": "transformers' older name: pass logits_to_keep=k",
     "token_type_ids": "token type ids are not supported by the parallel model",
     "head_mask": "head masks are not supported by the parallel model",
     "num_items_in_batch": "the loss is the mean over this call's label tokens; normalize over a global batch with "
@@ -96,7 +95,7 @@ def refuse_arguments(unsupported: dict) -> None:
     if unknown:
         lines.append(f"{', '.join(unknown)}: not an argument of the parallel model")
     raise TypeError(f"fxparallel models take {', '.join(ARGUMENTS)}, past_key_values, use_cache, gather_logits, "
-                    f"return_dict; got unsupported {sorted(asked)}:\n  " + "\n  ".join(lines))
+                    f"logits_to_keep, return_dict; got unsupported {sorted(asked)}:\n  " + "\n  ".join(lines))
 
 
 def _dtype_name(dtype) -> str:

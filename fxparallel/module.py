@@ -55,6 +55,7 @@ class LocalGraph:
     output_sizes: dict = field(default_factory=dict)  # name -> per-rank sizes along its sharded dim
     state: dict = field(default_factory=dict)  # KV cache argument -> (full shape, local shape, dtype)
     cache_length: Optional[int] = None  # a generation graph's static cache length
+    logits_to_keep: int = 0  # the logits of the last that many positions only (0: all)
     pieces: Optional[LayerPieces] = None  # per-layer pieces the root code calls (rewrite/layer_units.py)
 
 
@@ -95,6 +96,7 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         self.label_classes: Optional[int] = None
         self.position_limit: Optional[int] = None  # rows of a learned position table: longest generation
         self.takes_position_ids = True  # the model's forward has position_ids (else: positions from its cache)
+        self.takes_logits_to_keep = False  # the model's forward has logits_to_keep (generate's prefill keeps 1)
         self.sliding_window: Optional[int] = None  # smallest sliding attention window: longest generation
         self.generation_config = None  # the checkpoint's (set by parallelize), as in transformers
         self.embedding_modules: dict = {}  # "input"/"output" -> (module path, class, bias) (set by parallelize)
@@ -165,15 +167,16 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
     def graphs(self) -> list:
         return list(self._graphs)
 
-    def _graph_for(self, args: dict, cache=None) -> LocalGraph:
-        """The graph for these arguments (and KV cache), captured on first use of an argument set or a
-        shape outside every graph's guards; a shape seen before costs a dictionary lookup."""
+    def _graph_for(self, args: dict, cache=None, logits_to_keep: int = 0) -> LocalGraph:
+        """The graph for these arguments (and KV cache, and logits kept), captured on first use of an argument
+        set or a shape outside every graph's guards; a shape seen before costs a dictionary lookup."""
         arguments = tuple(n for n in ARGUMENTS if n in args)
         shapes = {k: tuple(v.shape) for k, v in args.items()}
         if cache is not None and not cache.layout:  # its layout is that of any graph of its length
             known = next((g for g in self._graphs if g.cache_length == cache.length), None)
             if known is None:
-                known = self._graph_factory(self, arguments, shapes["input_ids"], cache_length=cache.length)
+                known = self._graph_factory(self, arguments, shapes["input_ids"], cache_length=cache.length,
+                                            logits_to_keep=logits_to_keep)
                 self.add_graph(known)
             cache.layout = dict(known.state)
         names = tuple(sorted(args))
@@ -182,21 +185,34 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
             for name, (full, _, _) in cache.layout.items():
                 shapes[name] = tuple(batch if s is None else s for s in full)
             names = tuple(sorted(shapes))
-        key = (names, tuple(shapes[n] for n in names), cache.length if cache is not None else None)
+        length = cache.length if cache is not None else None
+        key = (names, tuple(shapes[n] for n in names), length, logits_to_keep)
         graph = self._graph_of_shapes.get(key)
         if graph is not None:
             return graph
         graph = next((g for g in self._graphs if tuple(sorted(g.arguments)) == tuple(sorted(args))
-                      and g.cache_length == (cache.length if cache is not None else None)
+                      and g.cache_length == length and g.logits_to_keep == logits_to_keep
                       and g.guards.holds_for(shapes)), None)
         if graph is None:
-            if cache is None:
-                graph = self._graph_factory(self, arguments, shapes["input_ids"])
-            else:
-                graph = self._graph_factory(self, arguments, shapes["input_ids"], cache_length=cache.length)
+            graph = self._graph_factory(self, arguments, shapes["input_ids"], cache_length=length,
+                                        logits_to_keep=logits_to_keep)
             self.add_graph(graph)
         self._graph_of_shapes[key] = graph
         return graph
+
+    def _check_logits_to_keep(self, logits_to_keep, labels) -> None:
+        if isinstance(logits_to_keep, torch.Tensor):
+            raise TypeError("logits_to_keep as a tensor of positions is not supported by the parallel model: pass an "
+                            "int k (the last k positions) and index out.logits for other positions")
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise TypeError(f"logits_to_keep must be an int >= 0 (the last k positions; 0: all), got "
+                            f"{logits_to_keep!r}")
+        if logits_to_keep and not self.takes_logits_to_keep:
+            raise TypeError(f"logits_to_keep: the forward of {self.config.model_type} has no logits_to_keep argument; "
+                            f"slice out.logits[:, -{logits_to_keep}:] instead")
+        if logits_to_keep and labels is not None:
+            raise TypeError("logits_to_keep with labels: the loss needs the logits of every position; leave "
+                            "logits_to_keep at 0 when passing labels")
 
     def _compiled_code(self, graph: LocalGraph, compile_config):
         """``graph``'s code under ``torch.compile`` with ``compile_config``'s options (compiled on its first call).
@@ -215,16 +231,18 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
     # ---- forward -------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, gather_logits=None,
                 past_key_values=None, use_cache=None, return_dict=None, check_inputs=True, compile_config=None,
-                **unsupported):
+                logits_to_keep=0, **unsupported):
         """The model's forward on this rank's shards: same arguments and outputs as the Hugging Face model
         (see the README's "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
         earlier call) runs with a static KV cache sharded by heads (``generation/cache.py``) and returns
         it as ``past_key_values``; ``check_inputs=False`` skips the per-call checks (``inputs.py``);
         ``compile_config`` (transformers' ``CompileConfig``) runs the graph ``torch.compile``d with its options,
-        compiled once per graph (``generate`` passes it for its decode steps)."""
+        compiled once per graph (``generate`` passes it for its decode steps); ``logits_to_keep=k`` (an int, as in
+        transformers) computes the logits of the last k positions only (a graph of its own; 0: all)."""
         refuse_arguments(unsupported)  # naming each and what to do instead (hf_methods.py)
         if input_ids is None:
             raise TypeError("input_ids is required")
+        self._check_logits_to_keep(logits_to_keep, labels)
         cache = self._cache_for(past_key_values, use_cache, input_ids, attention_mask)
         args = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
                                   ("position_ids", position_ids), ("labels", labels)) if v is not None}
@@ -239,7 +257,7 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
                                 f"pad the batch to a multiple of {self.tp_group.size}")
         if self.cp_group is not None:
             args = context_parallel.prepare_arguments(args, self.cp_group, self.plan.model_type)
-        graph = self._graph_for(args, cache)
+        graph = self._graph_for(args, cache, logits_to_keep)
         if cache is not None:
             if not cache.allocated:
                 cache.allocate(input_ids.shape[0], self.device_)

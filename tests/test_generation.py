@@ -90,7 +90,9 @@ def _llama(rank, tp, path):
     cache = model.new_cache(128)
     full_mask = torch.cat([mask, mask.new_ones(3, 128 - 7)], dim=1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    step = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, past_key_values=cache)
+    step = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, past_key_values=cache,
+                 logits_to_keep=1)  # generate's prefill graph: the last position's logits only
+    out["prefill logits"] = tuple(step.logits.shape)
     loop = [step.logits[:, -1].argmax(-1)]
     for _ in range(3):
         positions = positions[:, -1:] + 1
@@ -126,6 +128,12 @@ def _llama(rank, tp, path):
     out["compilations"] = len(compiled)  # (a new batch size would compile again: dynamic=False)
     model.generate(input_ids=ids, attention_mask=mask, disable_compile=True, **kwargs)
     out["compilations with disable_compile"] = len(compiled)
+    # logits_to_keep (transformers' argument) without a cache: the last k positions' logits, as the full call's
+    kept = model(input_ids=ids, attention_mask=mask, logits_to_keep=2).logits
+    full = ref(input_ids=ids, attention_mask=mask).logits[:, -2:]
+    out["logits_to_keep"] = (tuple(kept.shape), (kept - full).abs().max().item())
+    out["logits_to_keep with labels"] = _raises(lambda: model(input_ids=ids, labels=ids, logits_to_keep=1))
+    out["logits_to_keep tensor"] = _raises(lambda: model(input_ids=ids, logits_to_keep=torch.tensor([6])))
     out["beam"] = _raises(lambda: model.generate(input_ids=ids, num_beams=2, max_new_tokens=2))
     out["prompts differ"] = _raises(lambda: model.generate(input_ids=ids + rank, max_new_tokens=2, pad_token_id=0))
     out["unknown argument"] = _raises(lambda: model.generate(input_ids=ids, max_new_tokens=2, assistant_model=ref))
@@ -141,6 +149,11 @@ def test_generate_llama(checkpoints):
         assert out["graphs after one generate"] == 3  # training graph + prefill + decode
         assert out["graphs after two"] == 3, "other prompt lengths and batch sizes must reuse the graphs"
         assert out["graphs at the end"] == 3
+        assert out["prefill logits"] == (3, 1, 128), out["prefill logits"]  # the full vocabulary, gathered
+        assert out["logits_to_keep"][0] == (3, 2, 128) and out["logits_to_keep"][1] < 1e-5, out["logits_to_keep"]
+        assert "logits_to_keep with labels: the loss needs the logits of every position" in \
+            out["logits_to_keep with labels"]
+        assert "logits_to_keep as a tensor of positions is not supported" in out["logits_to_keep tensor"]
         assert abs(out["cache share"] - 0.5) < 1e-9, out["cache share"]
         assert out["decode collectives"] == (2 * 2 + 1, 0)
         assert out["compiled equal"] and out["compilations"] == 1, out["compilations"]

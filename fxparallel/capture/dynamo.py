@@ -27,8 +27,10 @@ EXAMPLE_BATCH = 3
 EXAMPLE_SEQ = 13
 
 
-def _forward_fn(model, input_names, output_names, labels_shifted=False, cache=None):
+def _forward_fn(model, input_names, output_names, labels_shifted=False, cache=None, logits_to_keep=0):
     def run(**kwargs):
+        if logits_to_keep:  # the logits of the last positions only (the model slices before its head)
+            kwargs["logits_to_keep"] = logits_to_keep
         if labels_shifted:  # context parallelism: the loss takes labels as given (transformers' shift_labels)
             kwargs["shift_labels"] = kwargs["labels"]
         if cache is not None:
@@ -66,7 +68,8 @@ def _dynamo_message(err: Exception) -> str:
 
 
 def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ),
-            device: str = "meta", labels_shifted: bool = False, cache_length=None) -> CapturedGraph:
+            device: str = "meta", labels_shifted: bool = False, cache_length=None,
+            logits_to_keep: int = 0) -> CapturedGraph:
     """Capture ``model(**inputs)`` for the given argument names; returns the graph and its bindings.
 
     Dimensions of ``shape`` larger than 1 are dynamic; a size of 1 is captured as such
@@ -75,6 +78,8 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
     they are passed to the model as ``shift_labels`` too and its loss does not shift them.
     ``cache_length``: capture with a static KV cache of that many tokens (``cache.py``): its
     tensors become arguments (``past_<layer>_<field>``), the attention mask spans the cache.
+    ``logits_to_keep``: passed to the model (transformers' argument): logits of the last that many
+    positions only (0: all), as ``generate``'s prefill needs.
     """
     output_names = ("loss", "logits") if "labels" in input_names else ("logits",)
     guards_log = logging.getLogger("torch._guards")
@@ -82,7 +87,8 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
     # Dynamo logs a failed attempt's frames at error level: a retry below is what counts
     guards_log.setLevel(logging.CRITICAL)
     try:
-        return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length, (0, 1))
+        return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length,
+                        logits_to_keep, (0, 1))
     except CaptureError as err:
         fixed = _fixed_dim(str(err), shape, cache_length)
         if fixed is None:
@@ -93,7 +99,7 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
     # Dynamo cannot keep it symbolic, so that size gets a graph of its own
     log.info("%s: its code fixes the %s; capturing for %d", type(model).__name__, ("batch", "sequence length")[fixed],
              shape[fixed])
-    return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length,
+    return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length, logits_to_keep,
                     tuple(d for d in (0, 1) if d != fixed))
 
 
@@ -109,7 +115,7 @@ def _fixed_dim(message: str, shape, cache_length):
     return None
 
 
-def _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length,
+def _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length, logits_to_keep,
              dynamic_dims: tuple) -> CapturedGraph:
     def dynamic(t, dim):
         if dim > 1 or dim in dynamic_dims:
@@ -154,7 +160,8 @@ def _capture(model, input_names, output_names, shape, device, labels_shifted, ca
 
         return run_on_meta
 
-    fn = _forward_fn(model, input_names, output_names, labels_shifted and "labels" in input_names, cache)
+    fn = _forward_fn(model, input_names, output_names, labels_shifted and "labels" in input_names, cache,
+                     logits_to_keep)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
     # a model with dropout is captured in training mode (its dropout sites with their rates), except for
     # generation, which runs in eval semantics (capture/dropout.py)

@@ -151,9 +151,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
             # a model without position_ids (BART's decoder, BLOOM's ALiBi) counts positions in its cache, as in
             # transformers' generate
             given = {"position_ids": step_positions} if model.takes_position_ids else {}
+            prefill = step_ids.shape[1] > 1
+            if prefill and model.takes_logits_to_keep:  # the last position's logits only, as transformers' prefill
+                given["logits_to_keep"] = 1
             out = model.forward(input_ids=step_ids, attention_mask=full_mask, past_key_values=cache, use_cache=True,
                                 gather_logits=False, check_inputs=False,
-                                compile_config=compile_config if step_ids.shape[1] == 1 else None, **given)
+                                compile_config=None if prefill else compile_config, **given)
             local = out.local_logits if out.local_logits is not None else out.logits
             local = local[:, -1, :].float()
             start = out.vocab_range[0] if out.vocab_range is not None else 0

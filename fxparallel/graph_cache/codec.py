@@ -18,7 +18,7 @@ from ..plan.placement import Placement
 from ..plan.plan import ShardingPlan
 from ..rewrite.layer_units import LayerPieces, new_piece_key
 
-FORMAT = 1
+FORMAT = 2
 
 
 class Uncacheable(Exception):
@@ -168,6 +168,7 @@ def encode(planned: PlannedGraph) -> dict:
         "output_sizes": {k: (list(v) if v is not None else None) for k, v in local.output_sizes.items()},
         "state": {k: [list(full), list(loc), str(dtype)] for k, (full, loc, dtype) in local.state.items()},
         "cache_length": local.cache_length,
+        "logits_to_keep": local.logits_to_keep,
         "guards": _encode_guards(local.guards),
         "code": _encode_code(local.forward, local.pieces.root if local.pieces is not None else local.code),
         "pieces": pieces,
@@ -197,6 +198,6 @@ def decode(d: dict) -> PlannedGraph:
         guards=_decode_guards(d["guards"]), attributes={}, code=code,
         output_sizes={k: (tuple(v) if v is not None else None) for k, v in d["output_sizes"].items()},
         state={k: (tuple(full), tuple(loc), _dtype(dtype)) for k, (full, loc, dtype) in d["state"].items()},
-        cache_length=d["cache_length"], pieces=pieces)
+        cache_length=d["cache_length"], logits_to_keep=d["logits_to_keep"], pieces=pieces)
     plan = ShardingPlan.from_dict(d["plan"]) if d["plan"] is not None else None
     return PlannedGraph(local, {k: _parse(v) for k, v in d["params"].items()}, plan, tuple(d["warnings"]))
