@@ -207,8 +207,9 @@ def test_generate_learned_positions_and_sliding_window(tmp_path):
 
 
 def test_cache_states_beyond_keys_and_values_are_refused_by_name():
-    """A linear-attention layer's cache keeps convolution and recurrent states the generation graphs do
-    not carry: the capture says so, naming the model and the state (Bailing hybrid), in one process."""
+    """A linear-attention or state-space layer's cache keeps convolution and recurrent states the generation
+    graphs do not carry: refused before the capture, naming the model and the layer type (Bailing hybrid;
+    Mamba, whose mask of the current tokens failed inside Dynamo before), in one process."""
     import os
     import sys
 
@@ -222,7 +223,8 @@ def test_cache_states_beyond_keys_and_values_are_refused_by_name():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from tiny_configs import tiny_config
 
-    meta = build_meta_model(_for_device(tiny_config("bailing_hybrid"), torch.device("cpu")), dtype=torch.float32)
-    with pytest.raises(CaptureError, match=r"BailingHybridForCausalLM: its cache keeps a state .*conv_states.*"
-                                           r"generate and use_cache are not supported for this model yet"):
-        capture(meta, ("input_ids", "attention_mask", "position_ids"), shape=(2, 9), cache_length=128)
+    for model_type, name in (("bailing_hybrid", "BailingHybridForCausalLM"), ("mamba", "MambaForCausalLM")):
+        meta = build_meta_model(_for_device(tiny_config(model_type), torch.device("cpu")), dtype=torch.float32)
+        with pytest.raises(CaptureError, match=name + r": its cache keeps a state .*layers of type \['linear_attention'\]"
+                                                      r".*generate and use_cache are not supported for this model yet"):
+            capture(meta, ("input_ids", "attention_mask"), shape=(2, 9), cache_length=128)

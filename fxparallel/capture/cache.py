@@ -37,10 +37,17 @@ def cache_argument(model, cache) -> dict:
     return {_cache_keyword(model) or "past_key_values": cache}
 
 
+def state_not_carried(model, what: str) -> CaptureError:
+    """The refusal of a model whose cache keeps a state beyond keys, values and lengths."""
+    return CaptureError(f"{type(model).__name__}: its cache keeps a state the parallel model's generation graphs do "
+                        f"not carry ({what}; carried: {', '.join(FIELDS)}): generate and use_cache are not supported "
+                        "for this model yet; forward and training are")
+
+
 def meta_cache(model, batch: int, length: int):
     """A StaticCache for ``model`` (on meta) whose layers hold their tensors, for ``batch`` rows."""
     from transformers import StaticCache
-    from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
+    from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, LinearAttentionLayer, get_layer_types_and_kwargs
 
     if _cache_keyword(model) is None:  # GPT-1; RWKV's state, XLNet's mems
         parameters = inspect.signature(model.forward).parameters
@@ -55,6 +62,10 @@ def meta_cache(model, batch: int, length: int):
         raise CaptureError(f"{type(model).__name__} has layers of type {missing}, for which transformers has no "
                            "static cache layer: generate and use_cache are not supported for this model; its "
                            "forward without a cache is")
+    recurrent = sorted(t for t in set(layer_types) if issubclass(STATIC_LAYER_TYPE_MAPPING[t], LinearAttentionLayer))
+    if recurrent:  # refused before capture: Mamba's mask would not even fit a cache-long one
+        raise state_not_carried(model, f"layers of type {recurrent}: the convolution or recurrent state of "
+                                       "linear-attention or state-space layers")
     cache = StaticCache(config=model.config, max_cache_len=length)
     layers = len(cache.layers)
     # under a fake mode, transformers sees a trace (is_tracing) and skips its checks of data meta lacks: padding

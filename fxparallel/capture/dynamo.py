@@ -15,7 +15,7 @@ import torch
 import torch._dynamo
 
 from ..errors import CaptureError
-from .cache import FIELDS, argument_name, cache_argument, cache_tensors, meta_cache
+from .cache import argument_name, cache_argument, cache_tensors, meta_cache, state_not_carried
 from .dropout import check_training_graph
 from .graph import CapturedGraph
 
@@ -257,11 +257,7 @@ def _bind(gm, example_inputs, model, example, output_names, state_names=frozense
         elif isinstance(value, (int, torch.SymInt)):
             sym_placeholders[node.name] = node
         elif re.match(r"l_cache_layers_\d+_", node.name):  # a cache field beyond keys, values and lengths
-            raise CaptureError(
-                f"{type(model).__name__}: its cache keeps a state the parallel model's generation graphs do not "
-                f"carry ({node.name}: e.g. the convolution or recurrent state of linear-attention or state-space "
-                f"layers; carried: {', '.join(FIELDS)}): generate and use_cache are not supported for this model "
-                "yet; forward and training are")
+            raise state_not_carried(model, f"the graph reads {node.name}")
         else:
             raise CaptureError(
                 f"graph input {node.name} ({type(value).__name__}) is neither a parameter, a buffer nor an "
