@@ -210,6 +210,9 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         if logits_to_keep and not self.takes_logits_to_keep:
             raise TypeError(f"logits_to_keep: the forward of {self.config.model_type} has no logits_to_keep argument; "
                             f"slice out.logits[:, -{logits_to_keep}:] instead")
+        if logits_to_keep and self.cp_group is not None:
+            raise ShardingError("logits_to_keep is not supported under context parallelism (cp_group): each cp rank "
+                                "holds a chunk of the sequence, and the last positions are on the last cp rank")
         if logits_to_keep and labels is not None:
             raise TypeError("logits_to_keep with labels: the loss needs the logits of every position; leave "
                             "logits_to_keep at 0 when passing labels")

@@ -79,6 +79,7 @@ def _refusals(model, mesh, path_sliding):
         "mask": lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids)),
         "odd": lambda: model(input_ids=torch.zeros(2, local - 1, dtype=torch.long)),
         "positions": lambda: model(input_ids=ids, position_ids=torch.arange(local).expand(2, local)),
+        "logits_to_keep": lambda: model(input_ids=ids, logits_to_keep=1),
         "sliding": lambda: fxparallel.parallelize(path_sliding, mesh.tp_mesh, cp_group=mesh.cp_mesh),
     }
     for key, call in calls.items():
@@ -207,6 +208,7 @@ def test_unsupported_input_is_refused_by_name(world4):
         assert errors["mask"].startswith("ContextParallelError: qwen3: attention_mask is not supported"), errors
         assert "its sequence length 3 is odd" in errors["odd"], errors
         assert "position_ids must be the global positions of this rank's chunks" in errors["positions"], errors
+        assert "logits_to_keep is not supported under context parallelism (cp_group)" in errors["logits_to_keep"], errors
         assert errors["sliding"] == ("ContextParallelError: mistral: context parallelism supports plain causal "
                                      "attention only; this model has sliding-window attention "
                                      "(config.sliding_window=8)"), errors
