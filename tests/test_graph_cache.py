@@ -139,6 +139,13 @@ def test_cache_off_writes_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setenv("FXPARALLEL_GRAPH_CACHE", "off")
     assert store.cache_dir() is None
+    monkeypatch.setenv("FXPARALLEL_GRAPH_CACHE", "1")  # on, in the default place (not a directory named 1)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HOME", str(tmp_path / "home"))
+    assert store.cache_dir() == str(tmp_path / "home" / "fxparallel" / "graphs")
+    monkeypatch.setenv("FXPARALLEL_GRAPH_CACHE", "off")
     _plan(tiny_config("llama"))
     monkeypatch.delenv("FXPARALLEL_GRAPH_CACHE")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

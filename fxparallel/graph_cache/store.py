@@ -1,7 +1,7 @@
 """Planned graphs on disk, one file per key, under the Hugging Face cache home.
 
-Where: ``$FXPARALLEL_GRAPH_CACHE`` when set (``0`` / ``off``: no cache), else
-``$HF_HOME/fxparallel/graphs`` (``HF_HOME`` defaults to ``~/.cache/huggingface``), the way
+Where: ``$FXPARALLEL_GRAPH_CACHE`` when set to a directory (``0`` / ``off``: no cache; ``1`` / ``on``:
+the default place, not a directory named ``1``), else ``$HF_HOME/fxparallel/graphs`` (``HF_HOME`` defaults to ``~/.cache/huggingface``), the way
 ``huggingface_hub`` places its own caches.
 
 A file is JSON: the key it was built for, the entry, and the sha256 of both. It is written to a
@@ -23,12 +23,13 @@ log = logging.getLogger("fxparallel")
 
 ENV = "FXPARALLEL_GRAPH_CACHE"
 _OFF = ("0", "off", "false", "no", "")
+_ON = ("1", "on", "true", "yes")
 
 
 def cache_dir() -> Optional[str]:
     """The directory planned graphs are kept in, or None when the cache is off."""
     value = os.environ.get(ENV)
-    if value is not None:
+    if value is not None and value.strip().lower() not in _ON:
         return None if value.strip().lower() in _OFF else os.path.expanduser(value)
     from huggingface_hub import constants
 
