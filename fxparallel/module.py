@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -200,22 +201,30 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         self._graph_of_shapes[key] = graph
         return graph
 
-    def _check_logits_to_keep(self, logits_to_keep, labels) -> None:
+    def _logits_to_keep(self, logits_to_keep, labels) -> int:
+        """``logits_to_keep`` as the int the graphs are keyed by (None / False: 0, all positions), or why not."""
         if isinstance(logits_to_keep, torch.Tensor):
             raise TypeError("logits_to_keep as a tensor of positions is not supported by the parallel model: pass an "
                             "int k (the last k positions) and index out.logits for other positions")
-        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        if logits_to_keep is None or logits_to_keep is False:
+            return 0
+        try:
+            keep = operator.index(logits_to_keep) if logits_to_keep is not True else -1
+        except TypeError:
+            keep = -1
+        if keep < 0:
             raise TypeError(f"logits_to_keep must be an int >= 0 (the last k positions; 0: all), got "
                             f"{logits_to_keep!r}")
-        if logits_to_keep and not self.takes_logits_to_keep:
+        if keep and not self.takes_logits_to_keep:
             raise TypeError(f"logits_to_keep: the forward of {self.config.model_type} has no logits_to_keep argument; "
-                            f"slice out.logits[:, -{logits_to_keep}:] instead")
-        if logits_to_keep and self.cp_group is not None:
+                            f"slice out.logits[:, -{keep}:] instead")
+        if keep and self.cp_group is not None:
             raise ShardingError("logits_to_keep is not supported under context parallelism (cp_group): each cp rank "
                                 "holds a chunk of the sequence, and the last positions are on the last cp rank")
-        if logits_to_keep and labels is not None:
+        if keep and labels is not None:
             raise TypeError("logits_to_keep with labels: the loss needs the logits of every position; leave "
                             "logits_to_keep at 0 when passing labels")
+        return keep
 
     def _compiled_code(self, graph: LocalGraph, compile_config):
         """``graph``'s code under ``torch.compile`` with ``compile_config``'s options (compiled on its first call).
@@ -245,7 +254,7 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         refuse_arguments(unsupported)  # naming each and what to do instead (hf_methods.py)
         if input_ids is None:
             raise TypeError("input_ids is required")
-        self._check_logits_to_keep(logits_to_keep, labels)
+        logits_to_keep = self._logits_to_keep(logits_to_keep, labels)
         cache = self._cache_for(past_key_values, use_cache, input_ids, attention_mask)
         args = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
                                   ("position_ids", position_ids), ("labels", labels)) if v is not None}

@@ -134,6 +134,9 @@ def _llama(rank, tp, path):
     out["logits_to_keep"] = (tuple(kept.shape), (kept - full).abs().max().item())
     out["logits_to_keep with labels"] = _raises(lambda: model(input_ids=ids, labels=ids, logits_to_keep=1))
     out["logits_to_keep tensor"] = _raises(lambda: model(input_ids=ids, logits_to_keep=torch.tensor([6])))
+    every = model(input_ids=ids, attention_mask=mask).logits
+    out["logits_to_keep None / False"] = [torch.equal(model(input_ids=ids, attention_mask=mask, logits_to_keep=v).logits,
+                                                      every) for v in (None, False)]
     out["beam"] = _raises(lambda: model.generate(input_ids=ids, num_beams=2, max_new_tokens=2))
     out["prompts differ"] = _raises(lambda: model.generate(input_ids=ids + rank, max_new_tokens=2, pad_token_id=0))
     out["unknown argument"] = _raises(lambda: model.generate(input_ids=ids, max_new_tokens=2, assistant_model=ref))
@@ -154,6 +157,7 @@ def test_generate_llama(checkpoints):
         assert "logits_to_keep with labels: the loss needs the logits of every position" in \
             out["logits_to_keep with labels"]
         assert "logits_to_keep as a tensor of positions is not supported" in out["logits_to_keep tensor"]
+        assert out["logits_to_keep None / False"] == [True, True]  # ask for nothing, as transformers' 0
         assert abs(out["cache share"] - 0.5) < 1e-9, out["cache share"]
         assert out["decode collectives"] == (2 * 2 + 1, 0)
         assert out["compiled equal"] and out["compilations"] == 1, out["compilations"]

@@ -47,7 +47,8 @@ def state_not_carried(model, what: str) -> CaptureError:
 def meta_cache(model, batch: int, length: int):
     """A StaticCache for ``model`` (on meta) whose layers hold their tensors, for ``batch`` rows."""
     from transformers import StaticCache
-    from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, LinearAttentionLayer, get_layer_types_and_kwargs
+    from transformers import cache_utils
+    from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
     if _cache_keyword(model) is None:  # GPT-1; RWKV's state, XLNet's mems
         parameters = inspect.signature(model.forward).parameters
@@ -62,7 +63,8 @@ def meta_cache(model, batch: int, length: int):
         raise CaptureError(f"{type(model).__name__} has layers of type {missing}, for which transformers has no "
                            "static cache layer: generate and use_cache are not supported for this model; its "
                            "forward without a cache is")
-    recurrent = sorted(t for t in set(layer_types) if issubclass(STATIC_LAYER_TYPE_MAPPING[t], LinearAttentionLayer))
+    linear = getattr(cache_utils, "LinearAttentionLayer", None)  # (older transformers: _bind's check still refuses)
+    recurrent = sorted(t for t in set(layer_types) if linear and issubclass(STATIC_LAYER_TYPE_MAPPING[t], linear))
     if recurrent:  # refused before capture: Mamba's mask would not even fit a cache-long one
         raise state_not_carried(model, f"layers of type {recurrent}: the convolution or recurrent state of "
                                        "linear-attention or state-space layers")

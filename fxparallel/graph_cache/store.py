@@ -1,8 +1,8 @@
 """Planned graphs on disk, one file per key, under the Hugging Face cache home.
 
 Where: ``$FXPARALLEL_GRAPH_CACHE`` when set to a directory (``0`` / ``off``: no cache; ``1`` / ``on``:
-the default place, not a directory named ``1``), else ``$HF_HOME/fxparallel/graphs`` (``HF_HOME`` defaults to ``~/.cache/huggingface``), the way
-``huggingface_hub`` places its own caches.
+the default place, not a directory named ``1``), else ``$HF_HOME/fxparallel/graphs`` (``HF_HOME``
+defaults to ``~/.cache/huggingface``), the way ``huggingface_hub`` places its own caches.
 
 A file is JSON: the key it was built for, the entry, and the sha256 of both. It is written to a
 temporary name and renamed into place, so concurrent ranks and processes see a whole file or
