@@ -257,11 +257,12 @@ class GraphFactory:
         planned = None
         usual = self.usual_shapes is not None and self.usual_shapes.holds_for(
             {a: shape for a in training_arguments(self.cp)})
-        if cache_length is None and not logits_to_keep and usual:
+        if cache_length is None and usual:
             # a shape the training graph takes: planned at the training capture's example shape, so the first
             # call's shape does not change the graph (nor its cache key); from the training capture if it was cut
-            planned = self._planned(module, arguments, (EXAMPLE_BATCH, EXAMPLE_SEQ), None,
-                                    self.derived.pop(tuple(arguments), None))
+            # (that derived graph computes every position's logits: kept for the call that asks for them)
+            derived = None if logits_to_keep else self.derived.pop(tuple(arguments), None)
+            planned = self._planned(module, arguments, (EXAMPLE_BATCH, EXAMPLE_SEQ), None, derived, logits_to_keep)
             if not planned.local.guards.holds_for({a: shape for a in arguments}):
                 planned = None
         if planned is None:

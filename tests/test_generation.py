@@ -132,6 +132,9 @@ def _llama(rank, tp, path):
     kept = model(input_ids=ids, attention_mask=mask, logits_to_keep=2).logits
     full = ref(input_ids=ids, attention_mask=mask).logits[:, -2:]
     out["logits_to_keep"] = (tuple(kept.shape), (kept - full).abs().max().item())
+    graphs = len(model.graphs())  # planned at the example shape: another length reuses it
+    model(input_ids=ids[:, 1:], attention_mask=mask[:, 1:], logits_to_keep=2)
+    out["logits_to_keep, another length"] = len(model.graphs()) - graphs
     out["logits_to_keep with labels"] = _raises(lambda: model(input_ids=ids, labels=ids, logits_to_keep=1))
     out["logits_to_keep tensor"] = _raises(lambda: model(input_ids=ids, logits_to_keep=torch.tensor([6])))
     every = model(input_ids=ids, attention_mask=mask).logits
@@ -158,6 +161,7 @@ def test_generate_llama(checkpoints):
             out["logits_to_keep with labels"]
         assert "logits_to_keep as a tensor of positions is not supported" in out["logits_to_keep tensor"]
         assert out["logits_to_keep None / False"] == [True, True]  # ask for nothing, as transformers' 0
+        assert out["logits_to_keep, another length"] == 0
         assert abs(out["cache share"] - 0.5) < 1e-9, out["cache share"]
         assert out["decode collectives"] == (2 * 2 + 1, 0)
         assert out["compiled equal"] and out["compilations"] == 1, out["compilations"]
