@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=N benchmarks/activation_checkpointing.py [--seqs 256,512,1024]
     python benchmarks/activation_checkpointing.py --render   # plot + markdown table from the saved JSON
+    torchrun --nproc_per_node=1 benchmarks/activation_checkpointing.py --device cuda   # on a GPU (NCCL)
 
 Both systems load the same locally built 8-layer Llama (fp32, attention dropout 0, ``use_cache`` off) in the
 same processes and train in train mode (``model.train()``; both apply checkpointing only in training):
@@ -74,7 +75,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from checkpoints import build_checkpoint as build_default  # noqa: E402
 from memory import MiB, PeakMemory  # noqa: E402
-from ranks import everyone, short_error, start  # noqa: E402
+from ranks import everyone, short_error, start, synchronize  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Passing `tp_plan` directly", category=FutureWarning)
 # transformers 5 renames gradient_checkpointing_enable to activation_checkpointing_enable (same behaviour)
@@ -100,6 +101,8 @@ def parse_args(argv=None):
     p.add_argument("--runs", default=",".join(f"{s}:{m}" for s, m in RUNS), help="system:mode, comma-separated")
     p.add_argument("--out", default=None, help="rank 0 writes the JSON here (default "
                                                "benchmarks/results/activation_checkpointing_tp{N}.json)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: NCCL, one GPU per rank; (b) is "
+                                                                            "then the allocator's peak")
     p.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait for a failed rank")
     p.add_argument("--render", action="store_true", help="no run: read the saved JSON (--results), write the plot "
                                                         "(--plot) and print the markdown table")
@@ -350,7 +353,7 @@ def compare_grads(a: dict, b: dict):
 # ---- one sequence length --------------------------------------------------------
 def run_length(systems, runs, seq, args, vocab, world):
     g = torch.Generator().manual_seed(1000 + seq)
-    ids = torch.randint(1, vocab, (args.batch, seq), generator=g)
+    ids = torch.randint(1, vocab, (args.batch, seq), generator=g).to(args.device)
     out = {f"{s}:{m}": {"system": s, "mode": m} for s, m in runs}
     meta = {"load_average_start": load()}
     t0 = time.perf_counter()
@@ -404,9 +407,11 @@ def run_length(systems, runs, seq, args, vocab, world):
         for s, m in runs:
             system = systems[s]
             system.set_mode(m)
+            synchronize()
             dist.barrier()
             t, c = time.perf_counter(), time.process_time()
             loss = train_step(system, ids)
+            synchronize()
             times[f"{s}:{m}"].append(time.perf_counter() - t)
             cpu[f"{s}:{m}"].append(time.process_time() - c)
             losses[f"{s}:{m}"].append(loss.item())
@@ -443,14 +448,15 @@ def run_length(systems, runs, seq, args, vocab, world):
 
 
 def rss_phase(systems, runs, seqs, args, vocab):
-    """(b): the RSS high-water mark of whole steps, mmap threshold 64 KiB (see the module docstring)."""
-    ok = set_mmap_threshold(64 * 1024)
-    meter = PeakMemory(torch.device("cpu"))
+    """(b): the RSS high-water mark of whole steps, mmap threshold 64 KiB (see the module docstring); on a GPU,
+    the CUDA allocator's peak of allocated bytes."""
+    ok = set_mmap_threshold(64 * 1024) if args.device == "cpu" else None
+    meter = PeakMemory(torch.device(args.device))
     t0 = time.perf_counter()
     result = {"mmap_threshold_set": ok, "kind": None, "load_average_start": load()}
     for seq in seqs:
         g = torch.Generator().manual_seed(1000 + seq)
-        ids = torch.randint(1, vocab, (args.batch, seq), generator=g)
+        ids = torch.randint(1, vocab, (args.batch, seq), generator=g).to(args.device)
         per = {}
         for _ in range(args.rss_repeats):
             for s, m in runs:
@@ -480,14 +486,14 @@ def _mib(b):
 
 
 def format_table(meta, results, rss):
-    lines = [f"llama {meta['shape']}, tp={meta['tp']}, batch {meta['batch']}, fp32, AdamW lr=0, cpu/{meta['backend']}, "
+    lines = [f"llama {meta['shape']}, tp={meta['tp']}, batch {meta['batch']}, fp32, AdamW lr=0, {meta.get('device', 'cpu')}/{meta['backend']}, "
              f"{meta['threads']} thread(s)/rank, {meta['cores']} cores; step time = median of {meta['repeats']} "
              f"interleaved steps (slowest rank); bytes per rank (max over ranks); load average "
              f"{meta['load_average_start']:.2f} at the start, {meta['load_average_end']:.2f} at the end"]
     for name, label in meta["labels"].items():
         lines.append(f"  {name}: {label}")
     header = ["seq", "system", "mode", "held MiB", "vs none", "fwd peak MiB", "fwd+bwd peak MiB", "grads MiB",
-              "layer MiB", "RSS peak MiB", "RSS growth MiB", "step ms", "vs none", "step CPU ms",
+              "layer MiB", "peak MiB (b)", "growth MiB (b)", "step ms", "vs none", "step CPU ms",
               "vs none", "loss", "check"]
     rows = []
     for seq, res in results.items():
@@ -544,8 +550,9 @@ STYLE = {"fxparallel:none": ("fxparallel, no checkpointing", "tab:blue", "-", "o
 def markdown_table(run):
     m = run["meta"]
     rss = run.get("rss") or {}
+    peak = "RSS peak" if m.get("device", "cpu") == "cpu" else "CUDA peak allocated"
     lines = ["| seq | system | checkpointing | held for backward MiB/rank | vs none | one layer holds MiB | "
-             "peak live fwd+bwd MiB/rank (grads) | RSS peak MiB/rank (growth in the step) | step ms | "
+             f"peak live fwd+bwd MiB/rank (grads) | {peak} MiB/rank (growth in the step) | step ms | "
              "step CPU ms | CPU vs none | loss, grads vs none |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for seq in sorted(run["results"], key=int):
@@ -590,9 +597,12 @@ def plot(run, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    m = run["meta"]
+    gpu = m.get("device", "cpu") != "cpu"  # there the step's wall time (the CPU time is the GPU's, waited for)
     seqs = sorted(int(s) for s in run["results"])
     panels = [("held_bytes", "activation bytes held for backward\n(MiB per rank, exact)"),
               ("peak_bytes", "peak live bytes, forward + backward\n(MiB per rank, incl. gradients)"),
+              ("step_s", "time of a step, fwd+bwd+AdamW\n(ms per rank, median)") if gpu else
               ("step_cpu_s", "CPU time of a step, fwd+bwd+AdamW\n(ms per rank, median)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2))
     for ax, (key, title) in zip(axes, panels):
@@ -610,9 +620,8 @@ def plot(run, path):
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    m = run["meta"]
     fig.suptitle(f"activation checkpointing, 8-layer Llama (hidden {m['shape']['hidden']}), TP={m['tp']}, batch "
-                 f"{m['batch']}, fp32, CPU/gloo", fontsize=10)
+                 f"{m['batch']}, fp32, " + (f"{m['device']}, {m['date']}" if gpu else "CPU/gloo"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -637,7 +646,7 @@ def main(argv=None):
         return render(args)
     t_start = time.perf_counter()
     load_start = load()
-    rank, world, path = start(args.model, args.checkpoint_dir, build_checkpoint, args.timeout)
+    rank, world, path = start(args.model, args.checkpoint_dir, build_checkpoint, args.timeout, args.device)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -650,6 +659,8 @@ def main(argv=None):
         s = SYSTEMS[name]()
         try:
             s.build(path, world)
+            if s.model.device.type != args.device:  # transformers' plain model at TP=1 (fxparallel: on the GPU)
+                s.model.to(args.device)
             s.optimizer = torch.optim.AdamW(s.model.parameters(), lr=0.0)
             err = None
         except Exception as e:  # noqa: BLE001
@@ -685,6 +696,7 @@ def main(argv=None):
     meta = {"model": path, "tp": world, "shape": dict(SHAPE) if args.model is None else None, "batch": args.batch,
             "seqs": seqs, "repeats": args.repeats, "rss_repeats": args.rss_repeats, "dtype": "float32",
             "backend": dist.get_backend(), "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cores": os.cpu_count(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M %Z"), "load_average_start": load_start,

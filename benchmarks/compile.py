@@ -2,6 +2,7 @@
 eager and compiled the same way, side by side in one run; and the parallel module's per-call overhead.
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=N benchmarks/compile.py [--model DIR] [--backend inductor]
+    torchrun --nproc_per_node=1 benchmarks/compile.py --device cuda    # on a GPU (NCCL; timers wait for it)
 
 Systems (all fp32, train mode, attention dropout 0, AdamW, the same rows): ``fx eager``;
 ``fx layers`` (``fxparallel.runtime.compile_layers``: each decoder layer's code compiled, FSDP-style
@@ -32,7 +33,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from checkpoints import build_checkpoint  # noqa: E402
-from ranks import everyone, short_error, start  # noqa: E402
+from ranks import everyone, short_error, start, synchronize  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -45,11 +46,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--systems", default="fx eager,fx layers,fx whole,hf eager,hf whole")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", default=None, help="JSON (default benchmarks/results/compile_tp{N}.json)")
     return p.parse_args(argv)
 
 
-def build(name: str, path: str, world: int, backend: str):
+def build(name: str, path: str, world: int, backend: str, device: str):
     """(model whose step runs, model holding the parameters)."""
     from transformers import AutoModelForCausalLM
 
@@ -63,27 +65,33 @@ def build(name: str, path: str, world: int, backend: str):
     else:
         kwargs = {"tp_plan": "auto"} if world > 1 else {}
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+        if model.device.type != device:
+            model.to(device)
     model.train()
     return (torch.compile(model, backend=backend) if name.endswith("whole") else model), model
 
 
 def step(run, params_of, optimizer, ids):
+    synchronize()
     dist.barrier()
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     loss = run(input_ids=ids, labels=ids).loss
     loss.backward()
     optimizer.step()
+    synchronize()
     seconds = time.perf_counter() - start
     return loss.item(), max(everyone(seconds))
 
 
 def per_call_overhead(path: str, calls: int = 200) -> dict:
-    """Median µs of ``model(input_ids=...)`` and of the graph's own code on the same input."""
+    """Median µs of ``model(input_ids=...)`` and of the graph's own code on the same input (on a GPU, each
+    call waited for: the same GPU work on both ways)."""
     import fxparallel
 
     model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)
     out = {}
     with torch.no_grad():
         model(input_ids=ids)
@@ -96,6 +104,7 @@ def per_call_overhead(path: str, calls: int = 200) -> dict:
             for _ in range(calls):
                 t = time.perf_counter()
                 call()
+                synchronize()
                 times.append(time.perf_counter() - t)
             out[name] = statistics.median(times) * 1e6
     return out
@@ -105,15 +114,15 @@ def main(argv=None):
     args = parse_args(argv)
     load_start = os.getloadavg()
     rank, world, path = start(args.model, args.checkpoint_dir,
-                              lambda directory: build_checkpoint("llama", directory, layers=4))
+                              lambda directory: build_checkpoint("llama", directory, layers=4), device=args.device)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(path).vocab_size
-    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(args.device)
     systems, errors, first_loss, warmup = {}, {}, {}, {}
     for name in [s.strip() for s in args.systems.split(",") if s.strip()]:
         try:
-            run, model = build(name, path, world, args.backend)
+            run, model = build(name, path, world, args.backend, args.device)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
             t = time.perf_counter()
             first_loss[name] = step(run, model, optimizer, ids)[0]
@@ -142,7 +151,8 @@ def main(argv=None):
                          if "fx eager" in first_loss else None}
     import transformers
 
-    meta = {"model": path, "tp": world, "backend": args.backend, "batch": args.batch, "seq": args.seq,
+    meta = {"model": path, "tp": world, "backend": args.backend,
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "batch": args.batch, "seq": args.seq,
             "repeats": args.repeats, "warmup": args.warmup, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M %Z"), "load_average_start": load_start,

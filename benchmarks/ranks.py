@@ -1,18 +1,26 @@
-"""What every torchrun benchmark does on its ranks: start the gloo group with a local default
-checkpoint built once, share values between ranks, report errors in one line."""
+"""What every torchrun benchmark does on its ranks: start the process group (gloo on CPU, NCCL on CUDA)
+with a local default checkpoint built once, share values between ranks, wait for the GPU before a timer
+stops, report errors in one line."""
 from __future__ import annotations
 
 import datetime
 import os
 
+import torch
 import torch.distributed as dist
 
 
-def start(model, default_dir: str, build_default, timeout_s: float = 1800) -> tuple:
+def start(model, default_dir: str, build_default, timeout_s: float = 1800, device: str = "cpu") -> tuple:
     """Start the process group; returns (rank, world, checkpoint path): ``model`` when given, else
-    ``default_dir``, which rank 0 fills with ``build_default(default_dir)`` while the others wait."""
+    ``default_dir``, which rank 0 fills with ``build_default(default_dir)`` while the others wait.
+    ``device="cuda"``: NCCL, each rank on the GPU of its local rank (fxparallel then places its shards there)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+    gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if device == "cuda" else None
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
+    dist.init_process_group("nccl" if gpu else "gloo", timeout=datetime.timedelta(seconds=timeout_s), device_id=gpu)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -29,6 +37,12 @@ def everyone(obj) -> list:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work (a no-op on CPU), so that a timer stops when the work is done."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def short_error(err: BaseException) -> str:

@@ -82,6 +82,8 @@ class TransformersTP(System):
         t = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=tp),
                                                           dtype=dtype)
+        if tp == 1 and self.model.device.type != device.type:  # at TP=1 transformers leaves the model on the CPU
+            self.model.to(device)
         self.timings["ready"] = time.perf_counter() - t
         self.timings["capture+plan"] = None  # a hand-written plan: nothing to capture or solve
         self.model.eval()  # dropout off, the same mode for both systems

@@ -104,6 +104,7 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         self.dropout_rates: dict = {}  # the model's dropout rates above 0 (set by parallelize): masks in train()
         object.__setattr__(self, "_last_graph", None)
         object.__setattr__(self, "_compiled", [])  # (compile config, graph, compiled code)
+        object.__setattr__(self, "_generation_cache", None)  # (key, ParallelCache): generate's, reused (loop.py)
         # decoder layers as modules the graphs call, so FSDP can make each one a unit
         self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params)
         for p in plan.params:

@@ -65,6 +65,12 @@ def _llama(rank, tp, path):
     full = cfg.num_hidden_layers * 2 * ids.shape[0] * cfg.num_key_value_heads * result.past_key_values.length \
         * head_dim * 4
     out["cache share"] = (result.past_key_values.nbytes() - 8 * cfg.num_hidden_layers) / full
+    # the next call of the same batch and cache length reuses the cache's tensors, emptied first
+    pointers = [t.data_ptr() for t in result.past_key_values.tensors.values()]
+    again = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                           return_dict_in_generate=True)
+    out["cache reused"] = ([t.data_ptr() for t in again.past_key_values.tensors.values()] == pointers
+                           and torch.equal(again.sequences, expected[:, :9]))
     decode = next(g for g in model.graphs() if g.cache_length and "input_ids" in g.arguments
                   and g.guards.static_sizes.get(("input_ids", 1)) == 1)
     out["decode collectives"] = (decode.code.count("collectives_all_reduce("), decode.code.count("collectives_all_gather("))
@@ -163,6 +169,7 @@ def test_generate_llama(checkpoints):
         assert out["logits_to_keep None / False"] == [True, True]  # ask for nothing, as transformers' 0
         assert out["logits_to_keep, another length"] == 0
         assert abs(out["cache share"] - 0.5) < 1e-9, out["cache share"]
+        assert out["cache reused"]
         assert out["decode collectives"] == (2 * 2 + 1, 0)
         assert out["compiled equal"] and out["compilations"] == 1, out["compilations"]
         assert out["compilations with disable_compile"] == 1

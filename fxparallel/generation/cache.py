@@ -32,7 +32,15 @@ class ParallelCache:
         self.batch = batch
         for name, (_, local, dtype) in self.layout.items():
             size = tuple(batch if s is None else s for s in local)
-            self.tensors[name] = torch.zeros(size, dtype=dtype, device=device)
+            self.tensors[name] = tensor = torch.zeros(size, dtype=dtype, device=device)
+            # the decode graph writes these in place: a static address lets CUDA graphs (compile_config
+            # mode="reduce-overhead") replay on them instead of copying them in, as transformers' StaticCache does
+            torch._dynamo.mark_static_address(tensor)
+
+    def reset(self) -> None:
+        """Empty again, in place (the same tensors: compiled decode steps replay on their addresses)."""
+        for tensor in self.tensors.values():
+            tensor.zero_()
 
     @property
     def allocated(self) -> bool:

@@ -69,6 +69,21 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(mask == 0, 1)
 
 
+def _reusable_cache(model, length: int, batch: int) -> ParallelCache:
+    """The last call's cache, emptied, where its length and batch fit; else a new one (kept for the next call).
+    As transformers reuses its static cache: decode steps compiled with CUDA graphs replay on the same tensors
+    instead of being recorded again, and no memory is allocated per call. A cache that an earlier call
+    returned (``return_dict_in_generate``) is therefore overwritten by the next call of its shape."""
+    key = (length, batch, model.dtype_, model.device_)
+    if model._generation_cache is not None and model._generation_cache[0] == key:
+        cache = model._generation_cache[1]
+        cache.reset()
+        return cache
+    cache = ParallelCache(length)
+    object.__setattr__(model, "_generation_cache", (key, cache))
+    return cache
+
+
 def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_config=None, streamer=None,
              logits_processor=None, stopping_criteria=None, **kwargs):
     from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorList, StoppingCriteriaList
@@ -131,7 +146,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
                            group=model.tp_group.process_group)
         generator = torch.Generator(device=device).manual_seed(int(seed))
 
-    cache = ParallelCache(cache_length(config.max_length))
+    cache = _reusable_cache(model, cache_length(config.max_length), batch)
     # the mask spans the cache: slots not written yet are masked, as transformers masks a static cache's
     # (a causal mask hides them anyway; an encoder used as a decoder, RoBERTa-style, would attend to them)
     full_mask = torch.cat([mask, mask.new_zeros(batch, cache.length - prompt)], dim=1)

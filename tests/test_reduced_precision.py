@@ -1,4 +1,4 @@
-"""Reduced precision (bf16, fp16) on CPU/gloo, and CUDA/NCCL when a GPU is present."""
+"""Reduced precision (bf16, fp16) on CPU/gloo (on a GPU: test_cuda.py)."""
 from __future__ import annotations
 
 import pytest
@@ -56,39 +56,3 @@ def test_reduced_precision_tp2_close_to_single_device(low_precision, dtype_name)
         assert loss_err < 8 * eps * 5, loss_err
         assert logit_err < 64 * eps, logit_err
         assert grad_err < 64 * eps, grad_err
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
-def test_cuda_nccl_tp1_matches_single_device(checkpoints, dtype_name):
-    import datetime
-    import os
-
-    import torch.distributed as dist
-
-    import fxparallel
-    from checks import batch
-    from transformers import AutoModelForCausalLM
-
-    from distributed import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    try:
-        dtype = getattr(torch, dtype_name)
-        path = checkpoints["llama"]
-        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=dtype)
-        assert next(model.parameters()).is_cuda
-        ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
-        ids = batch(128, 2, 9).cuda()
-        out, r = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
-        out.loss.backward()
-        r.loss.backward()
-        tol = 1e-4 if dtype == torch.float32 else 64 * torch.finfo(dtype).eps
-        assert (out.loss.float() - r.loss.float()).abs().item() < tol
-        ref_params = dict(ref.named_parameters())
-        for n, p in model.named_parameters():
-            assert (p.grad.float() - ref_params[n].grad.float()).abs().max().item() < tol, n
-    finally:
-        dist.destroy_process_group()

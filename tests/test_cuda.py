@@ -1,0 +1,127 @@
+"""On a CUDA device (skipped without one): TP=1 over NCCL against transformers on the same GPU, for the forward
+and gradients in each dtype, greedy generation (eager, compiled, CUDA graphs) and a compiled training step.
+Run on a lent GPU by ``benchmarks/gpu_session.sh``; CI has no GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module")
+def nccl():
+    """A one-rank NCCL group for the module's tests."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from distributed import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _reference(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+
+
+def _max_grad_error(model, ref) -> tuple:
+    ref_params = dict(ref.named_parameters())
+    return max(((p.grad.float() - ref_params[n].grad.float()).abs().max().item(), n)
+               for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
+def test_cuda_nccl_tp1_matches_single_device(checkpoints, nccl, dtype_name):
+    import fxparallel
+    from checks import batch
+
+    dtype = getattr(torch, dtype_name)
+    path = checkpoints["llama"]
+    model = fxparallel.parallelize(path, nccl, dtype=dtype)
+    assert next(model.parameters()).is_cuda
+    ref = _reference(path, dtype)
+    ids = batch(128, 2, 9).cuda()
+    out, r = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    out.loss.backward()
+    r.loss.backward()
+    tol = 1e-4 if dtype == torch.float32 else 64 * torch.finfo(dtype).eps
+    assert (out.loss.float() - r.loss.float()).abs().item() < tol
+    assert _max_grad_error(model, ref)[0] < tol, _max_grad_error(model, ref)
+
+
+def test_cuda_generate_matches_transformers(checkpoints, nccl):
+    """Greedy tokens equal transformers' (fp32, left padding) eager, with the decode steps compiled and with
+    CUDA graphs (mode="reduce-overhead"): compiled once, replayed without being skipped."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    import fxparallel
+
+    path = checkpoints["llama"]
+    model = fxparallel.parallelize(path, nccl, dtype=torch.float32)
+    ref = _reference(path)
+    ids = torch.randint(1, 128, (3, 7), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ids = ids * mask  # left padding with id 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    expected = ref.generate(**kwargs)
+    assert torch.equal(model.generate(**kwargs), expected)
+    for mode in ("default", "reduce-overhead"):
+        counters.clear()
+        config = CompileConfig(fullgraph=True, dynamic=False, mode=mode)
+        first = model.generate(**kwargs, compile_config=config)
+        second = model.generate(**kwargs, compile_config=config)  # the same cache tensors: no recompile
+        assert torch.equal(first, expected) and torch.equal(second, expected), mode
+        assert counters["stats"]["unique_graphs"] == 1, (mode, dict(counters["stats"]))
+        assert not counters["inductor"].get("cudagraph_skips"), (mode, dict(counters["inductor"]))
+
+
+def test_cuda_compiled_training_step_matches_eager(checkpoints, nccl):
+    """torch.compile(model) (inductor on the GPU): loss and every gradient as transformers' eager step."""
+    import fxparallel
+    from checks import batch
+
+    path = checkpoints["llama"]
+    model = fxparallel.parallelize(path, nccl, dtype=torch.float32).train()
+    ref = _reference(path).train()
+    ids = batch(128, 2, 9).cuda()
+    loss = torch.compile(model)(input_ids=ids, labels=ids).loss
+    r = ref(input_ids=ids, labels=ids).loss
+    loss.backward()
+    r.backward()
+    assert (loss - r).abs().item() < 1e-5
+    assert _max_grad_error(model, ref)[0] < 1e-5, _max_grad_error(model, ref)
+
+
+def test_cuda_checkpointing_bit_identical_with_deterministic_kernels(checkpoints, nccl, monkeypatch):
+    """Full and selective activation checkpointing give the gradients of the step without it, bit for bit, once
+    CUDA's kernels are deterministic (without that, two identical steps already differ by ~1e-9: SDPA's and
+    cuBLAS's reductions are not deterministic on a GPU)."""
+    import fxparallel
+    from checks import batch
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        model = fxparallel.parallelize(checkpoints["llama"], nccl, dtype=torch.float32).train()
+        ids = batch(128, 2, 64).cuda()
+
+        def grads():
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=ids).loss.backward()
+            return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+        plain = grads()
+        for mode in ("full", "selective"):
+            model.gradient_checkpointing_enable({"use_reentrant": False}, mode=mode)
+            assert all(torch.equal(g, plain[n]) for n, g in grads().items()), mode
+    finally:
+        torch.use_deterministic_algorithms(False)
