@@ -65,12 +65,7 @@ def _llama(rank, tp, path):
     full = cfg.num_hidden_layers * 2 * ids.shape[0] * cfg.num_key_value_heads * result.past_key_values.length \
         * head_dim * 4
     out["cache share"] = (result.past_key_values.nbytes() - 8 * cfg.num_hidden_layers) / full
-    # the next call of the same batch and cache length reuses the cache's tensors, emptied first
-    pointers = [t.data_ptr() for t in result.past_key_values.tensors.values()]
-    again = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
-                           return_dict_in_generate=True)
-    out["cache reused"] = ([t.data_ptr() for t in again.past_key_values.tensors.values()] == pointers
-                           and torch.equal(again.sequences, expected[:, :9]))
+    out["eager keeps no cache"] = model._generation_cache is None
     decode = next(g for g in model.graphs() if g.cache_length and "input_ids" in g.arguments
                   and g.guards.static_sizes.get(("input_ids", 1)) == 1)
     out["decode collectives"] = (decode.code.count("collectives_all_reduce("), decode.code.count("collectives_all_gather("))
@@ -129,8 +124,11 @@ def _llama(rank, tp, path):
     config = CompileConfig(backend=backend, fullgraph=True, dynamic=False, mode=None)
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, compile_config=config)
     shorter = dict(input_ids=ids[:, 2:], attention_mask=mask[:, 2:], max_new_tokens=10, do_sample=False, pad_token_id=0)
-    out["compiled equal"] = (torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
-                             and torch.equal(model.generate(**shorter, compile_config=config), ref.generate(**shorter)))
+    out["compiled equal"] = torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
+    pointers = [t.data_ptr() for t in model._generation_cache[1].tensors.values()]
+    out["compiled equal"] &= torch.equal(model.generate(**shorter, compile_config=config), ref.generate(**shorter))
+    # the next compiled call of the same batch and cache length reuses the cache's tensors, emptied first
+    out["compiled cache reused"] = [t.data_ptr() for t in model._generation_cache[1].tensors.values()] == pointers
     out["compilations"] = len(compiled)  # (a new batch size would compile again: dynamic=False)
     model.generate(input_ids=ids, attention_mask=mask, disable_compile=True, **kwargs)
     out["compilations with disable_compile"] = len(compiled)
@@ -169,7 +167,7 @@ def test_generate_llama(checkpoints):
         assert out["logits_to_keep None / False"] == [True, True]  # ask for nothing, as transformers' 0
         assert out["logits_to_keep, another length"] == 0
         assert abs(out["cache share"] - 0.5) < 1e-9, out["cache share"]
-        assert out["cache reused"]
+        assert out["eager keeps no cache"] and out["compiled cache reused"]
         assert out["decode collectives"] == (2 * 2 + 1, 0)
         assert out["compiled equal"] and out["compilations"] == 1, out["compilations"]
         assert out["compilations with disable_compile"] == 1

@@ -69,11 +69,12 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(mask == 0, 1)
 
 
-def _reusable_cache(model, length: int, batch: int) -> ParallelCache:
-    """The last call's cache, emptied, where its length and batch fit; else a new one (kept for the next call).
-    As transformers reuses its static cache: decode steps compiled with CUDA graphs replay on the same tensors
-    instead of being recorded again, and no memory is allocated per call. A cache that an earlier call
-    returned (``return_dict_in_generate``) is therefore overwritten by the next call of its shape."""
+def _compiled_steps_cache(model, length: int, batch: int) -> ParallelCache:
+    """For compiled decode steps: the last compiled call's cache, emptied, where its length and batch fit; else
+    a new one, kept for the next call. As transformers reuses its static cache: the compiled code guards on the
+    cache's tensors (static addresses) and CUDA graphs replay on them, so new tensors every call would compile
+    and record again. A cache that an earlier compiled call returned (``return_dict_in_generate``) is therefore
+    overwritten by the next one of its shape. Eager calls make their own cache and keep nothing."""
     key = (length, batch, model.dtype_, model.device_)
     if model._generation_cache is not None and model._generation_cache[0] == key:
         cache = model._generation_cache[1]
@@ -146,7 +147,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
                            group=model.tp_group.process_group)
         generator = torch.Generator(device=device).manual_seed(int(seed))
 
-    cache = _reusable_cache(model, cache_length(config.max_length), batch)
+    # decode steps (one token per row: the same shapes every step) run compiled where the caller asks
+    # (``compile_config``), as transformers compiles its decode forward; the prefill stays eager
+    compile_config = None if config.disable_compile else config.compile_config
+    length = cache_length(config.max_length)
+    cache = ParallelCache(length) if compile_config is None else _compiled_steps_cache(model, length, batch)
     # the mask spans the cache: slots not written yet are masked, as transformers masks a static cache's
     # (a causal mask hides them anyway; an encoder used as a decoder, RoBERTa-style, would attend to them)
     full_mask = torch.cat([mask, mask.new_zeros(batch, cache.length - prompt)], dim=1)
@@ -157,9 +162,6 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
     first_rank = model.tp_group.rank == 0
     if streamer is not None and first_rank:
         streamer.put(input_ids.cpu())
-    # decode steps (one token per row: the same shapes every step) run compiled where the caller asks
-    # (``compile_config``), as transformers compiles its decode forward; the prefill stays eager
-    compile_config = None if config.disable_compile else config.compile_config
     step_ids, step_positions = input_ids, positions
     with torch.no_grad():
         while True:
