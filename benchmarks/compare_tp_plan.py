@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoints import build_checkpoint  # noqa: E402
 from comm_counter import CommCounter  # noqa: E402
 from memory import PeakMemory  # noqa: E402
+from ranks import synchronize  # noqa: E402
 from report import format_table  # noqa: E402
 from systems import SYSTEMS  # noqa: E402
 
@@ -58,18 +59,13 @@ def parse_args(argv=None):
 
 
 # ---- helpers ----------------------------------------------------------------
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(fn, device):
     """One call, ranks started together: (wall seconds, CPU seconds of this process)."""
     dist.barrier()
-    sync(device)
+    synchronize()
     t, c = time.perf_counter(), time.process_time()
     fn()
-    sync(device)
+    synchronize()
     return time.perf_counter() - t, time.process_time() - c
 
 
@@ -130,7 +126,7 @@ def prepare(system, args, path, ids, reference, device, dtype, base_mib):
     t = time.perf_counter()
     with counter:  # the first step is counted (and is a warm-up: lazy captures happen here)
         train_step(system, ids, counter)
-    sync(device)
+    synchronize()
     r["first_step_s"] = time.perf_counter() - t
     for phase in ("forward", "backward", "optimizer"):
         r[f"{phase}_collectives"] = {k: list(v) for k, v in counter.summary(phase).items()}
@@ -160,7 +156,7 @@ def time_interleaved(systems, results, ids, device, steps):
             mark = []
 
             def backward_done():
-                sync(device)
+                synchronize()
                 mark.append(time.perf_counter())
 
             wall, cpu = timed(lambda: (mark.append(time.perf_counter()),

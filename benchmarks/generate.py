@@ -118,7 +118,7 @@ class Generator:
 class FxParallel(Generator):
     name, label = "fxparallel", "fxparallel generate"
 
-    def build(self, path, world, dtype):
+    def build(self, path, world, dtype, device):
         import fxparallel
 
         t = time.perf_counter()
@@ -154,7 +154,7 @@ class FxParallelCudaGraphs(FxParallelCompiled):
 class TransformersTP(Generator):
     name, label = "transformers", 'transformers tp_plan="auto"'
 
-    def build(self, path, world, dtype):
+    def build(self, path, world, dtype, device):
         from transformers import AutoModelForCausalLM
 
         t = time.perf_counter()
@@ -167,8 +167,8 @@ class TransformersTP(Generator):
             self.note = f'tp_plan="auto" failed at TP=1 ({short_error(err)}); the plain model is the reference'
             self.label = "transformers (plain model, TP=1)"
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        if torch.cuda.is_initialized() and self.model.device.type != "cuda":
-            self.model.cuda()
+        if self.model.device.type != device:  # at TP=1 the plain model stays on the CPU
+            self.model.to(device)
         self.model.eval()
         self.ready_s = time.perf_counter() - t
         weight = self.model.model.layers[0].self_attn.q_proj.weight  # sharded where the tp plan applied
@@ -506,7 +506,7 @@ def main(argv=None):
     for name in [s.strip() for s in args.systems.split(",") if s.strip()]:
         s = SYSTEMS[name]()
         try:
-            s.build(path, world, getattr(torch, args.dtype))
+            s.build(path, world, getattr(torch, args.dtype), args.device)
             err = None
         except Exception as e:  # noqa: BLE001 - a failing system is a result, not a crash
             traceback.print_exc()

@@ -1,55 +1,63 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call of under 10 minutes on a machine with one CUDA device:
-#   bash benchmarks/gpu_session.sh [OUT_DIR]        (default: $OUT, else benchmarks/results/gpu)
-# 1. the gpu-marked tests (tests/test_cuda.py: TP=1 over NCCL against transformers in fp32/bf16/fp16,
-#    greedy generation eager / compiled / CUDA graphs, a compiled training step);
-# 2. benchmarks/generate.py on CUDA at TP=1, every system (static cache, compile, CUDA graphs), fp32 on
-#    the small default Llama, then bf16 on a larger one (160M parameters);
-# 3. benchmarks/compile.py on CUDA at TP=1 (training step, eager against compiled, both systems);
-# 4. benchmarks/compare_tp_plan.py and benchmarks/activation_checkpointing.py on CUDA at TP=1 (step time,
-#    peak memory of the CUDA allocator, agreement with the single-device model).
+#   bash benchmarks/gpu_session.sh [OUT_DIR [STAGE ...]]   (default: $OUT, else benchmarks/results/gpu; all stages)
+# Stages, in this order:
+#   tests                     the gpu-marked tests (tests/test_cuda.py: TP=1 over NCCL against transformers in
+#                             fp32/bf16/fp16, greedy generation eager / compiled / CUDA graphs, a compiled
+#                             training step, checkpointing with deterministic kernels);
+#   generate-fp32, -bf16      benchmarks/generate.py on CUDA at TP=1: every system (static cache, compile, CUDA
+#                             graphs) on the small default Llama in fp32, then bf16 on a 160M-parameter one;
+#   compile                   benchmarks/compile.py (training step, eager against compiled, both systems);
+#   compare, activation-checkpointing
+#                             benchmarks/compare_tp_plan.py and benchmarks/activation_checkpointing.py (step time,
+#                             peak memory of the CUDA allocator, agreement with the single-device model).
 # Wheels in .whl/ (e.g. a newer transformers than the machine has) are installed into /tmp/site first.
-# Each stage has its own time limit and a failing stage does not stop the next; the exit status is 1 if any
-# failed. Results in OUT_DIR: session.log and one JSON per benchmark (docs/gpu.md shows them).
+# Each stage has its own time limit (together under 10 minutes) and a failing stage does not stop the next; the
+# exit status is 1 if any failed. Results in OUT_DIR: session.log and one JSON per benchmark (docs/gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-benchmarks/results/gpu}}
+shift $(($# > 0 ? 1 : 0))
+wanted=" ${*:-tests generate-fp32 generate-bf16 compile compare activation-checkpointing} "
 mkdir -p "$out"
-exec > >(tee "$out/session.log") 2>&1
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
-date -u +"%Y-%m-%d %H:%M UTC"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__,
+session() {
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || return 1
+    export PYTHONPATH=/tmp/site
+  fi
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
+  date -u +"%Y-%m-%d %H:%M UTC"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__,
 '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE')"
 
-failed=()
-stage() {  # stage NAME SECONDS COMMAND...
-  local name=$1 limit=$2 start=$SECONDS
-  shift 2
-  echo "== $name (limit ${limit} s)"
-  timeout "$limit" "$@"
-  local rc=$?
-  echo "== $name: exit $rc after $((SECONDS - start)) s"
-  [ "$rc" = 0 ] || failed+=("$name")
+  local failed=() run1=(python3 -m torch.distributed.run --nproc_per_node=1)
+  stage() {  # stage NAME SECONDS COMMAND...
+    local name=$1 limit=$2 start=$SECONDS rc
+    shift 2
+    [[ $wanted == *" $name "* ]] || return 0
+    echo "== $name (limit ${limit} s)"
+    timeout -k 10 "$limit" "$@"
+    rc=$?
+    echo "== $name: exit $rc after $((SECONDS - start)) s"
+    [ "$rc" = 0 ] || failed+=("$name")
+  }
+  stage tests 95 python3 -m pytest -q -m gpu tests/test_cuda.py -p no:cacheprovider
+  stage generate-fp32 130 "${run1[@]}" benchmarks/generate.py --device cuda --systems cuda --repeats 3 \
+    --out "$out/generate_tp1.json"
+  stage generate-bf16 140 "${run1[@]}" benchmarks/generate.py --device cuda --repeats 3 --dtype bfloat16 \
+    --systems fxparallel,fxparallel-cudagraphs,transformers,transformers-cudagraphs \
+    --shape hidden=1024,layers=8,heads=16,kv_heads=8,intermediate=2816,vocab=32000 --out "$out/generate_tp1_bf16.json"
+  stage compile 100 "${run1[@]}" benchmarks/compile.py --device cuda --repeats 10 --out "$out/compile_tp1.json"
+  stage compare 40 "${run1[@]}" benchmarks/compare_tp_plan.py --steps 10 --json "$out/compare_tp1.json"
+  stage activation-checkpointing 65 "${run1[@]}" benchmarks/activation_checkpointing.py --device cuda \
+    --seqs 512,1024,2048 --out "$out/activation_checkpointing_tp1.json"
+
+  echo "failed stages: ${failed[*]:-none}"
+  [ ${#failed[@]} = 0 ]
 }
-run1=(python3 -m torch.distributed.run --nproc_per_node=1)
 
-stage tests 95 python3 -m pytest -q -m gpu tests/test_cuda.py -p no:cacheprovider
-stage generate-fp32 130 "${run1[@]}" benchmarks/generate.py --device cuda --systems cuda --repeats 3 \
-  --out "$out/generate_tp1.json"
-stage generate-bf16 140 "${run1[@]}" benchmarks/generate.py --device cuda --repeats 3 --dtype bfloat16 \
-  --systems fxparallel,fxparallel-cudagraphs,transformers,transformers-cudagraphs \
-  --shape hidden=1024,layers=8,heads=16,kv_heads=8,intermediate=2816,vocab=32000 --out "$out/generate_tp1_bf16.json"
-stage compile 110 "${run1[@]}" benchmarks/compile.py --device cuda --repeats 10 --out "$out/compile_tp1.json"
-stage compare 45 "${run1[@]}" benchmarks/compare_tp_plan.py --steps 10 --json "$out/compare_tp1.json"
-stage activation-checkpointing 70 "${run1[@]}" benchmarks/activation_checkpointing.py --device cuda \
-  --seqs 512,1024,2048 --out "$out/activation_checkpointing_tp1.json"
-
-echo "failed stages: ${failed[*]:-none}"
-[ ${#failed[@]} = 0 ]
+session 2>&1 | tee "$out/session.log"
+exit "${PIPESTATUS[0]}"

@@ -302,6 +302,7 @@ class HuggingFaceMethods:
         self._graphs.clear()
         self._graph_of_shapes.clear()
         self._compiled.clear()
+        object.__setattr__(self, "_generation_cache", None)  # a compiled generate's cache, in the old dtype
         object.__setattr__(self, "_last_graph", None)
         for path in self._layer_paths:
             getattr(self.get_submodule(path), "_pieces", {}).clear()

@@ -82,6 +82,10 @@ def test_cuda_generate_matches_transformers(checkpoints, nccl):
         assert torch.equal(first, expected) and torch.equal(second, expected), mode
         assert counters["stats"]["unique_graphs"] == 1, (mode, dict(counters["stats"]))
         assert not counters["inductor"].get("cudagraph_skips"), (mode, dict(counters["inductor"]))
+        # the scores of every step, kept while later steps replay the graph
+        scored = model.generate(**kwargs, compile_config=config, return_dict_in_generate=True, output_scores=True)
+        assert torch.equal(scored.sequences, expected) and len(scored.scores) == 20, mode
+        assert all(torch.equal(s.argmax(-1), expected[:, 7 + i]) for i, s in enumerate(scored.scores)), mode
 
 
 def test_cuda_compiled_training_step_matches_eager(checkpoints, nccl):

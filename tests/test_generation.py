@@ -132,6 +132,15 @@ def _llama(rank, tp, path):
     out["compilations"] = len(compiled)  # (a new batch size would compile again: dynamic=False)
     model.generate(input_ids=ids, attention_mask=mask, disable_compile=True, **kwargs)
     out["compilations with disable_compile"] = len(compiled)
+    # a compiled generate under inference mode, then outside it (the kept cache must not be an inference one)
+    with torch.inference_mode():
+        inside = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    out["compiled in and after inference mode"] = (torch.equal(inside, expected) and torch.equal(
+        model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected))
+    # torch.compile of the whole module, called with a cache
+    eager = model(input_ids=ids, use_cache=True).logits
+    whole = torch.compile(model, backend=backend)(input_ids=ids, use_cache=True).logits
+    out["torch.compile(model) with a cache"] = torch.equal(whole, eager)
     # logits_to_keep (transformers' argument) without a cache: the last k positions' logits, as the full call's
     kept = model(input_ids=ids, attention_mask=mask, logits_to_keep=2).logits
     full = ref(input_ids=ids, attention_mask=mask).logits[:, -2:]
@@ -171,6 +180,7 @@ def test_generate_llama(checkpoints):
         assert out["decode collectives"] == (2 * 2 + 1, 0)
         assert out["compiled equal"] and out["compilations"] == 1, out["compilations"]
         assert out["compilations with disable_compile"] == 1
+        assert out["compiled in and after inference mode"] and out["torch.compile(model) with a cache"]
         assert "generate: beam_search is not supported on the parallel model (num_beams=2" in out["beam"]
         assert "generate: the tp ranks were given different prompts or generation arguments" in out["prompts differ"]
         assert "generate: unsupported arguments ['assistant_model']" in out["unknown argument"]

@@ -4,8 +4,9 @@
 Each cache tensor of the captured model is placed by the solver like a parameter: split by kv
 heads where attention is (each rank holds 1/TP of the cache, uneven head splits as in the
 forward), replicated where the kv heads are (more ranks than kv heads). The tensors are
-allocated once per ``generate`` call for its batch and a length rounded up to ``LENGTH_STEP``,
-so prompts of other lengths reuse the same graphs."""
+allocated on a call's first step for its batch and a length rounded up to ``LENGTH_STEP``, so
+prompts of other lengths reuse the same graphs (a compiled ``generate`` keeps its cache for the
+next call of its shape: ``generation/loop.py``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -33,9 +34,11 @@ class ParallelCache:
         for name, (_, local, dtype) in self.layout.items():
             size = tuple(batch if s is None else s for s in local)
             self.tensors[name] = tensor = torch.zeros(size, dtype=dtype, device=device)
-            # the decode graph writes these in place: a static address lets CUDA graphs (compile_config
-            # mode="reduce-overhead") replay on them instead of copying them in, as transformers' StaticCache does
-            torch._dynamo.mark_static_address(tensor)
+            if not torch.compiler.is_compiling():  # (under torch.compile(model) the call cannot be traced)
+                # the decode graph writes these in place: a static address lets CUDA graphs (compile_config
+                # mode="reduce-overhead") replay on them instead of copying them in, as transformers' StaticCache
+                # does; unguarded: a new cache does not recompile, it records the CUDA graphs again
+                torch._dynamo.mark_static_address(tensor, guard=False)
 
     def reset(self) -> None:
         """Empty again, in place (the same tensors: compiled decode steps replay on their addresses)."""

@@ -4,7 +4,8 @@ model with a static cache sharded by heads.
 What is transformers' own: the GenerationConfig (the checkpoint's ``generation_config.json`` by
 default, overridden by keyword arguments), special tokens, logits processors, stopping criteria,
 streamers, the output class and ``compile_config`` (the decode steps run ``torch.compile``d with it;
-unlike transformers, never by default on a GPU: not measured there yet). What tensor parallelism
+unlike transformers, never by default on a GPU; ``mode="reduce-overhead"`` gives CUDA graphs, measured
+in docs/gpu.md). What tensor parallelism
 changes: the next token is chosen from vocab-sharded logits (``select.py``), every rank returns the
 same tokens (the arguments are checked equal on every rank first, sampling draws from a generator
 seeded alike on every rank), and two graphs (prefill, decode) are captured per cache length, not
@@ -71,11 +72,13 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 
 def _compiled_steps_cache(model, length: int, batch: int) -> ParallelCache:
     """For compiled decode steps: the last compiled call's cache, emptied, where its length and batch fit; else
-    a new one, kept for the next call. As transformers reuses its static cache: the compiled code guards on the
-    cache's tensors (static addresses) and CUDA graphs replay on them, so new tensors every call would compile
-    and record again. A cache that an earlier compiled call returned (``return_dict_in_generate``) is therefore
-    overwritten by the next one of its shape. Eager calls make their own cache and keep nothing."""
-    key = (length, batch, model.dtype_, model.device_)
+    a new one, kept for the next call. As transformers reuses its static cache: CUDA graphs replay on the
+    cache's tensors (static addresses), and new tensors every call would record the graphs again and hold
+    another pool of memory. A cache that an earlier compiled call returned (``return_dict_in_generate``) is
+    therefore overwritten by the next one of its shape. Eager calls make their own cache and keep nothing.
+    (Inference mode is part of the key: a cache made under it holds inference tensors, which cannot be
+    written outside it.)"""
+    key = (length, batch, model.dtype_, model.device_, torch.is_inference_mode_enabled())
     if model._generation_cache is not None and model._generation_cache[0] == key:
         cache = model._generation_cache[1]
         cache.reset()
@@ -175,7 +178,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
                                 gather_logits=False, check_inputs=False,
                                 compile_config=None if prefill else compile_config, **given)
             local = out.local_logits if out.local_logits is not None else out.logits
-            local = local[:, -1, :].float()
+            # a copy: under CUDA graphs the logits are the graph's output buffer, which the next step overwrites
+            # (and output_scores keeps them)
+            local = local[:, -1, :].to(torch.float32, copy=True)
             start = out.vocab_range[0] if out.vocab_range is not None else 0
             top_k = _vocab_parallel_top_k(processors, sample, config)
             if top_k is not None:
