@@ -69,6 +69,19 @@ def _llama(rank, tp, path):
     decode = next(g for g in model.graphs() if g.cache_length and "input_ids" in g.arguments
                   and g.guards.static_sizes.get(("input_ids", 1)) == 1)
     out["decode collectives"] = (decode.code.count("collectives_all_reduce("), decode.code.count("collectives_all_gather("))
+    # without autograd recording, the collectives run without their autograd.Function (its dispatch only costs)
+    from fxparallel.rewrite import collectives
+
+    recorded, apply = [], collectives._AllReduce.apply
+    collectives._AllReduce.apply = lambda *a: recorded.append(1) or apply(*a)
+    try:
+        again = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        in_generate = len(recorded)
+        model(input_ids=ids, labels=ids).loss.backward()  # a training call still records them
+    finally:
+        collectives._AllReduce.apply = apply
+    out["generate records no collective"] = (torch.equal(again, expected[:, :10]), in_generate, len(recorded) > 0)
+    model.zero_grad(set_to_none=True)
     # sampling: the same tokens on every rank, without the caller seeding anything alike; top-k (with
     # temperature and top-p) from each rank's own top k, never the whole row of logits
     import fxparallel.generation.loop as loop
@@ -178,6 +191,7 @@ def test_generate_llama(checkpoints):
         assert abs(out["cache share"] - 0.5) < 1e-9, out["cache share"]
         assert out["eager keeps no cache"] and out["compiled cache reused"]
         assert out["decode collectives"] == (2 * 2 + 1, 0)
+        assert out["generate records no collective"] == (True, 0, True), out["generate records no collective"]
         assert out["compiled equal"] and out["compilations"] == 1, out["compilations"]
         assert out["compilations with disable_compile"] == 1
         assert out["compiled in and after inference mode"] and out["torch.compile(model) with a cache"]

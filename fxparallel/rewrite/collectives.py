@@ -226,15 +226,24 @@ _PartialGrad = _gradient_only(_first_rank_keeps, "_PartialGrad")
 _SumGradRows = _gradient_only(_sum_rows, "_SumGradRows")
 
 
+def _recorded(x: torch.Tensor) -> bool:
+    """Whether autograd records an op on ``x``; where it does not (no_grad, inference, a decode step) the ops
+    below run their forward directly: an autograd.Function would only add its dispatch (tens of us per call,
+    4L+2 calls per decoded token)."""
+    return x.requires_grad and torch.is_grad_enabled()
+
+
 def all_reduce(x, handle):
-    return _AllReduce.apply(x, handle)
+    return _AllReduce.apply(x, handle) if _recorded(x) else _all_reduce(x, handle)
 
 
 def copy_to_tp(x, handle):
-    return _CopyToTP.apply(x, handle)
+    return _CopyToTP.apply(x, handle) if _recorded(x) else x
 
 
 def all_gather(x, dim, handle, segments=None, sizes=None, whole=()):
+    if not _recorded(x):
+        return _all_gather(x, dim, handle, segments, sizes, whole)
     return _AllGather.apply(x, dim, handle, segments, sizes, whole)
 
 
@@ -243,21 +252,21 @@ def local_chunk(x, dim, handle, segments=None, sizes=None, whole=()):
 
 
 def partial_grad(x, handle):
-    return _PartialGrad.apply(x, handle)
+    return _PartialGrad.apply(x, handle) if _recorded(x) else x
 
 
 def sum_grad_rows(w, dim, ranges, handle):
     """``w`` (a weight with whole segments, ``ranges``: their [start, stop) along ``dim``) whose gradient
     rows there are summed over the ranks in the backward pass."""
-    return _SumGradRows.apply(w, dim, ranges, handle)
+    return _SumGradRows.apply(w, dim, ranges, handle) if _recorded(w) else w
 
 
 def reduce_scatter_seq(x, dim, handle, batch=None):
-    return _ReduceScatterSeq.apply(x, dim, handle, batch)
+    return (_ReduceScatterSeq.apply if _recorded(x) else _reduce_scatter_seq)(x, dim, handle, batch)
 
 
 def gather_seq_to_tp(x, dim, handle, batch=None):
-    return _GatherSeqToTP.apply(x, dim, handle, batch)
+    return (_GatherSeqToTP.apply if _recorded(x) else _all_gather_seq)(x, dim, handle, batch)
 
 
 all_reduce.FORWARD, all_reduce.BACKWARD = "all_reduce", None
