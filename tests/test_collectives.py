@@ -55,3 +55,26 @@ def test_collective_ops_declare_their_passes():
     assert (collectives.all_reduce.FORWARD, collectives.all_reduce.BACKWARD) == ("all_reduce", None)
     assert (collectives.copy_to_tp.FORWARD, collectives.copy_to_tp.BACKWARD) == (None, "all_reduce")
     assert vocab_parallel_cross_entropy.FORWARD == "all_gather"
+
+
+def test_collectives_outside_autograd_are_fresh_views_and_forward_ad_is_refused():
+    """Where autograd records nothing the ops skip their autograd.Function, but still return a new view (an
+    in-place shape change of the output must not reach the input); forward-mode AD still goes through the
+    Functions, which refuse it, rather than silently dropping or mis-summing tangents."""
+    import torch
+    import torch.autograd.forward_ad as fwAD
+
+    from fxparallel.group import _register
+
+    handle = _register(None, 0, 1).handle  # a one-rank group: every op is the identity
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        for op in (lambda t: collectives.all_reduce(t, handle), lambda t: collectives.copy_to_tp(t, handle),
+                   lambda t: collectives.partial_grad(t, handle), lambda t: collectives.all_gather(t, 1, handle)):
+            out = op(x)
+            out.unsqueeze_(0)
+            assert x.shape == (2, 3) and torch.equal(out[0], x)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        with pytest.raises(NotImplementedError, match="forward mode AD"):
+            collectives.all_reduce(dual, handle)

@@ -227,23 +227,36 @@ _SumGradRows = _gradient_only(_sum_rows, "_SumGradRows")
 
 
 def _recorded(x: torch.Tensor) -> bool:
-    """Whether autograd records an op on ``x``; where it does not (no_grad, inference, a decode step) the ops
-    below run their forward directly: an autograd.Function would only add its dispatch (tens of us per call,
-    4L+2 calls per decoded token)."""
-    return x.requires_grad and torch.is_grad_enabled()
+    """Whether autograd records an op on ``x`` (or forward-mode AD / a torch.func transform is active, which the
+    Functions refuse by name); where it does not (no_grad, inference, a decode step) the ops below run their
+    forward directly: an autograd.Function would only add its dispatch (tens of us per call, 4L+2 calls per
+    decoded token)."""
+    return ((x.requires_grad and torch.is_grad_enabled()) or torch.autograd.forward_ad._current_level >= 0
+            or torch._C._are_functorch_transforms_active())
+
+
+def _direct(forward, x: torch.Tensor, *args) -> torch.Tensor:
+    """``forward(x, *args)`` outside autograd; a view where that is ``x`` itself (as an autograd.Function's
+    output is), so that an in-place change of the output's shape cannot reach ``x``."""
+    out = forward(x, *args)
+    return out.view_as(x) if out is x else out
+
+
+def _identity(x: torch.Tensor, *args) -> torch.Tensor:
+    return x
 
 
 def all_reduce(x, handle):
-    return _AllReduce.apply(x, handle) if _recorded(x) else _all_reduce(x, handle)
+    return _AllReduce.apply(x, handle) if _recorded(x) else _direct(_all_reduce, x, handle)
 
 
 def copy_to_tp(x, handle):
-    return _CopyToTP.apply(x, handle) if _recorded(x) else x
+    return _CopyToTP.apply(x, handle) if _recorded(x) else _direct(_identity, x)
 
 
 def all_gather(x, dim, handle, segments=None, sizes=None, whole=()):
     if not _recorded(x):
-        return _all_gather(x, dim, handle, segments, sizes, whole)
+        return _direct(_all_gather, x, dim, handle, segments, sizes, whole)
     return _AllGather.apply(x, dim, handle, segments, sizes, whole)
 
 
@@ -252,21 +265,25 @@ def local_chunk(x, dim, handle, segments=None, sizes=None, whole=()):
 
 
 def partial_grad(x, handle):
-    return _PartialGrad.apply(x, handle) if _recorded(x) else x
+    return _PartialGrad.apply(x, handle) if _recorded(x) else _direct(_identity, x)
 
 
 def sum_grad_rows(w, dim, ranges, handle):
     """``w`` (a weight with whole segments, ``ranges``: their [start, stop) along ``dim``) whose gradient
     rows there are summed over the ranks in the backward pass."""
-    return _SumGradRows.apply(w, dim, ranges, handle) if _recorded(w) else w
+    return _SumGradRows.apply(w, dim, ranges, handle) if _recorded(w) else _direct(_identity, w)
 
 
 def reduce_scatter_seq(x, dim, handle, batch=None):
-    return (_ReduceScatterSeq.apply if _recorded(x) else _reduce_scatter_seq)(x, dim, handle, batch)
+    if not _recorded(x):
+        return _direct(_reduce_scatter_seq, x, dim, handle, batch)
+    return _ReduceScatterSeq.apply(x, dim, handle, batch)
 
 
 def gather_seq_to_tp(x, dim, handle, batch=None):
-    return (_GatherSeqToTP.apply if _recorded(x) else _all_gather_seq)(x, dim, handle, batch)
+    if not _recorded(x):
+        return _direct(_all_gather_seq, x, dim, handle, batch)
+    return _GatherSeqToTP.apply(x, dim, handle, batch)
 
 
 all_reduce.FORWARD, all_reduce.BACKWARD = "all_reduce", None
