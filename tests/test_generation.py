@@ -246,7 +246,8 @@ def test_generate_learned_positions_and_sliding_window(tmp_path):
 def test_cache_states_beyond_keys_and_values_are_refused_by_name():
     """A linear-attention or state-space layer's cache keeps convolution and recurrent states the generation
     graphs do not carry: refused before the capture, naming the model and the layer type (Bailing hybrid;
-    Mamba, whose mask of the current tokens failed inside Dynamo before), in one process."""
+    Mamba, whose mask of the current tokens failed inside Dynamo before), in one process; a model whose cache
+    graph Dynamo cannot capture whole is refused for generation only (RoFormer)."""
     import os
     import sys
 
@@ -265,3 +266,9 @@ def test_cache_states_beyond_keys_and_values_are_refused_by_name():
         with pytest.raises(CaptureError, match=name + r": its cache keeps a state .*layers of type \['linear_attention'\]"
                                                       r".*generate and use_cache are not supported for this model yet"):
             capture(meta, ("input_ids", "attention_mask"), shape=(2, 9), cache_length=128)
+    # RoFormer reads its position offset from the cache's count as data: Dynamo cannot capture that whole
+    meta = build_meta_model(_for_device(tiny_config("roformer"), torch.device("cpu")), dtype=torch.float32)
+    with pytest.raises(CaptureError, match=r"RoFormerForCausalLM could not be captured as one graph with a KV cache: "
+                                           r"generate and use_cache are not supported for this model \(its forward "
+                                           r"without a cache is\)\. .*unbacked"):
+        capture(meta, ("input_ids", "attention_mask"), shape=(2, 9), cache_length=128)

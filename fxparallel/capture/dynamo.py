@@ -181,6 +181,10 @@ def _capture(model, input_names, output_names, shape, device, labels_shifted, ca
         log.debug("%s: the captured graph could not run on meta (%s); it is used as captured", type(model).__name__, err)
     except Exception as err:  # Dynamo raises many exception types; all mean "not capturable whole"
         kind = type(model).__name__
+        if cache is not None:  # the forward without a cache was captured before (parallelize): only generation fails
+            raise CaptureError(f"{kind} could not be captured as one graph with a KV cache: generate and use_cache "
+                               f"are not supported for this model (its forward without a cache is). "
+                               f"{_dynamo_message(err)}") from err
         mode = " in training mode" if training else ""
         raise CaptureError(f"{kind} could not be captured as one graph{mode}: {_dynamo_message(err)}") from err
     finally:
