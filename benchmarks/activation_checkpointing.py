@@ -75,7 +75,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from checkpoints import build_checkpoint as build_default  # noqa: E402
 from memory import MiB, PeakMemory  # noqa: E402
-from ranks import everyone, short_error, start, synchronize  # noqa: E402
+from ranks import everyone, short_error, start, synchronize, transformers_tp  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Passing `tp_plan` directly", category=FutureWarning)
 # transformers 5 renames gradient_checkpointing_enable to activation_checkpointing_enable (same behaviour)
@@ -146,7 +146,7 @@ class FxParallel(System):
     name, label = "fxparallel", "fxparallel.parallelize"
     modes = ("none", "selective", "full")
 
-    def build(self, path, world):
+    def build(self, path, world, device):
         import fxparallel
 
         self.model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
@@ -168,17 +168,10 @@ class TransformersTP(System):
     name, label = "transformers", 'transformers tp_plan="auto"'
     modes = ("none", "full")
 
-    def build(self, path, world):
-        from transformers import AutoModelForCausalLM
-
-        try:
-            self.model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
-        except Exception as err:  # noqa: BLE001
-            if world != 1:
-                raise
-            self.note = f'tp_plan="auto" failed at TP=1 ({short_error(err)}); the plain model is the reference'
+    def build(self, path, world, device):
+        self.model, self.note = transformers_tp(path, world, torch.float32, device)
+        if self.note:
             self.label = "transformers (plain model, TP=1)"
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         self.model.train()
 
     def set_mode(self, mode):
@@ -658,9 +651,7 @@ def main(argv=None):
     for name in dict.fromkeys(s for s, _ in runs):
         s = SYSTEMS[name]()
         try:
-            s.build(path, world)
-            if s.model.device.type != args.device:  # transformers' plain model at TP=1 (fxparallel: on the GPU)
-                s.model.to(args.device)
+            s.build(path, world, args.device)  # (fxparallel: on the GPU under NCCL)
             s.optimizer = torch.optim.AdamW(s.model.parameters(), lr=0.0)
             err = None
         except Exception as e:  # noqa: BLE001

@@ -59,7 +59,7 @@ def parse_args(argv=None):
 
 
 # ---- helpers ----------------------------------------------------------------
-def timed(fn, device):
+def timed(fn):
     """One call, ranks started together: (wall seconds, CPU seconds of this process)."""
     dist.barrier()
     synchronize()
@@ -147,7 +147,7 @@ def prepare(system, args, path, ids, reference, device, dtype, base_mib):
 
 
 # ---- all ready systems together: step times, interleaved ---------------------
-def time_interleaved(systems, results, ids, device, steps):
+def time_interleaved(systems, results, ids, steps):
     """Alternate the systems step by step, so load from elsewhere on the machine hits them alike."""
     times = {s.name: {"step": [], "step_cpu": [], "fwd_bwd": [], "forward": [], "forward_cpu": []}
              for s in systems}
@@ -160,14 +160,14 @@ def time_interleaved(systems, results, ids, device, steps):
                 mark.append(time.perf_counter())
 
             wall, cpu = timed(lambda: (mark.append(time.perf_counter()),
-                                       train_step(s, ids, after_backward=backward_done)), device)
+                                       train_step(s, ids, after_backward=backward_done)))
             times[s.name]["step"].append(wall)
             times[s.name]["step_cpu"].append(cpu)
             times[s.name]["fwd_bwd"].append(mark[1] - mark[0])
     with torch.no_grad():
         for _ in range(steps):
             for s in systems:
-                wall, cpu = timed(lambda: s.loss(ids), device)
+                wall, cpu = timed(lambda: s.loss(ids))
                 times[s.name]["forward"].append(wall)
                 times[s.name]["forward_cpu"].append(cpu)
     for s in systems:
@@ -259,7 +259,7 @@ def main(argv=None):
         else:
             ready.append(system)
     if ready:
-        time_interleaved(ready, results, ids, device, args.steps)
+        time_interleaved(ready, results, ids, args.steps)
 
     meta = {"model": path, "model_type": AutoConfig.from_pretrained(path).model_type, "tp": world,
             "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "dtype": args.dtype,

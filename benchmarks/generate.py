@@ -47,7 +47,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from checkpoints import build_checkpoint as build_default  # noqa: E402
 from comm_counter import CommCounter  # noqa: E402
-from ranks import everyone, short_error, start, synchronize  # noqa: E402
+from ranks import everyone, short_error, start, synchronize, transformers_tp  # noqa: E402
 
 # transformers 5 deprecates from_pretrained(tp_plan=...) for distributed_config=DistributedConfig(tp_plan=...);
 # the same plan either way
@@ -155,20 +155,10 @@ class TransformersTP(Generator):
     name, label = "transformers", 'transformers tp_plan="auto"'
 
     def build(self, path, world, dtype, device):
-        from transformers import AutoModelForCausalLM
-
         t = time.perf_counter()
-        try:
-            self.model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
-        except Exception as err:  # noqa: BLE001
-            if world != 1:
-                raise
-            # TP=1: the reference is the plain single-device model
-            self.note = f'tp_plan="auto" failed at TP=1 ({short_error(err)}); the plain model is the reference'
+        self.model, self.note = transformers_tp(path, world, dtype, device)
+        if self.note:  # TP=1: the reference is the plain single-device model
             self.label = "transformers (plain model, TP=1)"
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        if self.model.device.type != device:  # at TP=1 the plain model stays on the CPU
-            self.model.to(device)
         self.model.eval()
         self.ready_s = time.perf_counter() - t
         weight = self.model.model.layers[0].self_attn.q_proj.weight  # sharded where the tp plan applied

@@ -45,6 +45,24 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def transformers_tp(path: str, world: int, dtype, device: str) -> tuple:
+    """transformers' ``from_pretrained(path, tp_plan="auto")`` on ``device``: (model, note). At TP=1, where
+    transformers may refuse a tp plan, the plain single-device model, with a note saying so."""
+    from transformers import AutoModelForCausalLM
+
+    note = None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
+    except Exception as err:  # noqa: BLE001
+        if world != 1:
+            raise
+        note = f'tp_plan="auto" failed at TP=1 ({short_error(err)}); the plain model is the reference'
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if model.device.type != device:  # at TP=1 transformers may leave the model on the CPU
+        model.to(device)
+    return model, note
+
+
 def short_error(err: BaseException) -> str:
     text = f"{type(err).__name__}: {err}".strip().splitlines()
     return text[0][:400] if text else type(err).__name__
