@@ -118,6 +118,13 @@ def _hf_methods(rank, world, path, root):
     }
 
     # ---- to(dtype): equal to parallelizing in that dtype -------------------------------------------
+    from transformers import CompileConfig
+
+    # a compiled generate keeps its cache (generation/loop.py); the cast drops it with the graphs
+    config = CompileConfig(backend=lambda gm, example_inputs: gm.forward, fullgraph=True, dynamic=False, mode=None)
+    generating = dict(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    model.generate(**generating, compile_config=config)
+    kept = model._generation_cache is not None
     model.bfloat16()
     direct = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.bfloat16)
     cast_out = model(input_ids=ids, labels=ids, gather_logits=True)
@@ -125,6 +132,8 @@ def _hf_methods(rank, world, path, root):
     out["cast"] = (model.dtype, {p.dtype for p in model.parameters()}, model.plan.dtype, cast_out.logits.dtype,
                    _max_diff(cast_out.logits, direct_out.logits), _max_diff(cast_out.loss, direct_out.loss),
                    "bfloat16 on cpu" in repr(model))
+    out["cast drops the kept cache"] = (kept, model._generation_cache is None, torch.equal(
+        model.generate(**generating, compile_config=config), direct.generate(**generating)))
     del direct
 
     # ---- under FSDP (tp=1 x dp=2: each parameter split over the dp ranks) ----------------------------
@@ -195,6 +204,7 @@ def test_hugging_face_methods(tmp_path):
 
         assert out["cast"][:4] == (torch.bfloat16, {torch.bfloat16}, "bfloat16", torch.bfloat16), out["cast"]
         assert out["cast"][4:] == (0.0, 0.0, True), out["cast"]
+        assert out["cast drops the kept cache"] == (True, True, True), out["cast drops the kept cache"]
         assert "cannot cast the parallel model to float16 under apply_data_parallel" in out["fsdp cast"]
         assert "data parallel: shard" in out["fsdp repr"], out["fsdp repr"]
     first = results[0]

@@ -77,8 +77,8 @@ def _compiled_steps_cache(model, length: int, batch: int) -> ParallelCache:
     another pool of memory. A cache that an earlier compiled call returned (``return_dict_in_generate``) is
     therefore overwritten by the next one of its shape. Eager calls make their own cache and keep nothing.
     (Inference mode is part of the key: a cache made under it holds inference tensors, which cannot be
-    written outside it.)"""
-    key = (length, batch, model.dtype_, model.device_, torch.is_inference_mode_enabled())
+    written outside it. A cast of the model drops the kept cache: ``hf_methods.py``.)"""
+    key = (length, batch, torch.is_inference_mode_enabled())
     if model._generation_cache is not None and model._generation_cache[0] == key:
         cache = model._generation_cache[1]
         cache.reset()
