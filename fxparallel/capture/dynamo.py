@@ -6,6 +6,7 @@ one graph serves every shape that satisfies the recorded shape guards.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import types
@@ -16,6 +17,7 @@ import torch._dynamo
 
 from ..errors import CaptureError
 from .cache import argument_name, cache_argument, cache_tensors, meta_cache, state_not_carried
+from .causal_mask import causal_without_mask
 from .dropout import check_training_graph
 from .graph import CapturedGraph
 
@@ -174,7 +176,9 @@ def _capture(model, input_names, output_names, shape, device, labels_shifted, ca
     fake_tensor_tls.allow_non_fake_inputs_override = True
     try:
         model.train(training)
-        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()):
+        plain = (causal_without_mask("position_ids" in input_names)
+                 if cache is None and "attention_mask" not in input_names else contextlib.nullcontext())
+        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()), plain:
             compiled(**{k: v for k, v in example.items() if k not in state})
     except _RunOnMeta as err:
         # captured whole; only running it on meta failed (data-dependent ops have no meta kernel)

@@ -1,0 +1,67 @@
+"""Plain causal attention without a mask tensor, as transformers runs it outside Dynamo.
+
+transformers skips building the causal mask for sdpa when no token is padded, the queries
+are all the keys and no sliding window applies (``masking_utils._ignore_causal_mask_sdpa``);
+sdpa then gets ``is_causal=True``. Under torch 2.13's Dynamo that test always says no (Dynamo
+reports every compile as an export), so a captured forward built a batch x 1 x seq x seq mask
+and every layer's sdpa turned it into a float mask and kept it for the backward pass:
+O(seq^2) bytes per layer, and on a GPU no flash kernel. While a forward without a cache and
+without an attention mask is captured, this module answers the test for the one case it can
+decide from the sizes alone (no padding mask, no window, no offset, equal lengths as symbols),
+adding no guard; any other case keeps transformers' mask.
+
+transformers also looks for packed sequences in the position ids (a position that does not
+follow the one before starts a new sequence), and outside Dynamo drops that mask when there
+is one sequence per row. A forward called without ``position_ids`` computes them itself
+(0, 1, 2, ... per row), so there it is dropped too; with ``position_ids`` given, the graph
+keeps the packed-sequence mask and the test above is never asked.
+
+It also keeps transformers' ``repeat_kv`` (sdpa's ``enable_gqa`` off), as with a mask: the
+planner splits the repeated heads the same way for any number of kv heads per rank.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+
+def _plain_causal(padding_mask, q_length, kv_length, q_offset=0, kv_offset=0, local_attention_size=None) -> bool:
+    if padding_mask is not None or local_attention_size is not None:
+        return False
+    if not (isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == 0 and kv_offset == 0):
+        return False
+    return bool(statically_known_true(q_length == kv_length))
+
+
+def _no_gqa(*args, **kwargs) -> bool:
+    return False
+
+
+def _one_sequence_per_row(position_ids):
+    return None
+
+
+@contextlib.contextmanager
+def causal_without_mask(positions_given: bool):
+    """Within it, transformers' sdpa masks skip the plain causal case (``is_causal=True``);
+    ``positions_given``: the forward is called with ``position_ids`` (which may pack sequences)."""
+    try:
+        from transformers import masking_utils
+        from transformers.integrations import sdpa_attention
+    except ImportError:  # a transformers without these modules builds its masks its own way
+        yield
+        return
+    patched = [(masking_utils, "_ignore_causal_mask_sdpa", _plain_causal)]
+    if not positions_given and hasattr(masking_utils, "find_packed_sequence_indices"):
+        patched.append((masking_utils, "find_packed_sequence_indices", _one_sequence_per_row))
+    if hasattr(sdpa_attention, "use_gqa_in_sdpa"):
+        patched.append((sdpa_attention, "use_gqa_in_sdpa", _no_gqa))
+    saved = [(module, name, getattr(module, name, None)) for module, name, _ in patched]
+    try:
+        for module, name, value in patched:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
