@@ -56,13 +56,14 @@ def _default_device(group: TPGroup) -> torch.device:
 
 def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None,
                cp=None, sequence_parallel: bool = False, skip_passes=(), cache_length=None, logits_to_keep: int = 0,
-               captured=None, derived=None) -> PassContext:
+               unpadded: bool = False, captured=None, derived=None) -> PassContext:
     """Capture, solve and rewrite one graph; returns the context after every pass (rewrite/passes.py).
 
     ``cp``: the context-parallel group (or None): labels arrive shifted and attention spans the cp ranks.
     ``cache_length``: a generation graph with a static KV cache of that length (capture/cache.py); it
     runs without sequence parallelism (decode steps have one token). ``logits_to_keep``: the model's
-    logits of the last that many positions only (0: all; ``generate``'s prefill keeps 1). The seconds of
+    logits of the last that many positions only (0: all; ``generate``'s prefill keeps 1). ``unpadded``: for
+    calls whose attention mask holds no padding (capture/causal_mask.py). The seconds of
     each stage are in ``ctx.timings`` (capture, solve, rewrite).
     ``captured``: a graph captured (or derived) before, planned instead of capturing.
     ``derived``: a dict that gets the graph without labels derived from this capture
@@ -70,7 +71,7 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     t = time.perf_counter()
     if captured is None:
         options = dict(shape=shape, labels_shifted=cp is not None, cache_length=cache_length,
-                       logits_to_keep=logits_to_keep)
+                       logits_to_keep=logits_to_keep, unpadded=unpadded)
         # a deep model with alike layers: captured with a few and repeated (capture/repeat_layers.py)
         captured = capture_layers_once(meta_model, arguments, capture, **options)
         captured = captured or capture(meta_model, arguments, **options)
@@ -100,12 +101,14 @@ def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BAT
     return ctx
 
 
-def local_graph(ctx: PassContext, arguments, cache_length=None, logits_to_keep: int = 0) -> LocalGraph:
+def local_graph(ctx: PassContext, arguments, cache_length=None, logits_to_keep: int = 0,
+                unpadded: bool = False) -> LocalGraph:
     """What the module keeps of a rewritten graph: its code and what calling it needs."""
     return LocalGraph(arguments=tuple(arguments), forward=ctx.forward, outputs=ctx.captured.outputs,
                       output_placements=ctx.output_placements, guards=ctx.captured.shape_guards(),
                       attributes=ctx.attributes, code=ctx.code, output_sizes=ctx.output_sizes, pieces=ctx.pieces,
-                      state=_state_shapes(ctx), cache_length=cache_length, logits_to_keep=logits_to_keep)
+                      state=_state_shapes(ctx), cache_length=cache_length, logits_to_keep=logits_to_keep,
+                      unpadded=unpadded)
 
 
 def _state_shapes(ctx: PassContext) -> dict:
@@ -142,14 +145,15 @@ def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
 
 def planned_graph(meta, arguments, group: TPGroup, device, dtype, *, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None,
                   cp=None, sequence_parallel: bool = False, skip_passes=(), cache_length=None,
-                  logits_to_keep: int = 0, report: bool = False, captured=None, derived=None) -> PlannedGraph:
+                  logits_to_keep: int = 0, unpadded: bool = False, report: bool = False, captured=None,
+                  derived=None) -> PlannedGraph:
     """``plan_graph`` and what the module keeps of it, from the graph cache when this exact graph was
     planned before (``graph_cache``: same model, rank, arguments, options and versions).
     ``report``: also the ShardingPlan (the training graph's). ``captured`` / ``derived``: as
     ``plan_graph`` takes them (neither is part of the key: a derived graph is the one a capture
     of its arguments at ``shape`` gives)."""
     options = dict(shape=shape, fixed=fixed, cp=cp, sequence_parallel=sequence_parallel, skip_passes=skip_passes,
-                   cache_length=cache_length, logits_to_keep=logits_to_keep)
+                   cache_length=cache_length, logits_to_keep=logits_to_keep, unpadded=unpadded)
 
     def build() -> PlannedGraph:
         ctx = plan_graph(meta, arguments, group, device, **options, captured=captured, derived=derived)
@@ -159,8 +163,8 @@ def planned_graph(meta, arguments, group: TPGroup, device, dtype, *, shape=(EXAM
             if asymmetric:
                 log.warning("layers with the same structure got different placements: %s", ", ".join(asymmetric))
             plan = build_plan(meta, ctx, dtype, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
-        return PlannedGraph(local_graph(ctx, arguments, cache_length, logits_to_keep), dict(ctx.gplan.params), plan,
-                            timings=ctx.timings)
+        return PlannedGraph(local_graph(ctx, arguments, cache_length, logits_to_keep, unpadded),
+                            dict(ctx.gplan.params), plan, timings=ctx.timings)
 
     key = graph_key(meta, arguments, group, device, dtype=dtype, report=report, **options)
     return graph_cache.cached(key, build)
@@ -252,7 +256,8 @@ class GraphFactory:
         self.derived = derived if derived is not None else {}
         self.usual_shapes = None  # the training graph's ShapeGuards (set by parallelize)
 
-    def __call__(self, module, arguments, input_shape, cache_length=None, logits_to_keep: int = 0) -> LocalGraph:
+    def __call__(self, module, arguments, input_shape, cache_length=None, logits_to_keep: int = 0,
+                 unpadded: bool = False) -> LocalGraph:
         shape = tuple(int(s) for s in input_shape)
         planned = None
         usual = self.usual_shapes is not None and self.usual_shapes.holds_for(
@@ -261,21 +266,23 @@ class GraphFactory:
             # a shape the training graph takes: planned at the training capture's example shape, so the first
             # call's shape does not change the graph (nor its cache key); from the training capture if it was cut
             # (that derived graph computes every position's logits: kept for the call that asks for them)
-            derived = None if logits_to_keep else self.derived.pop(tuple(arguments), None)
-            planned = self._planned(module, arguments, (EXAMPLE_BATCH, EXAMPLE_SEQ), None, derived, logits_to_keep)
+            derived = None if logits_to_keep or unpadded else self.derived.pop(tuple(arguments), None)
+            planned = self._planned(module, arguments, (EXAMPLE_BATCH, EXAMPLE_SEQ), None, derived, logits_to_keep,
+                                    unpadded)
             if not planned.local.guards.holds_for({a: shape for a in arguments}):
                 planned = None
         if planned is None:
-            planned = self._planned(module, arguments, shape, cache_length, None, logits_to_keep)
+            planned = self._planned(module, arguments, shape, cache_length, None, logits_to_keep, unpadded)
         for name, placement in planned.params.items():  # the cache's placement holds for every later graph
             self.fixed.setdefault(name, placement)
         return planned.local
 
-    def _planned(self, module, arguments, shape, cache_length, captured, logits_to_keep=0) -> PlannedGraph:
+    def _planned(self, module, arguments, shape, cache_length, captured, logits_to_keep=0,
+                 unpadded=False) -> PlannedGraph:
         return planned_graph(self.meta, arguments, self.group, module.device_, self.dtype, shape=shape,
                              fixed=self.fixed, cp=self.cp, sequence_parallel=self.sequence_parallel,
                              skip_passes=module.skip_passes, cache_length=cache_length, logits_to_keep=logits_to_keep,
-                             captured=captured)
+                             unpadded=unpadded, captured=captured)
 
     def in_dtype(self, dtype: torch.dtype) -> "GraphFactory":
         """The factory of the same model in ``dtype`` (a meta model built in it, as ``parallelize`` builds)."""

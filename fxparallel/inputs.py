@@ -7,13 +7,16 @@
 * The TP contract: every rank of a tensor-parallel group must get the same arguments (the
   same tokens, labels, mask and shapes); each rank holds part of one model that computes one
   result. A fingerprint of the arguments (shapes, which are given, and position-weighted sums
-  of every tensor: 12 int64 per rank) is all-gathered over the group, so a mismatch is an
+  of every tensor: 14 int64 per rank) is all-gathered over the group, so a mismatch is an
   error on every rank that names the ranks that differ, instead of a hang or a result that
   mixes data. The range check rides on the same host sync.
 * Dropout (a training-mode call of a model with dropout): every tp rank draws the same logical
   masks (``rewrite/dropout.py``), which holds only if their random generators are in the same
   state; a digest of the generator state rides in the fingerprint, so ranks seeded differently
   are an error instead of masks that silently disagree.
+* Padding: whether the attention mask holds any, read in the same exchange. A call without a
+  cache whose mask holds none runs attention as transformers does then, without the mask
+  (``capture/causal_mask.py``).
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ import torch.distributed as dist
 from .errors import InputError
 
 FINGERPRINT = ("input_ids", "attention_mask", "position_ids", "labels")
-_FIELDS = 13  # ndim, batch, seq, presence bits, 4 checksums, ids min / max, labels bad count, problem, rng digest
+_FIELDS = 14  # ndim, batch, seq, presence bits, 4 checksums, ids min / max, labels bad count, problem, rng digest,
+# mask without padding
 
 
 def shape_problem(args: dict, mask_length: Optional[int] = None) -> Optional[str]:
@@ -67,7 +71,7 @@ def rng_digest(device: torch.device) -> int:
 
 
 def fingerprint(args: dict, classes: Optional[int], problem: bool, rng: int = 0) -> torch.Tensor:
-    """The 13 numbers each rank sends; ``problem``: this rank's arguments failed a local check; ``rng``:
+    """The 14 numbers each rank sends; ``problem``: this rank's arguments failed a local check; ``rng``:
     its generator digest when the call draws dropout masks (else 0)."""
     ids = args["input_ids"]
     present = sum(1 << i for i, name in enumerate(FINGERPRINT) if name in args)
@@ -80,15 +84,17 @@ def fingerprint(args: dict, classes: Optional[int], problem: bool, rng: int = 0)
     shape = (ids.dim(), ids.shape[0] if ids.dim() else 0, ids.shape[-1] if ids.dim() else 0, present)
     head = torch.tensor(shape, dtype=torch.int64, device=ids.device)
     low, high = (ids.min(), ids.max()) if ids.numel() else (zero, zero)
+    mask = args.get("attention_mask")
+    unpadded = mask.bool().all().to(torch.int64) if mask is not None and mask.numel() and not problem else zero
     return torch.cat([head, torch.stack(sums + [low.to(torch.int64), high.to(torch.int64), bad_labels.to(torch.int64),
-                                                zero + int(problem), zero + rng])])
+                                                zero + int(problem), zero + rng, unpadded])])
 
 
 def check_arguments(args: dict, group, vocab: Optional[int], classes: Optional[int],
-                    mask_length: Optional[int] = None, dropout: bool = False) -> None:
+                    mask_length: Optional[int] = None, dropout: bool = False) -> bool:
     """Shapes, ranges and (over ``group``, a TPGroup) equality of the arguments of one call, and with
     ``dropout`` of the ranks' random generators. Every rank takes part in the exchange before anything
-    is raised, so all raise together."""
+    is raised, so all raise together. Returns whether an attention mask was given that holds no padding."""
     problem = shape_problem(args, mask_length)
     rng = rng_digest(args["input_ids"].device) if dropout else 0
     mine = fingerprint(args, classes, problem is not None, rng)
@@ -125,6 +131,7 @@ def check_arguments(args: dict, group, vocab: Optional[int], classes: Optional[i
     if bad_labels:
         raise InputError(f"labels holds {bad_labels} value(s) outside [0, {classes}) that are not the ignore index "
                          f"-100")
+    return bool(table[0][13])
 
 
 def _what_differs(a: list, b: list) -> str:

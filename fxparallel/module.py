@@ -57,6 +57,7 @@ class LocalGraph:
     state: dict = field(default_factory=dict)  # KV cache argument -> (full shape, local shape, dtype)
     cache_length: Optional[int] = None  # a generation graph's static cache length
     logits_to_keep: int = 0  # the logits of the last that many positions only (0: all)
+    unpadded: bool = False  # for calls whose attention mask holds no padding (capture/causal_mask.py)
     pieces: Optional[LayerPieces] = None  # per-layer pieces the root code calls (rewrite/layer_units.py)
 
 
@@ -169,9 +170,10 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
     def graphs(self) -> list:
         return list(self._graphs)
 
-    def _graph_for(self, args: dict, cache=None, logits_to_keep: int = 0) -> LocalGraph:
-        """The graph for these arguments (and KV cache, and logits kept), captured on first use of an argument
-        set or a shape outside every graph's guards; a shape seen before costs a dictionary lookup."""
+    def _graph_for(self, args: dict, cache=None, logits_to_keep: int = 0, unpadded: bool = False) -> LocalGraph:
+        """The graph for these arguments (and KV cache, logits kept, a mask without padding), captured on first
+        use of an argument set or a shape outside every graph's guards; a shape seen before costs a dictionary
+        lookup."""
         arguments = tuple(n for n in ARGUMENTS if n in args)
         shapes = {k: tuple(v.shape) for k, v in args.items()}
         if cache is not None and not cache.layout:  # its layout is that of any graph of its length
@@ -188,16 +190,16 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
                 shapes[name] = tuple(batch if s is None else s for s in full)
             names = tuple(sorted(shapes))
         length = cache.length if cache is not None else None
-        key = (names, tuple(shapes[n] for n in names), length, logits_to_keep)
+        key = (names, tuple(shapes[n] for n in names), length, logits_to_keep, unpadded)
         graph = self._graph_of_shapes.get(key)
         if graph is not None:
             return graph
         graph = next((g for g in self._graphs if tuple(sorted(g.arguments)) == tuple(sorted(args))
                       and g.cache_length == length and g.logits_to_keep == logits_to_keep
-                      and g.guards.holds_for(shapes)), None)
+                      and g.unpadded == unpadded and g.guards.holds_for(shapes)), None)
         if graph is None:
             graph = self._graph_factory(self, arguments, shapes["input_ids"], cache_length=length,
-                                        logits_to_keep=logits_to_keep)
+                                        logits_to_keep=logits_to_keep, unpadded=unpadded)
             self.add_graph(graph)
         self._graph_of_shapes[key] = graph
         return graph
@@ -248,7 +250,8 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         """The model's forward on this rank's shards: same arguments and outputs as the Hugging Face model
         (see the README's "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
         earlier call) runs with a static KV cache sharded by heads (``generation/cache.py``) and returns
-        it as ``past_key_values``; ``check_inputs=False`` skips the per-call checks (``inputs.py``);
+        it as ``past_key_values``; ``check_inputs=False`` skips the per-call checks (``inputs.py``), and with
+        them the reading of an attention mask that could show it holds no padding (the graph then applies it);
         ``compile_config`` (transformers' ``CompileConfig``) runs the graph ``torch.compile``d with its options,
         compiled once per graph (``generate`` passes it for its decode steps); ``logits_to_keep=k`` (an int, as in
         transformers) computes the logits of the last k positions only (a graph of its own; 0: all)."""
@@ -260,17 +263,19 @@ class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
         args = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
                                   ("position_ids", position_ids), ("labels", labels)) if v is not None}
         args = {k: v.to(self.device_) for k, v in args.items()}
+        unpadded = False  # an attention mask of all ones: attention as without one (capture/causal_mask.py)
         if check_inputs:
-            check_arguments(args, self.tp_group, self.vocab_rows, self.label_classes,
-                            dropout=bool(self.dropout_rates) and self.training and cache is None,
-                            mask_length=cache.length if cache is not None else None)
+            unpadded = check_arguments(args, self.tp_group, self.vocab_rows, self.label_classes,
+                                       dropout=bool(self.dropout_rates) and self.training and cache is None,
+                                       mask_length=cache.length if cache is not None else None)
+            unpadded = unpadded and cache is None and self.cp_group is None
         if self.sequence_parallel and cache is None and input_ids.shape[-1] % self.tp_group.size:
             raise ShardingError(f"sequence_parallel: the sequence length {input_ids.shape[-1]} of input_ids "
                                 f"{tuple(input_ids.shape)} does not divide by the tp size {self.tp_group.size}; "
                                 f"pad the batch to a multiple of {self.tp_group.size}")
         if self.cp_group is not None:
             args = context_parallel.prepare_arguments(args, self.cp_group, self.plan.model_type)
-        graph = self._graph_for(args, cache, logits_to_keep)
+        graph = self._graph_for(args, cache, logits_to_keep, unpadded)
         if cache is not None:
             if not cache.allocated:
                 cache.allocate(input_ids.shape[0], self.device_)

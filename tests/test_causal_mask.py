@@ -1,6 +1,7 @@
-"""A forward without ``attention_mask`` runs sdpa's own causal attention (``is_causal=True``), as transformers'
-eager forward does, instead of a seq x seq mask that every layer keeps for the backward pass
-(``capture/causal_mask.py``); masks that say more (sliding windows, packed sequences, padding) are kept."""
+"""A forward without ``attention_mask``, or with one that holds no padding, runs sdpa's own causal attention
+(``is_causal=True``), as transformers' eager forward does, instead of a seq x seq mask that every layer keeps
+for the backward pass (``capture/causal_mask.py``); masks that say more (sliding windows, packed sequences,
+padding) are kept."""
 from __future__ import annotations
 
 import torch
@@ -11,11 +12,13 @@ SEQ = 12  # longer than the Mistral checkpoint's sliding window (8)
 
 
 def _attention(model) -> dict:
-    """Per graph (by its arguments): how many sdpa calls are causal without a mask, how many take the model's mask."""
+    """Per graph (by its arguments, and "unpadded" for the graph of masks without padding): how many sdpa calls
+    are causal without a mask, how many take the model's mask."""
     found = {}
     for g in model.graphs():
         code = g.code  # the root code and every layer piece
-        found[tuple(sorted(g.arguments))] = (code.count("is_causal = True"), code.count("attn_mask = attention_mask"))
+        key = tuple(sorted(g.arguments)) + (("unpadded",) if g.unpadded else ())
+        found[key] = (code.count("is_causal = True"), code.count("attn_mask = attention_mask"))
     return found
 
 
@@ -51,6 +54,19 @@ def _run(rank, tp, paths):
     positions = torch.stack([packed, torch.arange(SEQ)])
     results["packed"] = compare(llama, reference(paths["llama"]), rank, tp, ids=ids, position_ids=positions,
                                 use_cache=False)
+    # an attention mask: without padding it is read (as transformers reads it) and attention skips it;
+    # with padding (a left-padded row) it is applied; with the checks off it is not read, so always applied
+    ones = torch.ones_like(ids)
+    padded = ones.clone()
+    padded[0, :3] = 0
+    results["ones_square_saved"] = _square_saved(llama, input_ids=ids, labels=ids, attention_mask=ones)
+    results["padded_square_saved"] = _square_saved(llama, input_ids=ids, labels=ids, attention_mask=padded)
+    results["all_ones"] = compare(llama, reference(paths["llama"]), rank, tp, ids=ids, attention_mask=ones)
+    results["padded"] = compare(llama, reference(paths["llama"]), rank, tp, ids=ids, attention_mask=padded)
+    with torch.no_grad():
+        read = llama(input_ids=ids, attention_mask=ones).logits
+        unread = llama(input_ids=ids, attention_mask=ones, check_inputs=False).logits
+    results["unread"] = (read - unread).abs().max().item()
     results["llama_graphs"] = _attention(llama)
     mistral = fxparallel.parallelize(paths["mistral"], dist.group.WORLD)
     results["mistral"] = compare(mistral, reference(paths["mistral"]), rank, tp, ids=ids)
@@ -61,13 +77,20 @@ def _run(rank, tp, paths):
 def test_plain_causal_attention_has_no_mask_and_others_keep_theirs(checkpoints):
     per_rank = run_ranks(2, _run, {k: checkpoints[k] for k in ("llama", "mistral")})
     for r in per_rank:
-        for case in ("llama", "packed", "mistral"):
+        for case in ("llama", "packed", "all_ones", "padded", "mistral"):
             assert max(r[case]["loss"], r[case]["logits"], r[case]["grad"]) < 1e-5, (case, r[case])
-        assert r["llama_square_saved"] == [], r["llama_square_saved"]
-        # two layers: causal without a mask, unless position_ids are given (they may pack sequences)
+        assert r["llama_square_saved"] == r["ones_square_saved"] == [], r
+        assert r["padded_square_saved"], "a padding mask is kept for the backward pass (what the two above lack)"
+        assert r["unread"] < 1e-5
+        # two layers: causal without a mask, unless position_ids are given (they may pack sequences) or the mask
+        # holds padding (or was not read)
         assert r["llama_graphs"] == {("input_ids", "labels"): (2, 0), ("input_ids",): (2, 0),
                                      ("input_ids", "labels", "position_ids"): (0, 2),
-                                     ("input_ids", "position_ids"): (0, 2)}, r["llama_graphs"]
+                                     ("input_ids", "position_ids"): (0, 2),
+                                     ("attention_mask", "input_ids", "labels", "unpadded"): (2, 0),
+                                     ("attention_mask", "input_ids", "unpadded"): (2, 0),
+                                     ("attention_mask", "input_ids", "labels"): (0, 2),
+                                     ("attention_mask", "input_ids"): (0, 2)}, r["llama_graphs"]
         # sliding window (8 < 12): every layer keeps the model's mask
         assert r["mistral_graphs"] == {("input_ids", "labels"): (0, 2), ("input_ids",): (0, 2)}, r["mistral_graphs"]
 
@@ -77,6 +100,7 @@ def test_only_the_plain_case_is_answered_from_sizes():
 
     assert _plain_causal(None, 12, 12, 0, 0, None)
     assert not _plain_causal(torch.ones(2, 12, dtype=torch.bool), 12, 12, 0, 0, None)  # padding: values needed
+    assert _plain_causal(torch.ones(2, 12, dtype=torch.bool), 12, 12, 0, 0, None, unpadded=True)  # read per call
     assert not _plain_causal(None, 12, 12, 0, 0, 8)  # a sliding window
     assert not _plain_causal(None, 12, 20, 0, 8, None)  # a cache before the queries
     assert not _plain_causal(None, 12, 12, torch.tensor(0), 0, None)  # an offset only known as a tensor

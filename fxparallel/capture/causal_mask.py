@@ -5,10 +5,14 @@ are all the keys and no sliding window applies (``masking_utils._ignore_causal_m
 sdpa then gets ``is_causal=True``. Under torch 2.13's Dynamo that test always says no (Dynamo
 reports every compile as an export), so a captured forward built a batch x 1 x seq x seq mask
 and every layer's sdpa turned it into a float mask and kept it for the backward pass:
-O(seq^2) bytes per layer, and on a GPU no flash kernel. While a forward without a cache and
-without an attention mask is captured, this module answers the test for the one case it can
-decide from the sizes alone (no padding mask, no window, no offset, equal lengths as symbols),
-adding no guard; any other case keeps transformers' mask.
+O(seq^2) bytes per layer, and on a GPU no flash kernel. While a forward without a cache is
+captured, this module answers the test for the one case it can decide from the sizes alone (no
+window, no offset, equal lengths as symbols), adding no guard; any other case keeps
+transformers' mask. Without an attention mask that is all it takes. With one, transformers reads
+the mask (no padding: all ones); here the module reads it per call, in the exchange that checks
+the ranks' arguments (``inputs.py``), and a mask without padding gets a graph of its own,
+captured as ``unpadded``: the model still reads the mask wherever it reads it, only attention
+skips it, as in transformers.
 
 transformers also looks for packed sequences in the position ids (a position that does not
 follow the one before starts a new sequence), and outside Dynamo drops that mask when there
@@ -22,12 +26,14 @@ planner splits the repeated heads the same way for any number of kv heads per ra
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 
-def _plain_causal(padding_mask, q_length, kv_length, q_offset=0, kv_offset=0, local_attention_size=None) -> bool:
-    if padding_mask is not None or local_attention_size is not None:
+def _plain_causal(padding_mask, q_length, kv_length, q_offset=0, kv_offset=0, local_attention_size=None, *,
+                  unpadded: bool = False) -> bool:
+    if (padding_mask is not None and not unpadded) or local_attention_size is not None:
         return False
     if not (isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == 0 and kv_offset == 0):
         return False
@@ -43,16 +49,17 @@ def _one_sequence_per_row(position_ids):
 
 
 @contextlib.contextmanager
-def causal_without_mask(positions_given: bool):
+def causal_without_mask(positions_given: bool, unpadded: bool = False):
     """Within it, transformers' sdpa masks skip the plain causal case (``is_causal=True``);
-    ``positions_given``: the forward is called with ``position_ids`` (which may pack sequences)."""
+    ``positions_given``: the forward is called with ``position_ids`` (which may pack sequences);
+    ``unpadded``: with an attention mask that holds no padding."""
     try:
         from transformers import masking_utils
         from transformers.integrations import sdpa_attention
     except ImportError:  # a transformers without these modules builds its masks its own way
         yield
         return
-    patched = [(masking_utils, "_ignore_causal_mask_sdpa", _plain_causal)]
+    patched = [(masking_utils, "_ignore_causal_mask_sdpa", functools.partial(_plain_causal, unpadded=unpadded))]
     if not positions_given and hasattr(masking_utils, "find_packed_sequence_indices"):
         patched.append((masking_utils, "find_packed_sequence_indices", _one_sequence_per_row))
     if hasattr(sdpa_attention, "use_gqa_in_sdpa"):

@@ -29,8 +29,11 @@ EXAMPLE_BATCH = 3
 EXAMPLE_SEQ = 13
 
 
-def _forward_fn(model, input_names, output_names, labels_shifted=False, cache=None, logits_to_keep=0):
+def _forward_fn(model, input_names, output_names, labels_shifted=False, cache=None, logits_to_keep=0,
+                unpadded=False):
     def run(**kwargs):
+        if unpadded:  # the mask is as long as the tokens (inputs.py), so the queries are all the keys
+            torch._check(kwargs["attention_mask"].shape[-1] == kwargs["input_ids"].shape[-1])
         if logits_to_keep:  # the logits of the last positions only (the model slices before its head)
             kwargs["logits_to_keep"] = logits_to_keep
         if labels_shifted:  # context parallelism: the loss takes labels as given (transformers' shift_labels)
@@ -71,7 +74,7 @@ def _dynamo_message(err: Exception) -> str:
 
 def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ),
             device: str = "meta", labels_shifted: bool = False, cache_length=None,
-            logits_to_keep: int = 0) -> CapturedGraph:
+            logits_to_keep: int = 0, unpadded: bool = False) -> CapturedGraph:
     """Capture ``model(**inputs)`` for the given argument names; returns the graph and its bindings.
 
     Dimensions of ``shape`` larger than 1 are dynamic; a size of 1 is captured as such
@@ -81,7 +84,8 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
     ``cache_length``: capture with a static KV cache of that many tokens (``cache.py``): its
     tensors become arguments (``past_<layer>_<field>``), the attention mask spans the cache.
     ``logits_to_keep``: passed to the model (transformers' argument): logits of the last that many
-    positions only (0: all), as ``generate``'s prefill needs.
+    positions only (0: all), as ``generate``'s prefill needs. ``unpadded``: the attention mask given holds
+    no padding (all ones, checked per call), so attention is plain causal as without one (``causal_mask.py``).
     """
     output_names = ("loss", "logits") if "labels" in input_names else ("logits",)
     guards_log = logging.getLogger("torch._guards")
@@ -90,7 +94,7 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
     guards_log.setLevel(logging.CRITICAL)
     try:
         return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length,
-                        logits_to_keep, (0, 1))
+                        logits_to_keep, unpadded, (0, 1))
     except CaptureError as err:
         fixed = _fixed_dim(str(err), shape, cache_length)
         if fixed is None:
@@ -102,7 +106,7 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
     log.info("%s: its code fixes the %s; capturing for %d", type(model).__name__, ("batch", "sequence length")[fixed],
              shape[fixed])
     return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length, logits_to_keep,
-                    tuple(d for d in (0, 1) if d != fixed))
+                    unpadded, tuple(d for d in (0, 1) if d != fixed))
 
 
 def _fixed_dim(message: str, shape, cache_length):
@@ -118,7 +122,7 @@ def _fixed_dim(message: str, shape, cache_length):
 
 
 def _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length, logits_to_keep,
-             dynamic_dims: tuple) -> CapturedGraph:
+             unpadded: bool, dynamic_dims: tuple) -> CapturedGraph:
     def dynamic(t, dim):
         if dim > 1 or dim in dynamic_dims:
             torch._dynamo.mark_dynamic(t, dim)
@@ -162,8 +166,9 @@ def _capture(model, input_names, output_names, shape, device, labels_shifted, ca
 
         return run_on_meta
 
+    unpadded = unpadded and cache is None and "attention_mask" in input_names
     fn = _forward_fn(model, input_names, output_names, labels_shifted and "labels" in input_names, cache,
-                     logits_to_keep)
+                     logits_to_keep, unpadded)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
     # a model with dropout is captured in training mode (its dropout sites with their rates), except for
     # generation, which runs in eval semantics (capture/dropout.py)
@@ -176,8 +181,8 @@ def _capture(model, input_names, output_names, shape, device, labels_shifted, ca
     fake_tensor_tls.allow_non_fake_inputs_override = True
     try:
         model.train(training)
-        plain = (causal_without_mask("position_ids" in input_names)
-                 if cache is None and "attention_mask" not in input_names else contextlib.nullcontext())
+        plain = (causal_without_mask("position_ids" in input_names, unpadded)
+                 if cache is None and (unpadded or "attention_mask" not in input_names) else contextlib.nullcontext())
         with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()), plain:
             compiled(**{k: v for k, v in example.items() if k not in state})
     except _RunOnMeta as err:

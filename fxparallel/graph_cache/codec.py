@@ -169,6 +169,7 @@ def encode(planned: PlannedGraph) -> dict:
         "state": {k: [list(full), list(loc), str(dtype)] for k, (full, loc, dtype) in local.state.items()},
         "cache_length": local.cache_length,
         "logits_to_keep": local.logits_to_keep,
+        "unpadded": local.unpadded,
         "guards": _encode_guards(local.guards),
         "code": _encode_code(local.forward, local.pieces.root if local.pieces is not None else local.code),
         "pieces": pieces,
@@ -198,6 +199,6 @@ def decode(d: dict) -> PlannedGraph:
         guards=_decode_guards(d["guards"]), attributes={}, code=code,
         output_sizes={k: (tuple(v) if v is not None else None) for k, v in d["output_sizes"].items()},
         state={k: (tuple(full), tuple(loc), _dtype(dtype)) for k, (full, loc, dtype) in d["state"].items()},
-        cache_length=d["cache_length"], logits_to_keep=d["logits_to_keep"], pieces=pieces)
+        cache_length=d["cache_length"], logits_to_keep=d["logits_to_keep"], unpadded=d["unpadded"], pieces=pieces)
     plan = ShardingPlan.from_dict(d["plan"]) if d["plan"] is not None else None
     return PlannedGraph(local, {k: _parse(v) for k, v in d["params"].items()}, plan, tuple(d["warnings"]))

@@ -110,7 +110,7 @@ def _group(group) -> Optional[list]:
 
 
 def graph_key(meta, arguments, group, device, *, shape, fixed, cp, sequence_parallel, skip_passes, cache_length,
-              logits_to_keep, dtype, report: bool) -> Optional[dict]:
+              logits_to_keep, unpadded, dtype, report: bool) -> Optional[dict]:
     """The key of one graph, or None when it cannot be cached: a model class outside transformers
     (remote code, or the caller's own class), whose source the key cannot see."""
     cls = type(meta)
@@ -132,6 +132,7 @@ def graph_key(meta, arguments, group, device, *, shape, fixed, cp, sequence_para
         "skip_passes": sorted(skip_passes),
         "cache_length": cache_length,
         "logits_to_keep": logits_to_keep,
+        "unpadded": bool(unpadded),
         "report": report,
     }
 
