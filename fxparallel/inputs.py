@@ -110,7 +110,8 @@ def check_arguments(args: dict, group, vocab: Optional[int], classes: Optional[i
     if failed:
         raise InputError(f"the arguments of tp rank {failed[0]} are invalid (see the error on that rank); every tp "
                          f"rank must be given the same arguments")
-    differ = [r for r, row in enumerate(table) if row[:8] != table[0][:8]]
+    compared = lambda row: row[:8] + row[13:]  # noqa: E731 - shapes, presence, checksums, padding
+    differ = [r for r, row in enumerate(table) if compared(row) != compared(table[0])]
     if differ:
         what = _what_differs(table[0], table[differ[0]])
         raise InputError(
@@ -143,4 +144,6 @@ def _what_differs(a: list, b: list) -> str:
     for i, name in enumerate(FINGERPRINT):
         if a[4 + i] != b[4 + i]:
             return f"the values of {name}"
+    if a[13] != b[13]:
+        return "whether attention_mask holds padding (zeros)"
     return "values"

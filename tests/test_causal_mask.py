@@ -95,6 +95,27 @@ def test_plain_causal_attention_has_no_mask_and_others_keep_theirs(checkpoints):
         assert r["mistral_graphs"] == {("input_ids", "labels"): (0, 2), ("input_ids",): (0, 2)}, r["mistral_graphs"]
 
 
+def test_models_run_eagerly_during_a_capture_keep_transformers_masks(checkpoints):
+    """The patch answers only inside Dynamo's trace: a model run eagerly meanwhile (another thread) keeps its
+    padding and packed-sequence masks."""
+    from checks import batch
+    from fxparallel.capture.causal_mask import causal_without_mask
+    from models import reference
+
+    model = reference(checkpoints["llama"])
+    ids = batch(128, b=2, s=SEQ)
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0
+    packed = torch.stack([torch.cat([torch.arange(5), torch.arange(SEQ - 5)]), torch.arange(SEQ)])
+    calls = (dict(input_ids=ids, attention_mask=padded), dict(input_ids=ids, position_ids=packed, use_cache=False))
+    with torch.no_grad():
+        outside = [model(**kwargs).logits for kwargs in calls]
+        with causal_without_mask(positions_given=False, unpadded=True):
+            during = [model(**kwargs).logits for kwargs in calls]
+    for a, b in zip(outside, during):
+        assert torch.equal(a, b)
+
+
 def test_only_the_plain_case_is_answered_from_sizes():
     from fxparallel.capture.causal_mask import _plain_causal
 

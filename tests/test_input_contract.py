@@ -48,6 +48,10 @@ def _contract(rank, tp, path):
         other[1, 3] = (other[1, 3] + 1) % 128
         messages["tokens differ"] = _raises(lambda: model(input_ids=other if rank == 1 else ids, labels=ids))
         messages["batch differs"] = _raises(lambda: model(input_ids=ids[:1] if rank == 1 else ids))
+        # float masks whose int64 checksums agree, but only rank 1's holds padding (zeros)
+        half = torch.ones(2, 6)
+        half[0, :2] = 0.5 if rank == 0 else 0.0
+        messages["padding differs"] = _raises(lambda: model(input_ids=ids, attention_mask=half))
         messages["labels given on one rank"] = _raises(
             lambda: model(input_ids=ids, labels=None if rank == 1 else ids))
         # a local fault on one rank only: that rank says what, the other that it happened there
@@ -78,6 +82,8 @@ def test_input_contract(checkpoints):
         assert "input_ids (0, 8) is empty" in messages["empty"]
         assert "different arguments (the values of input_ids: rank 0 vs rank 1" in messages["tokens differ"]
         assert "different arguments (input_ids shape (2, 6) vs (1, 6)" in messages["batch differs"]
+        assert "different arguments (whether attention_mask holds padding (zeros): rank 0 vs rank 1" in \
+            messages["padding differs"]
         assert "arguments given ['input_ids', 'labels'] vs ['input_ids']" in messages["labels given on one rank"]
         expected = ("labels has shape (2, 4)" if rank else "the arguments of tp rank 1 are invalid (see the error on "
                                                            "that rank)")

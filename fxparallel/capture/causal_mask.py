@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
+import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 
@@ -48,10 +50,25 @@ def _one_sequence_per_row(position_ids):
     return None
 
 
+def _while_tracing(ours, original):
+    """``ours`` inside Dynamo's trace (the capture), transformers' ``original`` anywhere else: a model run
+    eagerly in another thread during a capture keeps transformers' own answers."""
+
+    def decide(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return ours(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    return decide
+
+
+_CAPTURE = threading.RLock()  # one capture at a time holds the patch, with its own options
+
+
 @contextlib.contextmanager
 def causal_without_mask(positions_given: bool, unpadded: bool = False):
-    """Within it, transformers' sdpa masks skip the plain causal case (``is_causal=True``);
-    ``positions_given``: the forward is called with ``position_ids`` (which may pack sequences);
+    """Within it, transformers' sdpa masks skip the plain causal case (``is_causal=True``) in what Dynamo
+    traces; ``positions_given``: the forward is called with ``position_ids`` (which may pack sequences);
     ``unpadded``: with an attention mask that holds no padding."""
     try:
         from transformers import masking_utils
@@ -59,16 +76,17 @@ def causal_without_mask(positions_given: bool, unpadded: bool = False):
     except ImportError:  # a transformers without these modules builds its masks its own way
         yield
         return
-    patched = [(masking_utils, "_ignore_causal_mask_sdpa", functools.partial(_plain_causal, unpadded=unpadded))]
-    if not positions_given and hasattr(masking_utils, "find_packed_sequence_indices"):
-        patched.append((masking_utils, "find_packed_sequence_indices", _one_sequence_per_row))
-    if hasattr(sdpa_attention, "use_gqa_in_sdpa"):
-        patched.append((sdpa_attention, "use_gqa_in_sdpa", _no_gqa))
-    saved = [(module, name, getattr(module, name, None)) for module, name, _ in patched]
-    try:
-        for module, name, value in patched:
-            setattr(module, name, value)
-        yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
+    wanted = [(masking_utils, "_ignore_causal_mask_sdpa", functools.partial(_plain_causal, unpadded=unpadded)),
+              (sdpa_attention, "use_gqa_in_sdpa", _no_gqa)]
+    if not positions_given:
+        wanted.append((masking_utils, "find_packed_sequence_indices", _one_sequence_per_row))
+    with _CAPTURE:
+        present = [(module, name, ours, getattr(module, name)) for module, name, ours in wanted
+                   if hasattr(module, name)]
+        try:
+            for module, name, ours, original in present:
+                setattr(module, name, _while_tracing(ours, original))
+            yield
+        finally:
+            for module, name, _, original in present:
+                setattr(module, name, original)
