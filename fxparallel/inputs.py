@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from .errors import InputError
 
+# the arguments a fingerprint covers; its 14 fields: ndim, batch, seq, presence bits, 4 checksums (one per
+# argument), ids min / max, labels bad count, problem, rng digest, mask without padding
 FINGERPRINT = ("input_ids", "attention_mask", "position_ids", "labels")
-_FIELDS = 14  # ndim, batch, seq, presence bits, 4 checksums, ids min / max, labels bad count, problem, rng digest,
-# mask without padding
 
 
 def shape_problem(args: dict, mask_length: Optional[int] = None) -> Optional[str]:
