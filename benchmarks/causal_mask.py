@@ -84,9 +84,10 @@ def main(argv=None):
                               lambda d: build_checkpoint("llama", d, overrides=dict(use_cache=False), **SHAPE))
     load_start = os.getloadavg()[0]
     models = _models(path, dist.group.WORLD)
+    vocab = models["mask"].config.vocab_size  # (--model: any checkpoint's)
     rows = []
     for seq in (int(s) for s in args.seqs.split(",")):
-        ids = torch.randint(0, 2048, (args.batch, seq), generator=torch.Generator().manual_seed(seq))
+        ids = torch.randint(0, vocab, (args.batch, seq), generator=torch.Generator().manual_seed(seq))
         saved = {name: _saved_mib(m, ids) for name, m in models.items()}
         times = {name: [] for name in models}
         for _ in range(args.repeats):
