@@ -70,12 +70,9 @@ def causal_without_mask(positions_given: bool, unpadded: bool = False):
     """Within it, transformers' sdpa masks skip the plain causal case (``is_causal=True``) in what Dynamo
     traces; ``positions_given``: the forward is called with ``position_ids`` (which may pack sequences);
     ``unpadded``: with an attention mask that holds no padding."""
-    try:
-        from transformers import masking_utils
-        from transformers.integrations import sdpa_attention
-    except ImportError:  # a transformers without these modules builds its masks its own way
-        yield
-        return
+    from transformers import masking_utils
+    from transformers.integrations import sdpa_attention
+
     wanted = [(masking_utils, "_ignore_causal_mask_sdpa", functools.partial(_plain_causal, unpadded=unpadded)),
               (sdpa_attention, "use_gqa_in_sdpa", _no_gqa)]
     if not positions_given:
