@@ -84,6 +84,13 @@ def _only_file(cache_dir) -> str:
     return files[0]
 
 
+def _mac_of(cache_dir, stored) -> str:
+    """The MAC this user's key gives a stored file (what only this user can compute)."""
+    from fxparallel.graph_cache import store
+
+    return store._mac((cache_dir / store.SECRET).read_bytes(), stored["key"], stored["entry"])
+
+
 def _rewrite(path, edit):
     with open(path) as f:
         stored = json.load(f)
@@ -94,27 +101,26 @@ def _rewrite(path, edit):
 
 def test_damaged_edited_or_stale_files_are_rebuilt(cache_dir, caplog):
     from fxparallel import graph_cache
-    from fxparallel.graph_cache.store import _checksum
     from models import tiny_config
 
     config = tiny_config("llama")
     reference = _plan(config)
     path = _only_file(cache_dir)
 
-    def tamper(stored):  # edited code: the checksum no longer matches
+    def tamper(stored):  # edited code: the MAC no longer matches
         stored["entry"]["code"]["src"] = stored["entry"]["code"]["src"].replace("all_reduce", "copy_to_tp", 1)
 
-    def stale(stored):  # a consistent file built for other versions
+    def stale(stored):  # an authentic file built for other versions
         stored["key"]["versions"]["torch"] = "0.0"
-        stored["sha256"] = _checksum(stored["key"], stored["entry"])
+        stored["mac"] = _mac_of(cache_dir, stored)
 
-    def wrong_code(stored):  # consistent, for this key, but its code does not load: still rebuilt
-        stored["entry"]["code"]["globals"]["torch"] = ["module", "no_such_module_anywhere"]
-        stored["sha256"] = _checksum(stored["key"], stored["entry"])
+    def wrong_code(stored):  # authentic, for this key, but its code does not load: still rebuilt
+        stored["entry"]["code"]["globals"]["torch"] = ["module", "torch.no_such_module_anywhere"]
+        stored["mac"] = _mac_of(cache_dir, stored)
 
-    cases = [(tamper, "does not match its checksum"), (stale, "was built for another key (versions differ)"),
-             (wrong_code, "does not load (ModuleNotFoundError"),
-             (lambda stored: stored.clear(), "does not match its checksum")]
+    unauthenticated = "is not authenticated by this user's key"
+    cases = [(tamper, unauthenticated), (stale, "was built for another key (versions differ)"),
+             (wrong_code, "does not load (ModuleNotFoundError"), (lambda stored: stored.clear(), unauthenticated)]
     for edit, message in cases:
         _rewrite(path, edit)
         caplog.clear()
@@ -140,25 +146,16 @@ def test_cache_off_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("FXPARALLEL_GRAPH_CACHE", "off")
     assert store.cache_dir() is None
     monkeypatch.setenv("FXPARALLEL_GRAPH_CACHE", "1")  # on, in the default place (not a directory named 1)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
-    import huggingface_hub.constants as hub_constants
-
-    monkeypatch.setattr(hub_constants, "HF_HOME", str(tmp_path / "home"))
-    assert store.cache_dir() == str(tmp_path / "home" / "fxparallel" / "graphs")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # often shared by a team: not used
+    assert store.cache_dir() == str(tmp_path / "xdg" / "fxparallel" / "graphs")
+    monkeypatch.delenv("FXPARALLEL_GRAPH_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert store.cache_dir() == str(tmp_path / "home" / ".cache" / "fxparallel" / "graphs")  # the user's own cache
     monkeypatch.setenv("FXPARALLEL_GRAPH_CACHE", "off")
     _plan(tiny_config("llama"))
-    monkeypatch.delenv("FXPARALLEL_GRAPH_CACHE")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    import importlib
-
-    import huggingface_hub.constants as constants
-
-    importlib.reload(constants)
-    try:
-        assert store.cache_dir() == str(tmp_path / "hf" / "fxparallel" / "graphs")  # the hub's cache home
-    finally:
-        monkeypatch.undo()
-        importlib.reload(constants)
+    assert not os.path.exists(tmp_path / "home") and not os.path.exists(tmp_path / "xdg")
 
 
 def _cached_vs_built(rank, world, path, root):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .dropout import dropout_rates
+from .names import check_model_names
 
 
 @contextlib.contextmanager
@@ -51,6 +52,7 @@ def build_meta_model(config, *, dtype: torch.dtype, trust_remote_code: bool = Fa
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     finally:
         torch.set_default_dtype(previous)
+    check_model_names(model)
     for p in model.parameters():
         p.requires_grad_(True)
     values = {}

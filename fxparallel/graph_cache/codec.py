@@ -1,10 +1,16 @@
 """A planned graph as JSON data and back: generated code with the names it reads, shape guards,
 placements and the report. Only what can be named is written: a graph whose code reads an object
-that is not importable by name (a custom autograd body, a local function) raises ``Uncacheable``
-and is simply rebuilt next time."""
+that is not importable by name (a custom autograd body, a local function), or one outside the
+allow-list below, raises ``Uncacheable`` and is simply rebuilt next time.
+
+Decoding trusts nothing by name alone (the store authenticates the file; this is the second line):
+every module imported and every object looked up must lie in ``ALLOWED_MODULES`` with a plain dotted
+name, shape-guard calls must be sympy's, and the code must have the form FX generates
+(``generated_code.py``)."""
 from __future__ import annotations
 
 import importlib
+import re
 import types
 from dataclasses import dataclass, field
 from typing import Optional
@@ -17,6 +23,7 @@ from ..module import LocalGraph
 from ..plan.placement import Placement
 from ..plan.plan import ShardingPlan
 from ..rewrite.layer_units import LayerPieces, new_piece_key
+from .generated_code import check_generated_code
 
 FORMAT = 2
 
@@ -39,7 +46,22 @@ class PlannedGraph:
 
 
 # ---- names the generated code reads ----------------------------------------------------------
-def _resolve(module: str, qualname: str):
+# modules (and their submodules) whose objects the generated code may read: torch's ops and
+# fxparallel's runtime functions, Python's operator and math; shape guards: sympy's classes
+ALLOWED_MODULES = ("torch", "operator", "_operator", "math", "fxparallel")
+GUARD_MODULES = ("sympy", "torch.utils._sympy")
+_PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _allowed(module: str, qualname: str, roots=ALLOWED_MODULES) -> bool:
+    names = str(module).split(".") + (str(qualname).split(".") if qualname else [])
+    return (any(module == r or str(module).startswith(r + ".") for r in roots)
+            and all(_PLAIN.fullmatch(n) and not n.startswith("__") for n in names))
+
+
+def _resolve(module: str, qualname: str, roots=ALLOWED_MODULES):
+    if not _allowed(module, qualname, roots):
+        raise ValueError(f"{module}.{qualname} is not on the graph cache's allow-list ({', '.join(roots)})")
     obj = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
@@ -48,24 +70,28 @@ def _resolve(module: str, qualname: str):
 
 def _name_of(name: str, value):
     if isinstance(value, types.ModuleType):
+        if not _allowed(value.__name__, ""):
+            raise Uncacheable(f"the code reads module {value.__name__}, outside the allow-list")
         return ["module", value.__name__]
     if value is type(None):
         return ["none_type"]
     if isinstance(value, float):
         return ["float", repr(value)]
     module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
-    if module and qualname and "<" not in qualname:
+    if module and qualname and "<" not in qualname and _allowed(module, qualname):
         try:
             if _resolve(module, qualname) is value:
                 return ["object", module, qualname]
         except (ImportError, AttributeError):
             pass
-    raise Uncacheable(f"the code reads {name} = {value!r}, which cannot be imported by name")
+    raise Uncacheable(f"the code reads {name} = {value!r}, which cannot be imported by name from an allowed module")
 
 
 def _value_of(ref: list):
     kind = ref[0]
     if kind == "module":
+        if not _allowed(ref[1], ""):
+            raise ValueError(f"module {ref[1]} is not on the graph cache's allow-list")
         return importlib.import_module(ref[1])
     if kind == "none_type":
         return type(None)
@@ -82,7 +108,9 @@ def _encode_code(forward, code: str) -> dict:
 
 
 def _decode_code(entry: dict):
-    return _forward_from_src(entry["src"], {k: _value_of(v) for k, v in entry["globals"].items()}), entry["src"]
+    names = {k: _value_of(v) for k, v in entry["globals"].items()}
+    check_generated_code(entry["src"], names)
+    return _forward_from_src(entry["src"], names), entry["src"]
 
 
 # ---- shape guards (sympy expressions over size symbols) --------------------------------------
@@ -97,6 +125,8 @@ def _encode_expr(e):
         return ["rational", int(e.p), int(e.q)]
     if e.args:
         func = e.func
+        if not _allowed(func.__module__, func.__qualname__, GUARD_MODULES):
+            raise Uncacheable(f"a shape guard calls {func.__module__}.{func.__qualname__}, outside {GUARD_MODULES}")
         return ["call", func.__module__, func.__qualname__, [_encode_expr(a) for a in e.args]]
     raise Uncacheable(f"a shape guard holds {e!r} ({type(e).__name__})")
 
@@ -106,13 +136,15 @@ def _decode_expr(d):
     if kind == "bool":
         return sympy.true if d[1] else sympy.false
     if kind == "symbol":
-        return sympy.Symbol(d[1], **d[2])
+        if not _PLAIN.fullmatch(str(d[1])) or not all(isinstance(v, bool) for v in d[2].values()):
+            raise ValueError(f"symbol {d[1]!r} with assumptions {d[2]!r} is not a size symbol")
+        return sympy.Symbol(d[1], **{str(k): v for k, v in d[2].items()})
     if kind == "int":
         return sympy.Integer(d[1])
     if kind == "rational":
         return sympy.Rational(d[1], d[2])
     if kind == "call":
-        return _resolve(d[1], d[2])(*[_decode_expr(a) for a in d[3]])
+        return _resolve(d[1], d[2], GUARD_MODULES)(*[_decode_expr(a) for a in d[3]])
     raise ValueError(f"unknown expression kind {kind!r}")
 
 

@@ -72,9 +72,13 @@ def _bind_inputs(graph: fx.Graph, captured, device: torch.device, attributes: di
 def generate_forward(graph: fx.Graph):
     """Python code of the local graph, as a function ``forward(self, **arguments)`` whose
     ``self`` is the module that owns the parameters."""
+    import warnings
+
     from torch.fx.graph_module import _forward_from_src
 
-    import warnings
+    from ..capture.names import check_graph_targets
+
+    check_graph_targets(graph)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # FX warns about module paths it cannot fetch; they are attributes here
