@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import socket
 import time
 from typing import Union
 
@@ -29,9 +30,11 @@ from .capture.repeat_layers import capture_layers_once
 from .capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
 from . import graph_cache
 from .graph_cache import PlannedGraph, graph_key
-from .group import TPGroup, fake_group, resolve_tp_group
+from .errors import GroupError
+from .group import TPGroup, choose_device, fake_group, resolve_tp_group, shared_devices, uses_nccl
 from .load import (initialize, load_from_files, load_from_state_dict, resolve_checkpoint,
                    resolve_source)
+from .load.coordinate import exchange
 from .load.dtype import resolve_dtype
 from .module import LocalGraph, ParallelCausalLM
 from .plan.layout import ShardLayout, text_config
@@ -47,11 +50,21 @@ TRAINING_ARGUMENTS = ("input_ids", "labels")
 CONTEXT_PARALLEL_TRAINING_ARGUMENTS = ("input_ids", "position_ids", "labels")  # global positions per token
 
 
-def _default_device(group: TPGroup) -> torch.device:
-    pg = group.process_group
-    if pg is not None and torch.cuda.is_available() and dist.get_backend(pg) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _choose_device(group: TPGroup, device, cp=None) -> torch.device:
+    """This rank's device (``group.choose_device``: ``device=`` where given, else from the group's backend
+    and LOCAL_RANK, made the current CUDA device), after checking over each NCCL group (tp, cp) that no two
+    ranks of one host share a CUDA device (an agreement point: every rank of the group enters it)."""
+    device = choose_device(group, device)
+    for name, g in (("tp_group", group), ("cp_group", cp)):
+        if g is None or g.size == 1 or not uses_nccl(g):
+            continue
+        mine = [socket.gethostname(), device.index if device.type == "cuda" else None]  # JSON-able
+        everyone = exchange(g.process_group, mine, f"checking that the ranks of {name} have their own CUDA devices",
+                            step=f"devices of {name}")
+        problem = shared_devices(everyone, list(dist.get_process_group_ranks(g.process_group)), name)
+        if problem:
+            raise GroupError(problem)
+    return device
 
 
 def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None,
@@ -351,7 +364,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     source = resolve_source(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                             token=token, trust_remote_code=trust_remote_code)
     dtype = resolve_dtype(dtype, torch_dtype, config=source.config)
-    device = torch.device(device) if device is not None else _default_device(group)
+    device = _choose_device(group, device, cp)
     source.config = _for_device(source.config, device)
     if cp is not None:
         context_parallel_checks.check_config(source.config)

@@ -30,7 +30,8 @@ def _same_on_every_rank(model, what: str, text: str) -> None:
     group = model.tp_group
     if group.process_group is None or group.size == 1:
         return
-    digest = torch.tensor(list(hashlib.sha256(text.encode()).digest()[:8]), dtype=torch.int64)
+    # on the model's device: an NCCL group takes CUDA tensors only
+    digest = torch.tensor(list(hashlib.sha256(text.encode()).digest()[:8]), dtype=torch.int64, device=model.device_)
     rows = [torch.empty_like(digest) for _ in range(group.size)]
     dist.all_gather(rows, digest, group=group.process_group)
     differ = [r for r, row in enumerate(rows) if not torch.equal(row, rows[0])]
@@ -144,7 +145,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
     sample = config.do_sample
     generator = None
     if sample:  # one seed for every rank: the same draws everywhere
-        seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64)
+        seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=device)  # the group's device (NCCL: CUDA)
         if model.tp_group.process_group is not None and model.tp_group.size > 1:
             dist.broadcast(seed, src=dist.get_global_rank(model.tp_group.process_group, 0),
                            group=model.tp_group.process_group)

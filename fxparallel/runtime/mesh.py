@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import GroupError
+from ..group import device_type_of, process_group_backends, rank_cuda_device
 
 DIM_NAMES = ("dp", "tp", "cp")
 
@@ -167,8 +168,9 @@ def init_mesh(tp: Optional[int] = None, dp: Optional[int] = None, cp: Optional[i
     backend = _init_process_group(backend, timeout)
     world = dist.get_world_size()
     dp, tp, cp = resolve_sizes(world, tp, dp, cp)
-    device_type = "cuda" if backend == "nccl" or "nccl" in str(backend) else "cpu"
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    device_type, _ = device_type_of(process_group_backends(dist.group.WORLD))
+    device = rank_cuda_device(dist.group.WORLD, dist.get_rank(), "the job's process group") \
+        if device_type == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device_type, (dp, tp, cp), mesh_dim_names=DIM_NAMES)
     dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
     ranks = mesh.mesh.permute(1, 0, 2).reshape(tp, dp * cp)
