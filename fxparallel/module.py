@@ -20,6 +20,7 @@ from torch import nn
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .data_parallel_guard import RefusesDistributedDataParallel
 from .errors import ShardingError
 from .hf_methods import HuggingFaceMethods, refuse_arguments
 from .inputs import check_arguments
@@ -76,7 +77,7 @@ def _set_path(root: nn.Module, dotted: str, value, kind: str):
         module.register_buffer(leaf, value, persistent=False)
 
 
-class ParallelCausalLM(HuggingFaceMethods, nn.Module, GenerationMixin):
+class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Module, GenerationMixin):
     """This rank's shards and the graphs that run them; the Hugging Face model methods it has (and the
     ones it refuses, saying what to do instead) are listed in ``hf_methods.py``."""
 
