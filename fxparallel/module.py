@@ -21,15 +21,19 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .data_parallel_guard import RefusesDistributedDataParallel
-from .errors import ShardingError
+from .dcp_state import describe_state_dict
+from .errors import ArgumentError, ShardingError
 from .hf_methods import HuggingFaceMethods, refuse_arguments
-from .inputs import check_arguments
+from .inputs import check_arguments, options_code
 from .rewrite import collectives, context_parallel
 from .rewrite.layer_units import LayerPieces, install_layer_units
 
 log = logging.getLogger("fxparallel")
 
 ARGUMENTS = ("input_ids", "attention_mask", "position_ids", "labels")
+# the output field holding the KV cache: ``cache`` from transformers 5.24 on (its ``past_key_values`` then logs a
+# deprecation warning on every first use), ``past_key_values`` before
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 @dataclass
@@ -115,6 +119,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Mo
             param._fxparallel = p  # type: ignore[attr-defined]
             for name in (p.name,) + tuple(p.aliases):
                 _set_path(self, name, param, "param")
+        # state_dict() handed to torch.distributed.checkpoint saves full-shape tensors (dcp_state.py)
+        self.register_state_dict_post_hook(describe_state_dict)
         # eval mode, as transformers' from_pretrained: the model's dropout applies after model.train()
         # (every graph reads self.training per call: rewrite/dropout.py)
         self.eval()
@@ -256,19 +262,35 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Mo
         ``compile_config`` (transformers' ``CompileConfig``) runs the graph ``torch.compile``d with its options,
         compiled once per graph (``generate`` passes it for its decode steps); ``logits_to_keep=k`` (an int, as in
         transformers) computes the logits of the last k positions only (a graph of its own; 0: all)."""
-        refuse_arguments(unsupported)  # naming each and what to do instead (hf_methods.py)
-        if input_ids is None:
-            raise TypeError("input_ids is required")
-        logits_to_keep = self._logits_to_keep(logits_to_keep, labels)
-        cache = self._cache_for(past_key_values, use_cache, input_ids, attention_mask)
-        args = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
-                                  ("position_ids", position_ids), ("labels", labels)) if v is not None}
-        args = {k: v.to(self.device_) for k, v in args.items()}
+        gather = (labels is None) if gather_logits is None else bool(gather_logits)
+        # the checks of this rank's own arguments: an error is raised only after the exchange in check_arguments,
+        # so that an argument given to one rank only never leaves the others waiting in a collective (inputs.py)
+        refused, cache, args = None, None, {}
+        try:
+            refuse_arguments(unsupported)  # naming each and what to do instead (hf_methods.py)
+            if not isinstance(input_ids, torch.Tensor):
+                raise TypeError("input_ids is required" if input_ids is None else
+                                f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
+            logits_to_keep = self._logits_to_keep(logits_to_keep, labels)
+            cache = self._cache_for(past_key_values, use_cache, input_ids, attention_mask)
+            args = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                                      ("position_ids", position_ids), ("labels", labels)) if v is not None}
+            for name, value in args.items():
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+            args = {k: v.to(self.device_) for k, v in args.items()}
+        except Exception as err:  # noqa: BLE001 - raised below, after the other ranks have heard of it
+            if not check_inputs:
+                raise
+            refused, cache, logits_to_keep = err, None, 0
+        dropout = bool(self.dropout_rates) and self.training and cache is None
         unpadded = False  # an attention mask of all ones: attention as without one (capture/causal_mask.py)
         if check_inputs:
-            unpadded = check_arguments(args, self.tp_group, self.vocab_rows, self.label_classes,
-                                       dropout=bool(self.dropout_rates) and self.training and cache is None,
-                                       mask_length=cache.length if cache is not None else None)
+            unpadded = check_arguments(args, self.tp_group, self.vocab_rows, self.label_classes, dropout=dropout,
+                                       mask_length=cache.length if cache is not None else None,
+                                       options=options_code(gather, dropout, logits_to_keep,
+                                                            cache.length if cache is not None else None),
+                                       refused=refused, device=self.device_)
             unpadded = unpadded and cache is None and self.cp_group is None
         if self.sequence_parallel and cache is None and input_ids.shape[-1] % self.tp_group.size:
             raise ShardingError(f"sequence_parallel: the sequence length {input_ids.shape[-1]} of input_ids "
@@ -286,7 +308,6 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Mo
         results = dict(zip(graph.outputs, run(self, **args)))
         logits = results["logits"]
         placement = graph.output_placements.get("logits")
-        gather = (labels is None) if gather_logits is None else gather_logits
         local_logits, vocab_range = None, None
         if placement is not None and placement.is_shard:
             local, rank = logits.shape[placement.dim], self.tp_group.rank
@@ -297,8 +318,23 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Mo
             local_logits = logits
             logits = collectives.all_gather(logits, placement.dim, self.tp_group.handle, None, uneven) if gather else None
         out = ParallelCausalLMOutput(loss=results.get("loss"), logits=logits, local_logits=local_logits,
-                                     vocab_range=vocab_range, past_key_values=cache)
-        return out if return_dict is not False else out.to_tuple()
+                                     vocab_range=vocab_range, **{CACHE_FIELD: cache})
+        return out if return_dict is not False else self._as_tuple(out, labels, gather_logits)
+
+    @staticmethod
+    def _as_tuple(out: "ParallelCausalLMOutput", labels, gather_logits) -> tuple:
+        """``return_dict=False``: transformers' tuple, (loss, logits, cache) without the ones that are None, so
+        that each position holds what it holds for the transformers model. Logits that were not gathered are
+        refused: this rank's vocabulary shard must never sit where the logits are read."""
+        if out.logits is None:
+            why = ("with labels the logits stay sharded by default" if labels is not None and gather_logits is None
+                   else "gather_logits=False leaves them sharded")
+            raise ArgumentError(
+                "return_dict=False returns transformers' tuple (loss, logits, ...), but this call's logits were not "
+                f"gathered ({why}; each rank holds its vocabulary shard): pass gather_logits=True for the complete "
+                "logits in the tuple, or leave return_dict unset and read the ParallelCausalLMOutput's .loss and "
+                ".local_logits (this rank's vocabulary rows .vocab_range)")
+        return tuple(v for v in (out.loss, out.logits, getattr(out, CACHE_FIELD)) if v is not None)
 
     def _cache_for(self, past_key_values, use_cache, input_ids, attention_mask):
         """The KV cache of this call: the one given, a new one (``use_cache=True``), or None."""

@@ -1,0 +1,95 @@
+"""``model.state_dict()`` handed to torch.distributed.checkpoint, as users do by habit.
+
+``state_dict()`` holds this rank's shards under the full Hugging Face names (nn.Module's contract,
+kept). Handed to ``dcp.save`` as they are, DCP would take every rank's shard for the whole tensor
+and keep one (a checkpoint that "loads" with wrong weights). So each sharded value carries DCP's
+own checkpointable protocol, the one DTensor implements (``__create_write_items__``,
+``__create_chunk_list__``, ``__get_tensor_shard__``, and ``size()``, which answers the full size as a
+DTensor's does, while ``.shape`` stays the shard's): it describes the pieces of the full tensor
+the shard holds (``ParamPlan.pieces``: one slice, or one per part of a fused weight, uneven splits
+included). DCP then saves full-shape tensors, each rank its pieces, and ``dcp.load`` into the
+``state_dict()`` of a model parallelized at any tp size (or a transformers model) reads exactly
+the pieces each rank holds, in place.
+
+Under FSDP (``runtime.apply_data_parallel``) a value is a DTensor over the data-parallel ranks of
+this rank's tensor-parallel shard, which DCP cannot combine with the tensor-parallel pieces: DCP
+is refused there, naming ``runtime.save_checkpoint`` / ``load_checkpoint``."""
+from __future__ import annotations
+
+import torch
+
+from .errors import CheckpointError
+
+
+def _pieces(tensor: torch.Tensor, plan, rank: int, tp: int) -> list:
+    """[(offsets in the full tensor, sizes, view of ``tensor``)] of this rank's pieces."""
+    out = []
+    for src, dst in plan.pieces(rank, tp):
+        offsets = torch.Size(s.start for s in src)
+        sizes = torch.Size(s.stop - s.start for s in src)
+        out.append((offsets, sizes, tensor[dst]))
+    return out
+
+
+def _describe(tensor: torch.Tensor, plan, rank: int, tp: int) -> None:
+    """Give ``tensor`` (this rank's shard of ``plan``'s parameter) DCP's checkpointable protocol."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    pieces = _pieces(tensor, plan, rank, tp)
+    full = torch.Size(plan.shape)
+
+    def create_write_items(fqn, _obj):
+        return [WriteItem(index=MetadataIndex(fqn, offsets, i), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                                      properties=TensorProperties.create_from_tensor(tensor), size=full))
+                for i, (offsets, sizes, _) in enumerate(pieces)]
+
+    def create_chunk_list():
+        return [ChunkStorageMetadata(offsets=offsets, sizes=sizes) for offsets, sizes, _ in pieces]
+
+    def get_tensor_shard(index):
+        for offsets, _, view in pieces:
+            if index.offset == offsets:
+                return view
+        raise ValueError(f"{index.fqn}: this rank holds no piece at offset {tuple(index.offset or ())} "
+                         f"(its pieces start at {[tuple(o) for o, _, _ in pieces]})")
+
+    def size(dim=None):  # the full tensor's, as a DTensor answers (DCP's load compares it with the saved size)
+        return full if dim is None else full[dim]
+
+    tensor.__create_write_items__ = create_write_items
+    tensor.__create_chunk_list__ = create_chunk_list
+    tensor.__get_tensor_shard__ = get_tensor_shard
+    tensor.size = size
+
+
+def _refuse_under_fsdp(value, name: str) -> None:
+    def refuse(*_args, **_kwargs):
+        raise CheckpointError(
+            f"torch.distributed.checkpoint was given model.state_dict() of a model under FSDP "
+            f"(runtime.apply_data_parallel): {name} is this rank's tensor-parallel shard split again over the "
+            "data-parallel ranks, which DCP cannot describe from the state dict; use "
+            "fxparallel.runtime.save_checkpoint(path, model, optimizer, mesh) / load_checkpoint, which save "
+            "full-shape tensors that reload into any layout")
+
+    value.__create_write_items__ = refuse
+    value.__create_chunk_list__ = refuse
+
+
+def describe_state_dict(model, state_dict: dict, prefix: str, _local_metadata) -> None:
+    """``state_dict`` post-hook of the parallel model (see the module docstring)."""
+    tp, rank = model.tp_group.size, model.tp_group.rank
+    if tp == 1:
+        return
+    by_name = {n: p for p in model.plan.params for n in (p.name,) + tuple(p.aliases)}
+    from torch.distributed.tensor import DTensor
+
+    for key, value in state_dict.items():
+        plan = by_name.get(key[len(prefix):]) if key.startswith(prefix) else None
+        if plan is None or not plan.placement.is_shard or not isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, DTensor):
+            _refuse_under_fsdp(value, key)
+        else:
+            _describe(value, plan, rank, tp)
