@@ -41,6 +41,7 @@ from .plan.layout import ShardLayout, text_config
 from .plan.saved import check_applied, fixed_placements, read_plan
 from .plan.solver import check_layer_symmetry, solve
 from .plan.validate import check_splittable
+from .plan_agreement import check_plans_agree
 from .report import build_plan
 from .rewrite import PassContext, context_parallel, context_parallel_checks, run_passes
 
@@ -406,6 +407,10 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     module.set_buffers(meta.fxparallel_buffers)
     module.add_graph(local)
     graph_factory.usual_shapes = local.guards
+    # each rank planned alone (its own graph cache and packages): refuse mismatched plans before reading weights
+    t = time.perf_counter()
+    check_plans_agree(sharding, (("tp_group", group), ("cp_group", cp)))
+    timings["plan agreement"] = time.perf_counter() - t
     t = time.perf_counter()
     if files is not None:
         module.bytes_read = load_from_files(module, sharding, files, group.rank, group.size, meta_model=meta)
