@@ -77,8 +77,9 @@ def parse_args(argv=None):
                    help="continue from this checkpoint (a step directory, or a root: its latest), e.g. one saved "
                         "with another layout; new checkpoints still go to --save-dir")
     p.add_argument("--trust-metadata", action="store_true",
-                   help="also load a checkpoint that records no digest of its pickled .metadata (written by an older "
-                        "fxparallel): only for checkpoints whose origin you trust")
+                   help="also load a checkpoint that records no digest of its .metadata (written by an older "
+                        "fxparallel); the digest is a damage check: .metadata is always read with a restricted "
+                        "unpickler")
     p.add_argument("--export", default=None, help="write a consolidated Hugging Face directory here at the end")
     p.add_argument("--dataset", default=None, help="a `datasets` dataset name (default: synthetic tokens)")
     p.add_argument("--dataset-config", default=None)

@@ -11,12 +11,15 @@ report progress, see ``heartbeat``), is named in an error raised on every rank, 
 one included when it arrives, instead of the peers waiting for the process group's
 timeout (30 minutes by default). The ranks also check that they agree on the same step
 (a rank that retried ``parallelize`` after an error would otherwise pair with the wrong one).
+
+Values cross the store as JSON, never as pickles: the store is a TCP server without
+authentication, and whatever can reach its port can write a key (``_decode``).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
-import pickle
 import socket
 import time
 
@@ -129,21 +132,48 @@ def _lost_store(err: Exception, what: str) -> GroupError:
                       "process hosting it (rank 0, or torchrun's agent) has probably exited")
 
 
+def _encode(value) -> bytes:
+    return json.dumps(value, allow_nan=False).encode("utf-8")
+
+
+def _decode(raw, key: str, shape: str):
+    """A value a rank wrote at ``key`` (JSON; ``shape`` says what it holds, for the message). Anything else
+    (a pickle, say) is a GroupError: it is read as data and never run."""
+    try:
+        return json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        shown = bytes(raw)[:40]
+        raise GroupError(f"torch.distributed's store holds {shown!r}{'...' if len(raw) > 40 else ''} at {key}, not "
+                         f"the JSON {shape} fxparallel writes there: another program writes to this store, or a rank "
+                         "runs another fxparallel version; it was not used") from None
+
+
+def _entry(raw, key: str):
+    """[step, what, value] as ``exchange`` stores it."""
+    entry = _decode(raw, key, "[step, what, value]")
+    if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[1], str)):
+        raise GroupError(f"torch.distributed's store holds {entry!r:.80} at {key}, not the [step, what, value] "
+                         "fxparallel writes there: another program writes to this store")
+    return entry
+
+
 def exchange(group, value, what: str, step=None, timeout=None) -> list:
-    """Every rank's ``value`` (picklable), in group-rank order; every rank of ``group`` must call it.
+    """Every rank's ``value`` (JSON: None, bool, int, float, str, lists, dicts with str keys; a tuple comes
+    back as a list), in group-rank order; every rank of ``group`` must call it.
 
     ``what``: the step in words, for messages; ``step``: a name of the step that is the same on every rank
     (default ``what``), checked. Waits at most ``timeout`` seconds (default: ``agree_timeout()``) for a rank
     that has not arrived and reports no progress; then raises RankTimeoutError naming it, on every rank."""
     group = default_group(group)
     step = what if step is None else step
+    mine = _encode([step, what, value])  # (a value that is not JSON raises TypeError here, on its own rank)
     if _size(group) == 1:
-        return [value]
+        return [json.loads(mine)[2]]
     store = _store()
     if store is None:  # pragma: no cover - init_process_group always makes one
         everyone = [None] * _size(group)
-        dist.all_gather_object(everyone, (step, what, value), group=group)
-        return _check_same_step(everyone, _ranks(group))
+        dist.all_gather_object(everyone, mine.decode("utf-8"), group=group)
+        return _check_same_step([_entry(e.encode("utf-8"), "all_gather_object") for e in everyone], _ranks(group))
     timeout = agree_timeout() if timeout is None else timeout
     ranks, me = _ranks(group), dist.get_rank(group)
     seq = _entered.get(ranks, 0)
@@ -151,21 +181,21 @@ def exchange(group, value, what: str, step=None, timeout=None) -> list:
     prefix = _point_prefix(ranks, seq)
     keys = [f"{prefix}/value/{r}" for r in range(len(ranks))]
     try:
-        store.set(keys[me], pickle.dumps((step, what, value)))
+        store.set(keys[me], mine)
         _forget(store, ranks, seq - 2, me)
         verdict = _wait(store, keys, f"{prefix}/verdict", prefix, ranks, me, what, timeout)
         if verdict != _OK:
-            message, missing = pickle.loads(verdict)
+            message, missing = _verdict(verdict, f"{prefix}/verdict")
             if me in missing:
                 message += f" ({_name(me, ranks)} is this process: it arrived after its peers had stopped waiting)"
-                others = {r: pickle.loads(store.get(k)) for r, k in enumerate(keys)
+                others = {r: _entry(store.get(k), k) for r, k in enumerate(keys)
                           if r not in missing and store.check([k])}
                 apart = [f"{_name(r, ranks)} at {w}" for r, (s, w, _) in others.items() if s != step]
                 if apart:
                     message += (f". The ranks were at different steps ({'; '.join(apart)}; this process at {what}): "
                                 "did a rank call parallelize again after an error?")
             raise RankTimeoutError(message)
-        everyone = [pickle.loads(store.get(k)) for k in keys]
+        everyone = [_entry(store.get(k), k) for k in keys]
     except GroupError:
         raise
     except Exception as err:  # noqa: BLE001 - the store's connection errors have several types
@@ -207,10 +237,20 @@ def _wait(store, keys, verdict_key, prefix, ranks, me, what, timeout) -> bytes:
                            f"{'it' if len(missing) == 1 else 'they'} did not arrive within {timeout:g} s "
                            f"({TIMEOUT_ENV}) and reported no progress: stuck, exited, or retrying after an error "
                            "(see that rank's own output)")
-                return store.compare_set(verdict_key, "", pickle.dumps((message, missing)))
+                return store.compare_set(verdict_key, "", _encode([message, missing]))
             continue
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
+
+
+def _verdict(raw, key: str) -> tuple:
+    """(message, late ranks) of a timeout verdict."""
+    verdict = _decode(raw, key, "[message, late ranks]")
+    if not (isinstance(verdict, list) and len(verdict) == 2 and isinstance(verdict[0], str)
+            and isinstance(verdict[1], list) and all(isinstance(r, int) for r in verdict[1])):
+        raise GroupError(f"torch.distributed's store holds {verdict!r:.80} at {key}, not the [message, late ranks] "
+                         "fxparallel writes there: another program writes to this store")
+    return verdict[0], verdict[1]
 
 
 def _forget(store, ranks: tuple, seq: int, me: int) -> None:
@@ -244,7 +284,7 @@ def is_node_downloader(group) -> bool:
     """
     if _size(group) == 1:
         return True
-    me = (socket.gethostname(), local_rank(), dist.get_rank())
+    me = [socket.gethostname(), local_rank(), dist.get_rank()]  # a list: exchange's values come back as lists
     everyone = exchange(group, me, "choosing one downloader per node", step="downloader")
     return min(m for m in everyone if m[0] == me[0]) == me
 

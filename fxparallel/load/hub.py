@@ -145,6 +145,21 @@ def read_index(path: str) -> dict:
     return weight_map
 
 
+def check_shard_name(index: str, name: str) -> None:
+    """A file name of ``index``'s weight map must stay in the index's folder: relative, no ``..``."""
+    parts = name.replace("\\", "/").split("/")
+    why = None
+    if not name or "\0" in name:
+        why = "which is not a file name"
+    elif os.path.isabs(name) or name.startswith(("/", "\\")) or (name[:1].isalpha() and name[1:2] == ":"):
+        why = "an absolute path"
+    elif ".." in parts:
+        why = "which leads out of the index's folder ('..')"
+    if why is not None:
+        raise CheckpointError(f"{index} maps tensors to the shard {name!r}, {why}; refusing to read it. A safetensors "
+                              "index names files of its own folder")
+
+
 def _will_download(repo_id: str, names: list, hub_kwargs: dict) -> int:
     """Bytes that downloading ``names`` will fetch (0 when offline or unknown): the bar's total."""
     from huggingface_hub import hf_hub_download
@@ -179,6 +194,8 @@ def fetch(repo_id: str, hub_kwargs: dict, progress: bool = False, heartbeat=None
             raise _no_safetensors(repo_id, hub_kwargs)
         weight_map = read_index(index)
         names = sorted(set(weight_map.values()))
+        for name in names:
+            check_shard_name(index, name)
         if progress:
             bar.expect(_will_download(repo_id, names, hub_kwargs))
         for name in names:

@@ -25,22 +25,30 @@ the old directory aside, renames the new one in, then deletes the old one, so a 
 at any point leaves a complete copy of every step. Older checkpoints are pruned only
 after the new one is in place, by renaming them to a trash name before deleting.
 
-What loading trusts: DCP's ``.metadata`` is a pickle, and unpickling runs code a
-crafted file contains. The save records the file's sha256 in ``fxparallel.json``; the
-load checks it before DCP reads the file and refuses a mismatch, and refuses
-checkpoints without a digest unless ``trust_metadata=True``. The digest catches a
-``.metadata`` replaced or damaged on its own; it is not a signature (whoever can write
-the directory can write a matching ``fxparallel.json``). ``latest`` is followed only if
-it names a ``step_*`` directory of the root. The root must be on a file system every
-rank sees (one directory for the job).
+What loading trusts: nothing in the directory runs code. DCP's ``.metadata`` is a pickle;
+fxparallel reads it (before DCP does, and as DCP's reader) with a restricted unpickler that
+builds only DCP's metadata classes, torch.Size, dtypes and layouts, and refuses any other
+global (``os.system``, ``builtins.eval``...) with a CheckpointError naming the file and the
+global before any of it runs (``_MetadataUnpickler``). Non-tensor entries, which DCP would
+``torch.load(weights_only=False)``, are refused too: fxparallel saves only tensors. The save
+records the file's sha256 in ``fxparallel.json``; the load refuses a mismatch, and a checkpoint
+without a digest unless ``trust_metadata=True``. The digest is a damage check, not a signature
+(whoever can write the directory can write a matching ``fxparallel.json``). ``latest`` is
+followed only if it names a ``step_*`` directory of the root; ``latest`` and ``fxparallel.json``
+are written through fresh temporary files, never through a name planted in advance. The root
+must be on a file system every rank sees (one directory for the job).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
+import pathlib
+import pickle
 import re
+import secrets
 import shutil
 from typing import Optional
 
@@ -196,13 +204,36 @@ def _everywhere(mesh, fn, what: str):
 
 
 def _write_text(path: str, text: str) -> None:
-    """Write then rename: a reader sees the old or the new content, never a partial file."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write then rename: a reader sees the old or the new content, never a partial file.
+
+    The temporary file is created new (``_create_new``), so a symlink planted at a predictable name
+    (``latest.tmp``) is never followed out of the directory."""
+    fd, tmp = _create_new(os.path.dirname(path), os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _create_new(directory: str, base: str):
+    """(fd, path) of a new file ``.<base>.<random>.tmp`` in ``directory``: as ``tempfile.mkstemp`` (O_EXCL:
+    an existing name, a symlink included, is never opened), but with the mode ``open(path, "w")`` gives
+    (0o666 less the umask) rather than mkstemp's 0o600, so other users read the checkpoint as before."""
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{base}.{secrets.token_hex(8)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name for {os.path.join(directory, base)}")
 
 
 # ---- what is on disk ---------------------------------------------------------------
@@ -347,6 +378,7 @@ def _describe(identity: dict) -> str:
 
 # ---- housekeeping (rank 0) ---------------------------------------------------------
 LEFTOVER = re.compile(r"(\.tmp-|\.trash-(\.old-)?)step_[0-9]{8,}")
+LEFTOVER_FILE = re.compile(rf"\.{LATEST}\.[0-9a-f]{{16}}\.tmp")  # _write_text's temporary file, of a crash
 
 
 def _delete(root: str, path: str) -> None:
@@ -411,11 +443,161 @@ def _prune(root: str, keep: int, final: str) -> None:
 def _remove_leftovers(root: str) -> None:
     """Temporary directories of crashed saves and trash of interrupted deletes."""
     for entry in os.listdir(root):
-        if LEFTOVER.fullmatch(entry):
+        if LEFTOVER_FILE.fullmatch(entry):
+            try:
+                os.unlink(os.path.join(root, entry))  # (a symlink there: the link goes, not its target)
+            except OSError as err:
+                log.warning("could not delete leftover %s: %s", os.path.join(root, entry), err)
+        elif LEFTOVER.fullmatch(entry):
             try:
                 shutil.rmtree(os.path.join(root, entry))
             except OSError as err:
                 log.warning("could not delete leftover %s: %s", os.path.join(root, entry), err)
+
+
+# ---- DCP's .metadata: a restricted unpickler ------------------------------------------
+def _layout_named(name):
+    """Stands for ``torch.serialization._get_layout`` (how torch.layout pickles), without its cache: a
+    pickle could set attributes on the real function, and torch.load reads that cache."""
+    for value in vars(torch).values():
+        if isinstance(value, torch.layout) and str(value) == name:
+            return value
+    raise pickle.UnpicklingError(f"no torch layout is named {name!r}")
+
+
+def _posix_path(*parts):
+    return pathlib.PurePosixPath(*parts)  # StorageMeta.checkpoint_id; a pure path does no I/O
+
+
+def _windows_path(*parts):
+    return pathlib.PureWindowsPath(*parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _metadata_globals() -> dict:
+    """{(module, name): object} that a ``.metadata`` may refer to: what DCP's save pickles for the
+    tensors fxparallel saves (found by saving checkpoints and listing their globals), nothing that
+    runs code. BytesStorageMetadata is left out on purpose: DCP loads such an entry with
+    ``torch.load(weights_only=False)``, and fxparallel saves only tensors."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    classes = [getattr(metadata, n, None) for n in ("Metadata", "TensorStorageMetadata", "TensorProperties",
+                                                    "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
+                                                    "_MEM_FORMAT_ENCODING")] + [filesystem._StorageInfo]
+    allowed = {(c.__module__, c.__qualname__): c for c in classes if c is not None}
+    allowed[("torch", "Size")] = torch.Size
+    for name, value in vars(torch).items():
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[("torch", name)] = value
+            allowed[("torch._utils", f"torch.{name}")] = value  # how a torch.memory_format pickles
+    allowed[("torch.serialization", "_get_layout")] = _layout_named
+    for module in ("pathlib", "pathlib._local"):  # (Python 3.13 moved the classes)
+        allowed.update({(module, "PosixPath"): _posix_path, (module, "PurePosixPath"): _posix_path,
+                        (module, "WindowsPath"): _windows_path, (module, "PureWindowsPath"): _windows_path})
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles only the globals of ``_metadata_globals``; any other raises a CheckpointError naming the
+    file and the global, before it is called (a crafted pickle runs code only through globals)."""
+
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module, name):
+        found = _metadata_globals().get((module, name))
+        if found is None:
+            why = ("a non-tensor entry, which DCP would load with torch.load(weights_only=False); fxparallel saves "
+                   "only tensors" if name == "BytesStorageMetadata" else "not part of DCP's checkpoint metadata")
+            raise CheckpointError(f"{self.path} refers to the global {module}.{name} ({why}); refusing to unpickle it, "
+                                  "as a crafted file runs code that way. Nothing of it was run. Restore the checkpoint "
+                                  "from a copy you trust, or load another step")
+        return found
+
+
+def _mutable_allowed() -> list:
+    """The allowed objects a pickle could change for the whole process (BUILD sets attributes on whatever
+    it is given, a class included): the classes and the members of the enum. Torch's dtypes, layouts and
+    torch.Size take no attributes."""
+    out = []
+    for value in _metadata_globals().values():
+        if isinstance(value, type) and value.__module__.startswith("torch.distributed."):
+            out.append(value)
+            out.extend(getattr(value, "__members__", {}).values())
+    return out
+
+
+def _restore(before: dict) -> list:
+    """Put back the attributes of ``before`` ({object: its vars before}); returns the names of those changed."""
+    changed = []
+    for obj, attrs in before.items():
+        now = dict(vars(obj))
+        if now.keys() == attrs.keys() and all(now[k] is v for k, v in attrs.items()):
+            continue
+        for key in now.keys() - attrs.keys():
+            delattr(obj, key)
+        for key, value in attrs.items():
+            if now.get(key) is not value:
+                setattr(obj, key, value)
+        changed.append(obj.__qualname__ if isinstance(obj, type) else repr(obj))  # (named once put back)
+    return changed
+
+
+def _unpickle_metadata(file, path: str):
+    before = {obj: dict(vars(obj)) for obj in _mutable_allowed()}
+    try:
+        return _MetadataUnpickler(file, path).load()
+    finally:
+        changed = _restore(before)
+        if changed:
+            raise CheckpointError(f"{path} sets attributes of {', '.join(changed)} (process-wide objects, put back "
+                                  "now); refusing it, DCP's save never does that. Restore the checkpoint from a copy "
+                                  "you trust, or load another step")
+
+
+def _check_metadata_structure(metadata, path: str, directory: str) -> None:
+    """What DCP will use: a Metadata whose data lies in files of ``directory``."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP's Metadata; the file is damaged")
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(rel, str):
+            raise CheckpointError(f"{path} places data in {info!r}, not a file of {directory}; the file is damaged")
+        if not rel or os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
+            raise CheckpointError(f"{path} places data in {rel!r}, outside {directory}; refusing to read it")
+
+
+@functools.lru_cache(maxsize=None)
+def _reader_class():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class MetadataReader(FileSystemReader):
+        """DCP's file system reader whose ``.metadata`` goes through ``_MetadataUnpickler``. What
+        FileSystemReader.read_metadata does besides unpickling is kept (the load id). It takes no
+        ``rank=``: DCP then never falls back to per-rank ``__<rank>.metadata`` files."""
+
+        def read_metadata(self):
+            path = os.path.join(str(self.path), DCP_METADATA)
+            with open(path, "rb") as f:
+                metadata = _unpickle_metadata(f, path)
+            _check_metadata_structure(metadata, path, str(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return MetadataReader
+
+
+def metadata_reader(directory: str):
+    """A ``torch.distributed.checkpoint`` storage reader of ``directory`` that never runs code from it:
+    every read of ``.metadata`` in fxparallel goes through it (``load_checkpoint`` hands it to dcp.load)."""
+    return _reader_class()(directory)
 
 
 # ---- save / load -------------------------------------------------------------------
@@ -500,15 +682,16 @@ def _resolve(path: str) -> str:
 
 
 def _check_metadata_digest(directory: str, meta: dict, trust_metadata: bool) -> None:
-    """DCP unpickles ``.metadata``: compare it with the digest the save recorded before it does."""
+    """Compare ``.metadata`` with the digest the save recorded: a damage check (a file replaced, cut or
+    taken from another checkpoint), not a defence against a crafted one: ``_MetadataUnpickler`` is."""
     path = os.path.join(directory, DCP_METADATA)
     expected = meta.get("metadata_sha256")
     if expected is None:
         if trust_metadata:
             return
         raise CheckpointError(f"{os.path.join(directory, META)} records no sha256 of {path} (a checkpoint from before "
-                              "fxparallel recorded one); DCP unpickles that file, which runs any code a crafted one "
-                              "holds, so it is not read. If you trust where this checkpoint comes from, pass "
+                              "fxparallel recorded one); without it a damaged or swapped .metadata cannot be told "
+                              "from the one saved. If you trust that the checkpoint is intact, pass "
                               "trust_metadata=True to load_checkpoint (a new save of it records the digest)")
     try:
         actual = _metadata_digest(directory)
@@ -525,12 +708,12 @@ def _check_metadata_digest(directory: str, meta: dict, trust_metadata: bool) -> 
 
 def _check_against_metadata(state: dict, directory: str) -> None:
     """Clear errors for a damaged checkpoint or one of another model, before DCP reads any tensor."""
-    import torch.distributed.checkpoint as dcp
-
     path = os.path.join(directory, DCP_METADATA)
     try:
-        metadata = dcp.FileSystemReader(directory).read_metadata()
+        metadata = metadata_reader(directory).read_metadata()
         saved = metadata.state_dict_metadata
+    except CheckpointError:
+        raise
     except Exception as err:  # noqa: BLE001 - unpickling garbage raises about any type
         raise CheckpointError(f"{path} cannot be read as DCP metadata ({type(err).__name__}: {err}); the file is "
                               f"damaged. Restore {directory} from a copy, or load another step") from None
@@ -540,9 +723,7 @@ def _check_against_metadata(state: dict, directory: str) -> None:
         if isinstance(rel, str):
             ends[rel] = max(ends.get(rel, 0), int(info.offset) + int(info.length))
     for rel, end in sorted(ends.items()):
-        file = os.path.join(directory, rel)
-        if os.path.isabs(rel) or ".." in rel.replace("\\", "/").split("/"):
-            raise CheckpointError(f"{path} places data in {rel!r}, outside {directory}; refusing to read it")
+        file = os.path.join(directory, rel)  # (inside directory: checked by the reader)
         try:
             size = os.path.getsize(file)
         except OSError:
@@ -567,9 +748,11 @@ def load_checkpoint(path: str, model, optimizer, mesh, *, trust_metadata: bool =
     in place, whatever layout it was saved with (collective). Returns its metadata
     (``step``, ``layout``, ``extra``, ...).
 
-    DCP's ``.metadata`` is a pickle: it is read only when its sha256 equals the one the save
-    recorded in ``fxparallel.json``. ``trust_metadata=True`` also reads checkpoints that record
-    none (older ones); a digest that does not match is refused either way."""
+    Nothing in the checkpoint runs code: DCP's ``.metadata`` (a pickle) is read with a restricted
+    unpickler that builds only DCP's metadata classes and refuses any other global (CheckpointError
+    naming the file and the global). Its sha256 must equal the one the save recorded in
+    ``fxparallel.json`` (a damage check); ``trust_metadata=True`` also loads checkpoints that record
+    none (older ones). A digest that does not match is refused either way."""
     import torch.distributed.checkpoint as dcp
 
     def locate():
@@ -586,7 +769,7 @@ def load_checkpoint(path: str, model, optimizer, mesh, *, trust_metadata: bool =
     state = state_dict_views(model, optimizer, mesh, with_optimizer, write_backs)
     _everywhere(mesh, lambda: (_check_against_metadata(state, directory), None), path)
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+        dcp.load(state, storage_reader=metadata_reader(directory))
     except dcp.CheckpointException as err:
         raise CheckpointError(f"loading {directory} failed ({_failures(err)}); a file of it may be damaged: restore "
                               "it from a copy, or load another step") from None
