@@ -273,8 +273,9 @@ def test_shared_device_is_refused_on_every_rank_of_an_nccl_group():
 
 # ---- the tensors of the collectives ------------------------------------------------------------------
 
-COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all_single", "all_to_all", "reduce", "gather", "scatter")
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_reduce", "broadcast",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "all_to_all",
+               "reduce", "gather", "scatter")
 FACTORIES = ("tensor", "as_tensor", "randint", "rand", "randn", "randperm", "empty", "zeros", "ones", "full",
              "arange")
 
@@ -319,7 +320,8 @@ def test_generate_collectives_run_on_the_model_device(checkpoints):
         assert not wrong, wrong
         names = {s[0] for s in out["seen"]}
         assert {"all_gather", "all_reduce", "broadcast"} <= names  # greedy choice / digest, layers, sampling seed
-        assert ["all_gather", [out["device"]], ["torch.int64"], [[8]]] in [list(s) for s in out["seen"]]  # digest
+        # generate's digest: a refusal flag and 8 bytes of the arguments' sha256
+        assert ["all_gather", [out["device"]], ["torch.int64"], [[9]]] in [list(s) for s in out["seen"]]
         assert ["all_gather", [out["device"]], ["torch.int64"], [[14]]] in [list(s) for s in out["seen"]]  # check
     assert results[0]["tokens"] == results[1]["tokens"]  # sampling draws alike on both ranks
 

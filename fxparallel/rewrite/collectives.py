@@ -27,16 +27,37 @@ With a group of size 1 every op is the identity and runs no collective.
 
 A shard may be uneven (``sizes``: per segment, each rank's size along ``dim``; see
 ``plan/layout.py``). The all-gather then pads every rank's piece to the largest, since
-gloo's all_gather needs equal sizes, and trims after.
+the collectives take equal sizes, and trims after.
+
+Every collective goes through one contiguous buffer laid out along dim 0 (``[world, *piece]``:
+``all_gather_single`` / ``reduce_scatter_single``), so a gather holds that buffer and the result
+(a view of it where the gathered dim is the first) and nothing else, where list-form collectives
+held every part, their concatenation and, on NCCL, a flat staging buffer besides (gloo stages
+through a flat buffer of its own in either form: there the peak stays at twice the result). Under
+``torch.compile`` the same buffers go through functional collectives (``funcol``), which Dynamo
+traces into one graph (it cannot trace the list-form ``dist.reduce_scatter``: a graph break, and an
+error with ``fullgraph=True``; ``tests/test_collective_tracing.py``).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.utils.checkpoint
 
 from ..errors import ShardingError
 from ..group import group_by_handle
+
+
+def _dist(name: str, older: str):
+    """``torch.distributed.<name>``, else ``<older>`` (the *_single names replace *_into_tensor / *_tensor in
+    recent torch, same semantics), looked up at each call so that wrappers of ``dist`` (collective
+    counters, recorders) see it."""
+    return getattr(dist, name, None) or getattr(dist, older)
+
+
+_TRACED_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_TRACED_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def _all_reduce(x: torch.Tensor, handle: int) -> torch.Tensor:
@@ -45,9 +66,71 @@ def _all_reduce(x: torch.Tensor, handle: int) -> torch.Tensor:
         return x
     if torch.compiler.is_compiling():  # traceable: Dynamo keeps one graph across it (no graph break)
         return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group.process_group))
+    if in_selective_checkpointing():
+        return functional_all_reduce(x, group.process_group)
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group.process_group)
     return x
+
+
+# ---- selective activation checkpointing keeps the all-reduces' outputs ----------------------------------
+# (``runtime/activation_checkpointing.py``). Its policy sees the ops a layer dispatches and caches the outputs
+# of those it saves for the recomputation; ``dist.all_reduce`` dispatches ``c10d.allreduce_``, in place on
+# the clone, whose result the caller reads from its input, so caching it would hand the recomputation an
+# unreduced clone. Inside such a region the all-reduce is the functional op instead (a new tensor, cacheable),
+# in the forward and in its recomputation alike, which must dispatch the same ops. Elsewhere it stays
+# ``dist.all_reduce`` (the same cost on gloo: ~32 us per call either way at world 1).
+
+_SAC_MODES = tuple(getattr(torch.utils.checkpoint, name) for name in
+                   ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode") if hasattr(torch.utils.checkpoint, name))
+FUNCTIONAL_ALL_REDUCE = (torch.ops._c10d_functional.all_reduce.default,)
+"""The op that ``functional_all_reduce`` runs the collective with: what a selective policy saves."""
+
+
+def in_selective_checkpointing() -> bool:
+    """Whether this thread runs the forward (caching mode) or the recomputation (cached mode) of a region
+    under ``torch.utils.checkpoint``'s selective checkpointing; False, and so the in-place all-reduce, if a
+    torch release renames those modes (the policy then recomputes it: correct, one more collective)."""
+    modes = torch._C._len_torch_dispatch_stack()
+    return bool(modes) and any(isinstance(torch._C._get_dispatch_stack_at(i), _SAC_MODES) for i in range(modes))
+
+
+def functional_all_reduce(x: torch.Tensor, process_group) -> torch.Tensor:
+    """``x`` summed over ``process_group`` into a new tensor (the raw ops, not ``funcol``'s wrapper subclass)."""
+    ops = torch.ops._c10d_functional
+    return ops.wait_tensor(ops.all_reduce(x.contiguous(), "sum", process_group.group_name))
+
+
+def _gather_stacked(x: torch.Tensor, process_group, world: int) -> torch.Tensor:
+    """Every rank's ``x`` (equal shapes) in one buffer ``[world, *x.shape]``, in rank order."""
+    x = x.contiguous()
+    if torch.compiler.is_compiling():
+        out = funcol.wait_tensor(_TRACED_GATHER(x.reshape(-1), 0, process_group))
+        return out.view(world, *x.shape)
+    out = x.new_empty((world, *x.shape))
+    # flat: gloo wants each rank's piece of the output shaped as x
+    _dist("all_gather_single", "all_gather_into_tensor")(out.view(-1), x.view(-1), group=process_group)
+    return out
+
+
+def _reduce_scatter_stacked(stacked: torch.Tensor, process_group) -> torch.Tensor:
+    """``stacked`` ([world, *shape]) summed over the ranks, this rank's ``[rank]`` entry kept (shape)."""
+    stacked = stacked.contiguous()
+    if torch.compiler.is_compiling():
+        out = funcol.wait_tensor(_TRACED_REDUCE_SCATTER(stacked.reshape(-1), "sum", 0, process_group))
+        return out.view(stacked.shape[1:])
+    out = stacked.new_empty(stacked.shape[1:])
+    _dist("reduce_scatter_single", "reduce_scatter_tensor")(out.view(-1), stacked.view(-1), group=process_group)
+    return out
+
+
+def _padded(x: torch.Tensor, dim: int, sizes=None) -> torch.Tensor:
+    """``x`` with zeros after it along ``dim`` up to the largest of ``sizes`` (None: ``x``)."""
+    if not sizes or x.shape[dim] >= max(sizes):
+        return x
+    pad = list(x.shape)
+    pad[dim] = max(sizes) - x.shape[dim]
+    return torch.cat([x, x.new_zeros(pad)], dim=dim)
 
 
 def _split_sizes(full_parts, tp: int, sizes=None, whole=()) -> list:
@@ -58,16 +141,55 @@ def _split_sizes(full_parts, tp: int, sizes=None, whole=()) -> list:
 
 
 def gather_parts(x: torch.Tensor, dim: int, process_group, world: int, sizes=None) -> list:
-    """Every rank's ``x`` along ``dim``, in rank order; ``sizes``: each rank's size there when they differ
-    (sent padded to the largest: all_gather takes equal shapes)."""
+    """Every rank's ``x`` along ``dim``, in rank order: views of one gathered buffer. ``sizes``: each
+    rank's size there when they differ (sent padded to the largest: the collective takes equal shapes)."""
+    return _parts(_gather_stacked(_padded(x, dim, sizes), process_group, world), dim, sizes)
+
+
+def gather_full(x: torch.Tensor, dim: int, process_group, world: int, sizes=None) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` (``sizes`` as in ``gather_parts``): a view of the
+    gathered buffer where ``dim`` is the first and the sizes are even, else one copy of it."""
+    return _joined(_gather_stacked(_padded(x, dim, sizes), process_group, world), dim, sizes)
+
+
+def gather_parts_to(x: torch.Tensor, dim: int, process_group, world: int, dst: int, sizes=None):
+    """``gather_parts`` received by the group's rank ``dst`` only; None on the other ranks, which send."""
+    stacked = _gather_stacked_to(_padded(x, dim, sizes), process_group, world, dst)
+    return None if stacked is None else _parts(stacked, dim, sizes)
+
+
+def gather_full_to(x: torch.Tensor, dim: int, process_group, world: int, dst: int, sizes=None):
+    """``gather_full`` received by the group's rank ``dst`` only; None on the other ranks, which send."""
+    stacked = _gather_stacked_to(_padded(x, dim, sizes), process_group, world, dst)
+    return None if stacked is None else _joined(stacked, dim, sizes)
+
+
+def _gather_stacked_to(x: torch.Tensor, process_group, world: int, dst: int):
+    """``_gather_stacked`` on the group's rank ``dst`` (``dist.gather``); the other ranks send their ``x``,
+    receive nothing and get None. Eager only (an export's gather, never in a compiled graph)."""
     x = x.contiguous()
-    if sizes is not None and x.shape[dim] < max(sizes):
-        pad = list(x.shape)
-        pad[dim] = max(sizes) - x.shape[dim]
-        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=process_group)
-    return parts if sizes is None else [p.narrow(dim, 0, n) for p, n in zip(parts, sizes)]
+    if dist.get_rank(process_group) != dst:
+        dist.gather(x, None, group=process_group, group_dst=dst)
+        return None
+    out = x.new_empty((world, *x.shape))
+    dist.gather(x, list(out.unbind(0)), group=process_group, group_dst=dst)
+    return out
+
+
+def _parts(stacked: torch.Tensor, dim: int, sizes=None) -> list:
+    """The per-rank pieces of a gathered ``[world, *padded]`` buffer (views), trimmed to ``sizes``."""
+    parts = stacked.unbind(0)
+    return list(parts) if sizes is None else [p.narrow(dim, 0, n) for p, n in zip(parts, sizes)]
+
+
+def _joined(stacked: torch.Tensor, dim: int, sizes=None) -> torch.Tensor:
+    """The pieces of a gathered buffer concatenated along ``dim``: a view where ``dim`` is 0 and sizes even."""
+    return _merge_ranks(stacked, dim) if sizes is None else torch.cat(_parts(stacked, dim, sizes), dim=dim)
+
+
+def _merge_ranks(stacked: torch.Tensor, dim: int) -> torch.Tensor:
+    """[world, *shape] -> shape with ``dim`` ``world`` times longer, rank after rank (a view for dim 0)."""
+    return stacked.movedim(0, dim).flatten(dim, dim + 1)
 
 
 def _all_gather(x: torch.Tensor, dim: int, handle: int, segments=None, sizes=None, whole=()) -> torch.Tensor:
@@ -75,10 +197,10 @@ def _all_gather(x: torch.Tensor, dim: int, handle: int, segments=None, sizes=Non
     if group.size == 1:
         return x
     dim = dim % x.dim()
+    if not segments and not sizes:
+        return gather_full(x, dim, group.process_group, group.size)
     local = [sum(s[r] for s in sizes) for r in range(group.size)] if sizes else None  # uneven: each rank's size
     parts = gather_parts(x, dim, group.process_group, group.size, local)
-    if not segments and not sizes:
-        return torch.cat(parts, dim=dim)
     # each rank holds its part of every segment: regroup segment by segment (a whole one from the first rank)
     per_segment = _split_sizes(segments or (None,), group.size, sizes, whole)
     split = [p.split([s[r] for s in per_segment], dim=dim) for r, p in enumerate(parts)]
@@ -125,10 +247,8 @@ def _reduce_scatter_seq(x: torch.Tensor, dim: int, handle: int, batch=None) -> t
     if view.shape[d] % group.size:
         raise ShardingError(f"sequence parallelism: sequence length {view.shape[d]} does not divide by tp size "
                             f"{group.size}")
-    parts = [p.contiguous() for p in view.chunk(group.size, dim=d)]
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group.process_group)
-    return _token_merge(out, dim, batch)
+    stacked = view.unflatten(d, (group.size, -1)).movedim(d, 0)  # [rank, ..., its tokens, ...]
+    return _token_merge(_reduce_scatter_stacked(stacked, group.process_group), dim, batch)
 
 
 def _all_gather_seq(x: torch.Tensor, dim: int, handle: int, batch=None) -> torch.Tensor:
@@ -136,10 +256,8 @@ def _all_gather_seq(x: torch.Tensor, dim: int, handle: int, batch=None) -> torch
     if group.size == 1:
         return x
     view, d = _token_view(x, dim, batch)
-    view = view.contiguous()
-    parts = [torch.empty_like(view) for _ in range(group.size)]
-    dist.all_gather(parts, view, group=group.process_group)
-    return _token_merge(torch.cat(parts, dim=d), dim, batch)
+    stacked = _gather_stacked(view, group.process_group, group.size)
+    return _token_merge(_merge_ranks(stacked, d), dim, batch)
 
 
 def _sequence_pair(fwd, bwd, name: str):

@@ -21,12 +21,12 @@ from .context_parallel import shift_labels, split_for_context_parallel, split_se
 from .data import StepBatches, dataset_token_stream, pack_tokens, synthetic_token_stream
 from .export import export_pretrained, gather_full_state_dict
 from .fsdp import apply_data_parallel
-from .loss import global_label_tokens, label_tokens, scaled_loss
+from .loss import global_label_count, global_label_tokens, label_tokens, scaled_loss
 from .mesh import ParallelMesh, init_mesh, world_size_error
 from .train import StepMetrics, check_context_parallel, train_step
 
 __all__ = ["init_mesh", "ParallelMesh", "world_size_error", "apply_data_parallel", "label_tokens",
-           "global_label_tokens", "scaled_loss", "clip_grad_norm_", "global_grad_norm", "save_checkpoint",
+           "global_label_count", "global_label_tokens", "scaled_loss", "clip_grad_norm_", "global_grad_norm", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "export_pretrained", "gather_full_state_dict",
            "synthetic_token_stream", "pack_tokens", "dataset_token_stream", "StepBatches", "train_step", "StepMetrics",
            "check_context_parallel", "compile_layers", "shift_labels", "split_sequence", "unsplit_sequence",

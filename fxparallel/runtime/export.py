@@ -4,12 +4,14 @@ One path serves ``export_pretrained(model, mesh, dir)`` (a training job's mesh: 
 and ``model.save_pretrained(dir)`` (``hf_methods.py``; a plain tensor-parallel model, or one
 under ``apply_data_parallel``): an ``ExportScope`` says who takes part and who writes.
 
-Every tensor is gathered over tp and dp x cp (one parameter at a time, so peak extra
-memory on the ranks other than the writer is one full tensor); the writer keeps them and
-writes with transformers' own ``save_pretrained``, so tied weights are stored once, under
-the name transformers expects, and ``AutoModelForCausalLM.from_pretrained`` loads it. The
-writer holds the whole model (in ``dtype``) while writing. A failure of the writer is raised
-on every rank of the scope (never a hang).
+Every tensor is gathered to the writer alone, one parameter at a time: FSDP's dim-0 chunks
+over dp x cp to the rank of each dp x cp group that sits in the writer's tp group, then the
+tp shards to the writer (``dist.gather``: the other ranks send their piece and receive
+nothing, so no rank but the writer ever holds a full tensor; ``_full_on_writer``). The
+writer keeps them and writes with transformers' own ``save_pretrained``, so tied weights are
+stored once, under the name transformers expects, and ``AutoModelForCausalLM.from_pretrained``
+loads it. The writer holds the whole model (in ``dtype``) while writing. A failure of the
+writer is raised on every rank of the scope (never a hang).
 """
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import CheckpointError
-from .dtensor import full_tensor
+from ..rewrite.collectives import gather_full_to, gather_parts_to
+from .dtensor import full_tensor, local_part, tp_of
 from .fsdp import reshard
 
 
@@ -63,15 +67,30 @@ def is_data_parallel(model) -> bool:
     return getattr(model, "_fxparallel_data_parallel", None) is not None
 
 
-def _gather(model, scope: ExportScope, dtype: Optional[torch.dtype], keep: bool) -> dict:
-    """{Hugging Face name: full tensor on CPU}, kept only when ``keep`` (collective over the scope).
+def _gather(model, scope: ExportScope, dtype: Optional[torch.dtype]) -> dict:
+    """{Hugging Face name: full tensor on CPU} on every rank (collective over the scope).
     Tied parameters are gathered once and appear under every name."""
-    state = {}
     reshard(model)
+    return _named_full(model, dtype, lambda param, plan: full_tensor(param, plan, scope.tp))
+
+
+def _gather_to_writer(model, scope: ExportScope, dtype: Optional[torch.dtype]) -> dict:
+    """``_gather``'s dict on the writer; empty on the other ranks, which only send their pieces
+    (collective over the scope; nothing is gathered when no rank writes)."""
+    route = _route(scope)
+    if route is None:
+        return {}
+    reshard(model)
+    return _named_full(model, dtype, lambda param, plan: _full_on_writer(param, plan, scope.tp, route))
+
+
+def _named_full(model, dtype: Optional[torch.dtype], full_of) -> dict:
+    """{name and alias: ``full_of(param, plan)`` on CPU in ``dtype``}, skipping None (one parameter at a time)."""
+    state = {}
     for name, param in model.named_parameters():
         plan = model.plan.param(name)
-        full = full_tensor(param, plan, scope.tp)
-        if keep:
+        full = full_of(param, plan)
+        if full is not None:
             full = full.to("cpu", dtype=dtype or full.dtype)
             for n in (plan.name,) + tuple(plan.aliases):
                 state[n] = full
@@ -79,12 +98,106 @@ def _gather(model, scope: ExportScope, dtype: Optional[torch.dtype], keep: bool)
     return state
 
 
+@dataclass(frozen=True)
+class _Route:
+    """Where an export's full tensors go: this rank (global), the writer, and the writer's tp group
+    (global ranks, in group order): the ranks that gather a tp shard for it."""
+
+    rank: int
+    writer: int
+    writer_tp: tuple
+
+
+def _route(scope: ExportScope) -> Optional[_Route]:
+    """The writer and its tp group, as every rank of the scope learns them (collective); None when no
+    rank writes. Agreed rather than assumed: ``is_main_process`` may differ between the ranks."""
+    if scope.single:
+        return _Route(0, 0, (0,)) if scope.writer else None
+    rank = dist.get_rank()
+    mine = None
+    if scope.writer:
+        _, tp_group = tp_of(scope.tp)
+        mine = (rank, tuple(dist.get_process_group_ranks(tp_group)) if tp_group is not None else (rank,))
+    found = [None] * dist.get_world_size(scope.group)
+    dist.all_gather_object(found, mine, group=scope.group)
+    writer = next((w for w in found if w is not None), None)
+    return None if writer is None else _Route(rank, *writer)
+
+
+def _full_on_writer(param, plan_param, tp_mesh, route: _Route) -> Optional[torch.Tensor]:
+    """The complete model tensor on the writer, None on every other rank (collective over the ranks
+    holding its pieces). ``dtensor.full_tensor``'s assembly, with gathers to one rank instead of
+    all-gathers: the writer receives one ``[tp, *shard]`` buffer and returns a view of it or one copy."""
+    tp, group = tp_of(tp_mesh)
+    p = plan_param.placement
+    split = p.is_shard and tp > 1
+    # a tensor whole on every tp rank is gathered over dp x cp by the writer alone
+    shard = _tp_shard_to(param.detach(), route.writer_tp if split else (route.writer,))
+    if not split:
+        return shard if route.rank == route.writer else None
+    if shard is None or route.rank not in route.writer_tp:
+        return None
+    dst = dist.get_group_rank(group, route.writer)
+    sizes = [plan_param.local_shape(tp, r)[p.dim] for r in range(tp)]
+    sizes = sizes if len(set(sizes)) > 1 else None
+    if not p.segments:
+        return gather_full_to(shard, p.dim, group, tp, dst, sizes)  # each rank's rows follow the previous rank's
+    parts = gather_parts_to(shard, p.dim, group, tp, dst, sizes)
+    if parts is None:
+        return None
+    full = shard.new_empty(tuple(plan_param.shape))
+    for rank, part in enumerate(parts):
+        for src, piece in plan_param.pieces(rank, tp):  # a whole segment: the same on every rank
+            full[src] = part[piece]
+    return full
+
+
+def _tp_shard_to(tensor, targets: tuple) -> Optional[torch.Tensor]:
+    """This rank's whole tp shard on the rank of its dp x cp group that is among ``targets`` (global
+    ranks), None on the others (FSDP's dim-0 chunks, torch.chunk sizes, gathered there); the tensor
+    itself where FSDP does not shard it."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    mesh_dim = _shard_mesh_dim(tensor)
+    if mesh_dim is None:
+        return local_part(tensor)
+    group = tensor.device_mesh.get_group(mesh_dim)
+    members = dist.get_process_group_ranks(group)
+    holders = [r for r in members if r in targets]
+    if not holders:  # no rank of this group gathers for the writer
+        return None
+    rows, world = tensor.shape[0], len(members)
+    sizes = _chunk_sizes(rows, world)
+    local = local_part(tensor)
+    if local.numel() == 0:  # an empty chunk (FSDP pads it), shaped for the padding
+        local = local.new_zeros((0, *tensor.shape[1:]))
+    return gather_full_to(local, 0, group, world, dist.get_group_rank(group, holders[0]),
+                          sizes if len(set(sizes)) > 1 else None)
+
+
+def _shard_mesh_dim(tensor) -> Optional[int]:
+    """The mesh dimension over which FSDP splits ``tensor`` along dim 0 (None: replicated)."""
+    for i, (size, placement) in enumerate(zip(tensor.device_mesh.shape, tensor.placements)):
+        if isinstance(placement, Shard) and size > 1:
+            if placement.dim != 0:
+                raise NotImplementedError(f"FSDP sharding on dim {placement.dim}; only dim 0 is supported")
+            return i
+    return None
+
+
+def _chunk_sizes(rows: int, parts: int) -> list:
+    """torch.chunk's sizes of ``rows`` over ``parts`` (FSDP's), trailing ranks possibly empty."""
+    size = -(-rows // parts)
+    return [max(0, min(size, rows - r * size)) for r in range(parts)]
+
+
 def gather_full_state_dict(model, mesh=None, dtype: Optional[torch.dtype] = None, to_rank0_only: bool = True) -> dict:
     """{Hugging Face name: full tensor on CPU} (collective); empty on ranks other than the writer
-    (global rank 0 with a mesh, else tp rank 0) when ``to_rank0_only``. Tied parameters appear
-    under every name. ``mesh``: the training job's ParallelMesh, or None (see ``ExportScope``)."""
+    (global rank 0 with a mesh, else tp rank 0) when ``to_rank0_only``, which then never receive a
+    full tensor. Tied parameters appear under every name. ``mesh``: the training job's ParallelMesh,
+    or None (see ``ExportScope``)."""
     scope = ExportScope.of_mesh(mesh) if mesh is not None else ExportScope.of_model(model)
-    return _gather(model, scope, dtype, keep=scope.writer or not to_rank0_only)
+    return _gather_to_writer(model, scope, dtype) if to_rank0_only else _gather(model, scope, dtype)
 
 
 def _save(model, state: dict, directory: str, dtype: Optional[torch.dtype], save_kwargs: dict) -> None:
@@ -133,7 +246,7 @@ def write_pretrained(model, directory: str, scope: ExportScope, *, dtype: Option
     """Gather every tensor over ``scope`` and write ``directory`` on its writer (collective).
     ``save_kwargs`` go to transformers' ``save_pretrained`` (max_shard_size, variant, ...).
     Returns the directory on the writer, None elsewhere."""
-    state = _gather(model, scope, dtype, keep=scope.writer)
+    state = _gather_to_writer(model, scope, dtype)
     error = None
     if scope.writer:
         try:

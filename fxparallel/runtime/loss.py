@@ -32,13 +32,19 @@ def label_tokens(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
     return ((labels if shifted else labels[..., 1:]) != IGNORE_INDEX).sum()
 
 
-def global_label_tokens(labels: torch.Tensor, mesh, shifted: bool = False) -> int:
-    """Tokens counted by the loss over the whole global batch (sum over dp x cp)."""
+def global_label_count(labels: torch.Tensor, mesh, shifted: bool = False) -> torch.Tensor:
+    """Tokens counted by the loss over the whole global batch (sum over dp x cp), as a tensor on the mesh's
+    device: reading it is the caller's choice (``train_step`` reads it once, its one host sync per step)."""
     count = label_tokens(labels, shifted).to(torch.float64 if mesh.device.type == "cpu" else torch.float32)
     count = count.to(mesh.device)
     if mesh.dp_cp_size > 1:
         dist.all_reduce(count, group=mesh.dp_cp_group)
-    return int(count.item())
+    return count
+
+
+def global_label_tokens(labels: torch.Tensor, mesh, shifted: bool = False) -> int:
+    """``global_label_count`` as a Python int (a host sync)."""
+    return int(global_label_count(labels, mesh, shifted).item())
 
 
 def scaled_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, global_tokens: int, shifted: bool = False,
@@ -46,15 +52,17 @@ def scaled_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, global_tok
     """Forward; returns (loss to backpropagate, this rank's token-loss sum as a detached tensor).
 
     A rank without any label token still runs forward and backward (its collectives
-    must match the other ranks'); it contributes zero.
+    must match the other ranks'); it contributes zero. Nothing here waits for the device:
+    the rank's own count stays a tensor.
     """
     if global_tokens <= 0:
         raise ValueError("the global batch has no label tokens (every label is -100)")
-    local = int(label_tokens(labels, shifted))
-    if local == 0:
-        # the model's mean would be 0/0; give it one dummy token and weight it by zero
-        labels = labels.clone()
-        labels[..., 0 if shifted else 1] = 0
+    local = label_tokens(labels, shifted)
+    # with no label token the model's mean would be 0/0: give it one dummy token, weighted by zero below
+    labels = labels.clone()
+    where = (..., 0 if shifted else 1)
+    labels[where] = torch.where(local == 0, torch.zeros_like(labels[where]), labels[where])
     out = model(input_ids=input_ids, labels=labels, **kwargs)
-    loss = out.loss * (local / global_tokens)
-    return loss, (out.loss.detach() * local).float()
+    local = local.to(out.loss.device)
+    loss = out.loss * (local.double() / global_tokens).to(out.loss.dtype)  # the ratio rounded once, as a float's
+    return loss, (out.loss.detach() * local.to(out.loss.dtype)).float()

@@ -5,6 +5,7 @@ the loss is still the mean over every label token of the global batch.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -14,15 +15,33 @@ import torch.distributed as dist
 
 from .clip import clip_grad_norm_, global_grad_norm
 from .context_parallel import split_for_context_parallel
-from .loss import global_label_tokens, scaled_loss
+from .loss import global_label_count, scaled_loss
 
 
 @dataclass
 class StepMetrics:
-    loss: float  # mean over every label token of the global batch
-    grad_norm: float  # global norm before clipping
+    """What a step measured. ``loss`` and ``grad_norm`` are read from the device when first asked for (on a GPU
+    that waits for the step's kernels): a loop that logs every n-th step syncs only then."""
+
+    _values: torch.Tensor  # [loss sum over the global batch, grad norm], on the device
+    global_tokens: int  # label tokens in the global batch
     tokens: int  # input tokens in the global batch
-    seconds: float
+    seconds: float  # host time of the call (on a GPU: until the step was queued, unless a metric was read)
+
+    @functools.cached_property
+    def _floats(self) -> tuple:
+        loss_sum, norm = self._values.tolist()
+        return loss_sum / self.global_tokens, norm
+
+    @property
+    def loss(self) -> float:
+        """Mean over every label token of the global batch."""
+        return self._floats[0]
+
+    @property
+    def grad_norm(self) -> float:
+        """Global gradient norm before clipping."""
+        return self._floats[1]
 
     @property
     def tokens_per_s(self) -> float:
@@ -59,7 +78,8 @@ def train_step(model, optimizer, batch: dict, mesh, *, max_norm: Optional[float]
     ids = batch["input_ids"].to(mesh.device)
     labels = batch.get("labels", batch["input_ids"]).to(mesh.device)
     shifted = mesh.cp > 1
-    global_tokens = global_label_tokens(labels, mesh, shifted=shifted)
+    # the step's one host sync: an empty global batch is refused before anything changes
+    global_tokens = int(global_label_count(labels, mesh, shifted=shifted).item())
     loss, local_sum = scaled_loss(forward, ids, labels, global_tokens, shifted=shifted, **extra)
     loss.backward()
     if max_norm is not None and max_norm > 0:
@@ -70,8 +90,6 @@ def train_step(model, optimizer, batch: dict, mesh, *, max_norm: Optional[float]
     total = local_sum.to(mesh.device, torch.float32)
     if mesh.dp_cp_size > 1:
         dist.all_reduce(total, group=mesh.dp_cp_group)
-    if mesh.device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    return StepMetrics(loss=total.item() / global_tokens, grad_norm=norm.item(),
-                       tokens=ids.numel() * mesh.dp_cp_size, seconds=seconds)
+    values = torch.stack([total.reshape(()), norm.to(mesh.device, torch.float32).reshape(())])
+    return StepMetrics(values, global_tokens, tokens=ids.numel() * mesh.dp_cp_size,
+                       seconds=time.perf_counter() - start)
