@@ -9,14 +9,16 @@ Work as in transformers
     of the config), ``name_or_path``, ``main_input_name``, ``can_generate()``, ``device``,
     ``dtype``, ``generate`` (module.py), ``eval()`` / ``train()`` / ``requires_grad_()`` /
     ``zero_grad()`` (nn.Module's, on this rank's shards), ``num_parameters()`` (the whole
-    model's count; ``local=True``: this rank's), ``forward(..., return_dict=False)`` (a tuple:
-    the loss first when labels are given, then the logits, ``past_key_values``, ...).
+    model's count; ``local=True``: this rank's), ``forward(..., return_dict=False)`` (transformers'
+    tuple: the loss when labels are given, the logits, the cache; logits left sharded are refused,
+    naming ``gather_logits=True``: a vocabulary shard never sits where the logits are read).
 ``save_pretrained(dir, ...)``
     A consolidated transformers checkpoint (config.json, generation_config.json, safetensors),
     written once; collective: every tp rank calls it (every rank of the job under
-    ``apply_data_parallel``). Tensors are gathered one at a time (``runtime/export.py``).
-    Takes ``max_shard_size``, ``variant``, ``save_original_format``, ``is_main_process`` (False:
-    this tp group gathers but does not write; for replicas that should not write) and
+    ``apply_data_parallel``). Tensors are gathered to the writer alone, one at a time
+    (``runtime/export.py``). Takes ``max_shard_size``, ``variant``, ``save_original_format``,
+    ``is_main_process`` (False: this rank does not write; a tp group without a writer gathers
+    nothing; for replicas that should not write) and
     ``safe_serialization=True``; plus ``dtype`` (cast on writing) and ``mesh`` (a training
     job's ParallelMesh: the writer is global rank 0). Refuses ``state_dict``, ``push_to_hub``,
     ``distributed_checkpoint=True`` and anything else by name.

@@ -10,6 +10,14 @@
   of every tensor: 14 int64 per rank) is all-gathered over the group, so a mismatch is an
   error on every rank that names the ranks that differ, instead of a hang or a result that
   mixes data. The range check rides on the same host sync.
+* Options that change which collectives run (whether the logits are gathered, logits_to_keep,
+  the KV cache's length, dropout in training mode, the model's dtype) ride in the fingerprint
+  too: given on one rank only, they would make the ranks run different collectives and wait on
+  each other.
+* A rank whose own arguments are refused (a shape above, or an argument forward refuses before
+  this check: ``refused``) still takes part in the exchange, flagged as failed, and then raises
+  its own error; the others raise one naming that rank. No refusal is raised before the exchange,
+  so an argument given to one rank only never leaves the others waiting in a collective.
 * Dropout (a training-mode call of a model with dropout): every tp rank draws the same logical
   masks (``rewrite/dropout.py``), which holds only if their random generators are in the same
   state; a digest of the generator state rides in the fingerprint, so ranks seeded differently
@@ -28,9 +36,34 @@ import torch.distributed as dist
 
 from .errors import InputError
 
-# the arguments a fingerprint covers; its 14 fields: ndim, batch, seq, presence bits, 4 checksums (one per
-# argument), ids min / max, labels bad count, problem, rng digest, mask without padding
+# the arguments a fingerprint covers; its 14 fields: ndim, batch, seq, presence bits (and above them the
+# options, ``options_code``), 4 checksums (one per argument), ids min / max, labels bad count, problem, rng
+# digest, mask without padding
 FINGERPRINT = ("input_ids", "attention_mask", "position_ids", "labels")
+FIELDS = 14
+_PRESENCE_BITS = len(FINGERPRINT)
+_KEEP_LIMIT = 1 << 20  # logits_to_keep above this is compared as this (no graph keeps more)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the model's dtype as an index (4: other)
+
+
+def options_code(gather: bool, dropout: bool, logits_to_keep: int, cache_length: Optional[int],
+                 dtype: Optional[torch.dtype] = None) -> int:
+    """The options of one call that change which collectives run, as one integer: whether the logits are
+    gathered, whether dropout masks are drawn (training mode), the model's dtype (``model.to(dtype)`` on one
+    rank only), logits_to_keep and the KV cache's length."""
+    keep = min(int(logits_to_keep), _KEEP_LIMIT - 1)
+    cache = 0 if cache_length is None else int(cache_length) + 1
+    kind = 0 if dtype is None else (_DTYPES.index(dtype) + 1 if dtype in _DTYPES else len(_DTYPES) + 1)
+    return int(bool(gather)) | int(bool(dropout)) << 1 | kind << 2 | keep << 5 | cache << 25
+
+
+def _options(code: int) -> dict:
+    """``options_code``'s integer read back, as the option names a user passes."""
+    cache, kind = code >> 25, code >> 2 & 7
+    dtype = str(_DTYPES[kind - 1]).replace("torch.", "") if 0 < kind <= len(_DTYPES) else ("other" if kind else None)
+    return {"gather_logits": bool(code & 1), "training mode with dropout (model.train())": bool(code >> 1 & 1),
+            "the model's dtype": dtype, "logits_to_keep": code >> 5 & (_KEEP_LIMIT - 1),
+            "KV cache (use_cache / past_key_values) length": cache - 1 if cache else None}
 
 
 def shape_problem(args: dict, mask_length: Optional[int] = None) -> Optional[str]:
@@ -70,11 +103,11 @@ def rng_digest(device: torch.device) -> int:
     return zlib.crc32(state.numpy().tobytes())
 
 
-def fingerprint(args: dict, classes: Optional[int], problem: bool, rng: int = 0) -> torch.Tensor:
+def fingerprint(args: dict, classes: Optional[int], problem: bool, rng: int = 0, options: int = 0) -> torch.Tensor:
     """The 14 numbers each rank sends; ``problem``: this rank's arguments failed a local check; ``rng``:
-    its generator digest when the call draws dropout masks (else 0)."""
+    its generator digest when the call draws dropout masks (else 0); ``options``: ``options_code``."""
     ids = args["input_ids"]
-    present = sum(1 << i for i, name in enumerate(FINGERPRINT) if name in args)
+    present = sum(1 << i for i, name in enumerate(FINGERPRINT) if name in args) | options << _PRESENCE_BITS
     zero = torch.zeros((), dtype=torch.int64, device=ids.device)
     sums = [_checksum(args[name]) if name in args else zero for name in FINGERPRINT]
     labels = args.get("labels")
@@ -91,34 +124,47 @@ def fingerprint(args: dict, classes: Optional[int], problem: bool, rng: int = 0)
 
 
 def check_arguments(args: dict, group, vocab: Optional[int], classes: Optional[int],
-                    mask_length: Optional[int] = None, dropout: bool = False) -> bool:
-    """Shapes, ranges and (over ``group``, a TPGroup) equality of the arguments of one call, and with
-    ``dropout`` of the ranks' random generators. Every rank takes part in the exchange before anything
-    is raised, so all raise together. Returns whether an attention mask was given that holds no padding."""
-    problem = shape_problem(args, mask_length)
-    rng = rng_digest(args["input_ids"].device) if dropout else 0
-    mine = fingerprint(args, classes, problem is not None, rng)
+                    mask_length: Optional[int] = None, dropout: bool = False, options: int = 0,
+                    refused: Optional[BaseException] = None, device=None) -> bool:
+    """Shapes, ranges and (over ``group``, a TPGroup) equality of the arguments of one call and of its
+    ``options`` (``options_code``), and with ``dropout`` of the ranks' random generators. Every rank takes
+    part in the exchange before anything is raised, so all raise together. ``refused``: the error this rank's
+    arguments already got from a check before this one (an unsupported argument, say); the rank then sends a
+    fingerprint flagged as failed (on ``device``: its arguments may hold no tensor) and raises that error
+    after the exchange, while the others raise one naming it. Returns whether an attention mask was given that
+    holds no padding."""
+    if refused is None:
+        problem = shape_problem(args, mask_length)
+        rng = rng_digest(args["input_ids"].device) if dropout else 0
+        mine = fingerprint(args, classes, problem is not None, rng, options)
+    else:
+        problem = None
+        mine = torch.zeros(FIELDS, dtype=torch.int64, device=device)
+        mine[11] = 1
     if group is not None and group.process_group is not None and group.size > 1:
         rows = [torch.empty_like(mine) for _ in range(group.size)]
         dist.all_gather(rows, mine, group=group.process_group)
         table = torch.stack(rows).cpu().tolist()
     else:
         table = [mine.cpu().tolist()]
+    if refused is not None:
+        raise refused
     if problem is not None:
         raise InputError(problem)
     failed = [r for r, row in enumerate(table) if row[11]]
     if failed:
-        raise InputError(f"the arguments of tp rank {failed[0]} are invalid (see the error on that rank); every tp "
+        where = "that rank" if len(failed) == 1 else "those ranks"
+        raise InputError(f"the arguments of {ranks_named(failed)} are invalid (see the error on {where}); every tp "
                          f"rank must be given the same arguments")
-    compared = lambda row: row[:8] + row[13:]  # noqa: E731 - shapes, presence, checksums, padding
+    compared = lambda row: row[:8] + row[13:]  # noqa: E731 - shapes, presence, options, checksums, padding
     differ = [r for r, row in enumerate(table) if compared(row) != compared(table[0])]
     if differ:
         what = _what_differs(table[0], table[differ[0]])
         raise InputError(
             f"the ranks of one tensor-parallel group got different arguments ({what}: rank 0 vs rank "
             f"{differ[0]}; ranks differing from rank 0: {differ}). Every tp rank must be given the same "
-            f"input_ids, attention_mask, position_ids and labels; data parallelism splits data across dp "
-            f"ranks, never across tp ranks")
+            f"input_ids, attention_mask, position_ids and labels (and options: gather_logits, logits_to_keep, KV "
+            f"cache, train/eval mode, dtype); data parallelism splits data across dp ranks, never across tp ranks")
     seeded = [r for r, row in enumerate(table) if row[12] != table[0][12]]
     if seeded:
         raise InputError(
@@ -135,12 +181,22 @@ def check_arguments(args: dict, group, vocab: Optional[int], classes: Optional[i
     return bool(table[0][13])
 
 
+def ranks_named(ranks: list) -> str:
+    """"tp rank 1" / "tp ranks 1, 3": the ranks an error names."""
+    return f"tp rank {ranks[0]}" if len(ranks) == 1 else f"tp ranks {', '.join(map(str, ranks))}"
+
+
 def _what_differs(a: list, b: list) -> str:
     if a[:3] != b[:3]:
         return f"input_ids shape {tuple(a[1:3])} vs {tuple(b[1:3])}"
-    if a[3] != b[3]:
+    mask = (1 << _PRESENCE_BITS) - 1
+    if a[3] & mask != b[3] & mask:
         names = lambda bits: [n for i, n in enumerate(FINGERPRINT) if bits >> i & 1] or ["none"]  # noqa: E731
-        return f"arguments given {names(a[3])} vs {names(b[3])}"
+        return f"arguments given {names(a[3] & mask)} vs {names(b[3] & mask)}"
+    if a[3] != b[3]:
+        mine, theirs = _options(a[3] >> _PRESENCE_BITS), _options(b[3] >> _PRESENCE_BITS)
+        name = next(n for n in mine if mine[n] != theirs[n])
+        return f"{name} {mine[name]} vs {theirs[name]}"
     for i, name in enumerate(FINGERPRINT):
         if a[4 + i] != b[4 + i]:
             return f"the values of {name}"

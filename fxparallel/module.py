@@ -258,7 +258,9 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Mo
         (see the README's "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
         earlier call) runs with a static KV cache sharded by heads (``generation/cache.py``) and returns
         it as ``past_key_values``; ``check_inputs=False`` skips the per-call checks (``inputs.py``), and with
-        them the reading of an attention mask that could show it holds no padding (the graph then applies it);
+        them the reading of an attention mask that could show it holds no padding (the graph then applies it)
+        and the exchange that raises one rank's refusal on every rank (a refusal is then raised at once, on
+        the rank given the argument alone);
         ``compile_config`` (transformers' ``CompileConfig``) runs the graph ``torch.compile``d with its options,
         compiled once per graph (``generate`` passes it for its decode steps); ``logits_to_keep=k`` (an int, as in
         transformers) computes the logits of the last k positions only (a graph of its own; 0: all)."""
@@ -289,7 +291,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Mo
             unpadded = check_arguments(args, self.tp_group, self.vocab_rows, self.label_classes, dropout=dropout,
                                        mask_length=cache.length if cache is not None else None,
                                        options=options_code(gather, dropout, logits_to_keep,
-                                                            cache.length if cache is not None else None),
+                                                            cache.length if cache is not None else None, self.dtype_),
                                        refused=refused, device=self.device_)
             unpadded = unpadded and cache is None and self.cp_group is None
         if self.sequence_parallel and cache is None and input_ids.shape[-1] % self.tp_group.size:

@@ -16,10 +16,17 @@ from .rewrite import collectives
 from .rewrite.functional import vocab_parallel_cross_entropy
 from .rewrite.passes import PassContext
 
+def _inserted(node) -> bool:
+    """Was ``node`` put in by the rewrite (a collective, a local slice)? Those carry no module stack: the
+    captured graph's own nodes all do (the causal LM's own ops with its root module only)."""
+    return node.op == "call_function" and "nn_module_stack" not in node.meta
+
+
 def _gradient_consumers(node, passed_up: set):
-    """The ops whose input gradient a copy_to_tp reduces (through values it was passed up from)."""
+    """The ops whose input gradient a copy_to_tp reduces (through values it was passed up from, and through
+    the ops the rewrite put in, such as the slice of a rank's heads out of k and v gathered whole)."""
     for user in node.users:
-        if user in passed_up:
+        if user in passed_up or _inserted(user):
             yield from _gradient_consumers(user, passed_up)
         else:
             yield user

@@ -21,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, group_timeout=120.0):
     import torch
     import torch.distributed as dist
 
@@ -29,7 +29,8 @@ def _worker(rank, world_size, port, fn, args, queue):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=group_timeout))
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -39,12 +40,15 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on every rank; returns the per-rank results in rank order."""
+def run_ranks(world_size: int, fn, *args, timeout: float = 300.0, group_timeout: float = 120.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on every rank; returns the per-rank results in rank order.
+    ``timeout``: the wait for every rank's report; ``group_timeout``: the process group's own, after which a
+    rank left waiting in a collective fails."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, group_timeout))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, {}

@@ -219,10 +219,17 @@ def _families(rank, tp, paths):
         tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
         out[name] = torch.equal(tokens, ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
                                                      do_sample=False, pad_token_id=0))
+        # a prompt that alone fills the positions or the window: no max_new_tokens can help (before: "lower
+        # max_new_tokens to at most 0", or a negative number)
+        long = torch.randint(3, 120, (2, 66), generator=torch.Generator().manual_seed(2))
         if name == "gpt2":  # 64 learned positions: refused before any step
             out["too long"] = _raises(lambda: model.generate(input_ids=ids, max_new_tokens=60, pad_token_id=0))
+            out["prompt fills the positions"] = _raises(lambda: model.generate(input_ids=long[:, :64],
+                                                                               max_new_tokens=2, pad_token_id=0))
         if name == "mistral":  # a window of 32 tokens: the cache would roll
             out["past window"] = _raises(lambda: model.generate(input_ids=ids, max_new_tokens=40, pad_token_id=0))
+            out["prompt fills the window"] = _raises(lambda: model.generate(input_ids=long[:, :40], max_new_tokens=2,
+                                                                            pad_token_id=0))
     return out
 
 
@@ -241,6 +248,16 @@ def test_generate_learned_positions_and_sliding_window(tmp_path):
         assert out["gpt2"] and out["mistral"], out
         assert "beyond the model's 64 learned positions" in out["too long"], out["too long"]
         assert "exceed the model's sliding attention window of 32 tokens" in out["past window"], out["past window"]
+        assert out["prompt fills the window"] == (
+            "InputError: generate: the prompt alone fills the model's sliding attention window: 40 tokens, window 32 "
+            "tokens, beyond which its cache rolls, and the parallel model's graphs do not roll it yet, so not one "
+            "token can be generated; shorten the prompt to at most 31 tokens (room for 32 tokens in all, prompt "
+            "included), or generate with the single-device transformers model, whose cache rolls"), \
+            out["prompt fills the window"]
+        assert out["prompt fills the positions"] == (
+            "InputError: generate: the prompt alone fills the model's learned positions: 64 tokens, 64 positions "
+            "(max_position_embeddings), so not one token can be generated; shorten the prompt to at most 63 tokens "
+            "(the model has no position for more, on one device either)"), out["prompt fills the positions"]
 
 
 def test_cache_states_beyond_keys_and_values_are_refused_by_name():

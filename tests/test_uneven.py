@@ -92,8 +92,9 @@ def test_plan_records_uneven_splits_in_print_and_json():
 
 @pytest.mark.parametrize("overrides, tp, message", [
     (dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=4, intermediate_size=12), 16,
-     r"tp size 16 is larger than num_attention_heads=12 \(attention heads\): a rank would hold none; it is the "
-     r"size of .*q_proj.weight \(dim 0\).*tp size 16 is larger than intermediate_size=12"),
+     r"tp size 16 is larger than num_attention_heads=12 \(attention heads\): a rank would hold none; the heads "
+     r"split model\.layers\.\{0-1\}\.self_attn\.q_proj\.weight \(dim 0\), "
+     r"model\.layers\.\{0-1\}\.self_attn\.o_proj\.weight \(dim 1\); tp size 16 is larger than intermediate_size=12"),
     (dict(num_attention_heads=2, num_key_value_heads=2, hidden_size=64), 4,
      r"tp size 4 is larger than num_attention_heads=2 \(attention heads\): a rank would hold none"),
 ])
@@ -102,6 +103,37 @@ def test_what_stays_impossible_is_refused_before_capture(overrides, tp, message)
 
     with pytest.raises(ShardingError, match=message):
         fxparallel.plan_model(tiny_config("llama", **overrides), tp)
+
+
+def test_too_many_ranks_for_the_heads_lists_only_what_the_heads_split():
+    """The refusal names the weights a head split cuts (q / k / v by their output, the output projection by
+    its input), not every weight that happens to be heads x head_dim wide: the embedding width and k_proj's
+    input are the hidden size (before: 'model.embed_tokens.weight (dim 1), ..., k_proj.weight (dim 1)')."""
+    import fxparallel
+    from transformers import GPT2Config, Phi3Config
+
+    def refusal(config) -> str:
+        with pytest.raises(ShardingError) as caught:
+            fxparallel.plan_model(config, 8)
+        return str(caught.value)
+
+    heads = "tp size 8 is larger than num_attention_heads=4 (attention heads): a rank would hold none; the heads split "
+    layers = "model.layers.{0-1}.self_attn."
+    # as many kv heads as heads: q, k and v are split by heads
+    text = refusal(tiny_config("llama", num_attention_heads=4, num_key_value_heads=4))
+    assert heads + ", ".join(f"{layers}{p}_proj.weight (dim {d})" for p, d in (("q", 0), ("k", 0), ("v", 0), ("o", 1))
+                             ) + ". Uneven splits" in text, text
+    # GQA: k and v have 2 heads (kv heads can be replicated): only q and o
+    text = refusal(tiny_config("llama", num_attention_heads=4, num_key_value_heads=2))
+    assert heads + f"{layers}q_proj.weight (dim 0), {layers}o_proj.weight (dim 1). Uneven" in text, text
+    assert "embed_tokens" not in text and "(dim 1), model.layers.{0-1}.self_attn.k_proj" not in text
+    # GPT-2's Conv1D (weight [in, out]) and Phi-3, whose o_proj is registered before its fused qkv_proj
+    text = refusal(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4))
+    assert heads + "transformer.h.{0-1}.attn.c_attn.weight (dim 1), transformer.h.{0-1}.attn.c_proj.weight (dim 0)." \
+        in text, text
+    text = refusal(Phi3Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=128, pad_token_id=0))
+    assert heads + f"{layers}o_proj.weight (dim 1), {layers}qkv_proj.weight (dim 0)." in text, text
 
 
 def test_mlp_widths_under_every_config_name_split_unevenly():

@@ -167,6 +167,20 @@ def test_plan_report_says_outside_any_submodule_not_top():
     assert plan.collectives[0].where == "<top>"  # the data (JSON) keeps its name
 
 
+def test_plan_report_names_the_attention_whose_kv_gradient_is_reduced():
+    """With fewer kv heads than ranks, k and v are gathered whole and each rank slices its heads; their
+    gradient is all-reduced in the backward pass. The slice is the rewrite's own op (no module), so the
+    report named '(top-level forward, outside any submodule)'; it names the attention that consumes them."""
+    import fxparallel
+    from models import tiny_config
+
+    plan, _ = fxparallel.plan_model(tiny_config("llama", num_key_value_heads=2), 4)
+    text = str(plan)
+    assert "top-level forward" not in text, text
+    assert re.search(r"\n +4 x all_reduce +64\.0 B/token  gradient of the input of model\.layers\.\*\.self_attn\n",
+                     text), text
+
+
 # ---- 6. packaging metadata -------------------------------------------------------------------------------
 def test_pyproject_license_is_an_spdx_string_without_deprecation_warning(monkeypatch):
     import tomllib

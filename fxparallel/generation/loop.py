@@ -19,25 +19,45 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
+from ..inputs import ranks_named
 from .cache import ParallelCache, cache_length
 from .select import full_scores, top_k_candidates, vocab_parallel_argmax
 
 SUPPORTED_MODES = ("greedy_search", "sample")
 
 
-def _same_on_every_rank(model, what: str, text: str) -> None:
-    """Refuse arguments that differ between the tp ranks (they would desynchronize the loop and hang)."""
+def _same_on_every_rank(model, what: str, text: str, refused=None) -> None:
+    """Refuse arguments that differ between the tp ranks (they would desynchronize the loop and hang), and
+    raise on every rank an error one rank's own checks raised (``refused``): that rank raises its own, the others
+    one naming it. Every rank takes part in the exchange before anything is raised, so an argument given to one
+    rank only never leaves the others waiting in a collective."""
     group = model.tp_group
     if group.process_group is None or group.size == 1:
+        if refused is not None:
+            raise refused
         return
-    # on the model's device: an NCCL group takes CUDA tensors only
-    digest = torch.tensor(list(hashlib.sha256(text.encode()).digest()[:8]), dtype=torch.int64, device=model.device_)
+    # on the model's device: an NCCL group takes CUDA tensors only; the first number flags a refusal
+    digest = torch.tensor([int(refused is not None)] + list(hashlib.sha256(text.encode()).digest()[:8]),
+                          dtype=torch.int64, device=model.device_)
     rows = [torch.empty_like(digest) for _ in range(group.size)]
     dist.all_gather(rows, digest, group=group.process_group)
+    if refused is not None:
+        raise refused
+    failed = [r for r, row in enumerate(rows) if int(row[0])]
+    if failed:
+        where = "that rank" if len(failed) == 1 else "those ranks"
+        raise InputError(f"generate: the arguments of {ranks_named(failed)} were refused (see the error on {where}); "
+                         f"every tp rank must call generate with the same prompts and generation arguments")
     differ = [r for r, row in enumerate(rows) if not torch.equal(row, rows[0])]
     if differ:
         raise InputError(f"generate: the tp ranks were given different {what} (rank 0 vs ranks {differ}); every tp "
                          f"rank must call generate with the same prompts and generation arguments")
+
+
+def _cache_field(output_class) -> str:
+    """The field of a transformers output class that holds the KV cache: ``cache`` from transformers 5.24 on
+    (the old name then logs a deprecation warning), ``past_key_values`` before."""
+    return "cache" if "cache" in output_class.__dataclass_fields__ else "past_key_values"
 
 
 def _described(config) -> str:
@@ -89,12 +109,13 @@ def _compiled_steps_cache(model, length: int, batch: int) -> ParallelCache:
     return cache
 
 
-def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_config=None, streamer=None,
-             logits_processor=None, stopping_criteria=None, **kwargs):
-    from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorList, StoppingCriteriaList
-
-    if input_ids is None or input_ids.dim() != 2:
-        raise InputError("generate needs input_ids of shape [batch, prompt length]")
+def _checked_arguments(model, input_ids, attention_mask, generation_config, kwargs):
+    """This rank's generate arguments, checked: (generation config, input_ids and attention mask on the model's
+    device, the max_length the caller gave). Raises what is refused (a mode, an argument, a shape)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        got = (f"shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else
+               type(input_ids).__name__)
+        raise InputError(f"generate needs input_ids of shape [batch, prompt length], got {got}")
     if model.cp_group is not None:
         raise InputError("generate is not supported under context parallelism (cp_group): parallelize without it")
     user_max_length = kwargs.get("max_length")
@@ -108,14 +129,40 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
     if unknown:
         raise InputError(f"generate: unsupported arguments {unknown} (the parallel model takes input_ids, "
                          f"attention_mask and generation options)")
+    if (config.num_return_sequences or 1) > 1 and not config.do_sample:
+        raise InputError(f"generate: num_return_sequences={config.num_return_sequences} with greedy search, which "
+                         f"returns one sequence per prompt (transformers refuses it too): pass do_sample=True to draw "
+                         f"several")
     device = model.device_
     input_ids = input_ids.to(device)
-    batch, prompt = input_ids.shape
     mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(device).long()
-    if tuple(mask.shape) != (batch, prompt):
-        raise InputError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has {(batch, prompt)}")
-    _same_on_every_rank(model, "prompts or generation arguments",
-                        _described(config) + str(input_ids.tolist()) + str(mask.tolist()))
+    if tuple(mask.shape) != tuple(input_ids.shape):
+        raise InputError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has {tuple(input_ids.shape)}")
+    return config, input_ids, mask, user_max_length
+
+
+def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_config=None, streamer=None,
+             logits_processor=None, stopping_criteria=None, **kwargs):
+    from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorList, StoppingCriteriaList
+
+    # this rank's own checks: an error is raised only after the ranks have compared their arguments (every rank
+    # raises then), so that an argument given to one rank only never leaves the others waiting
+    refused, text = None, ""
+    try:
+        config, input_ids, mask, user_max_length = _checked_arguments(model, input_ids, attention_mask,
+                                                                      generation_config, kwargs)
+        # the processors and criteria given are compared by class (their own reprs hold addresses)
+        given = [type(p).__qualname__ for p in (logits_processor or [])] + ["|"] + [
+            type(c).__qualname__ for c in (stopping_criteria or [])]
+        text = _described(config) + str(given) + str(input_ids.tolist()) + str(mask.tolist())
+    except Exception as err:  # noqa: BLE001 - raised in the exchange, after the other ranks have heard of it
+        refused = err
+    _same_on_every_rank(model, "prompts or generation arguments", text, refused)
+    device = model.device_
+    if (config.num_return_sequences or 1) > 1:  # sampling: each prompt's rows drawn independently, as in transformers
+        input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
+        mask = mask.repeat_interleave(config.num_return_sequences, dim=0)
+    batch, prompt = input_ids.shape
     model._prepare_special_tokens(config, attention_mask is not None, device=device)
     if config.max_new_tokens is not None:
         config.max_length = prompt + config.max_new_tokens
@@ -128,12 +175,23 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
                          f"tokens: raise max_new_tokens / max_length")
     window = model.sliding_window
     if window is not None and config.max_length > window:
+        if prompt >= window:  # no max_new_tokens helps: the prompt must be shorter
+            raise InputError(f"generate: the prompt alone fills the model's sliding attention window: {prompt} "
+                             f"tokens, window {window} tokens, beyond which its cache rolls, and the parallel model's "
+                             f"graphs do not roll it yet, so not one token can be generated; shorten the prompt to "
+                             f"at most {window - 1} tokens (room for {window} tokens in all, prompt included), or "
+                             f"generate with the single-device transformers model, whose cache rolls")
         raise InputError(f"generate: the prompt ({prompt}) plus new tokens ({config.max_length} in all) exceed the "
                          f"model's sliding attention window of {window} tokens, beyond which its cache rolls; the "
                          f"parallel model's graphs do not roll it yet: lower max_new_tokens to at most "
                          f"{window - prompt}")
     limit = model.position_limit
     if limit is not None and config.max_length > limit:
+        if prompt >= limit:
+            raise InputError(f"generate: the prompt alone fills the model's learned positions: {prompt} tokens, "
+                             f"{limit} positions (max_position_embeddings), so not one token can be generated; "
+                             f"shorten the prompt to at most {limit - 1} tokens (the model has no position for "
+                             f"more, on one device either)")
         raise InputError(f"generate: the prompt ({prompt}) plus new tokens reach position {config.max_length - 1}, "
                          f"beyond the model's {limit} learned positions (max_position_embeddings): lower "
                          f"max_new_tokens to at most {limit - prompt}")
@@ -214,5 +272,5 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
         streamer.end()
     if config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(scores_seen) if config.output_scores
-                                         else None, past_key_values=cache)
+                                         else None, **{_cache_field(GenerateDecoderOnlyOutput): cache})
     return sequences

@@ -35,8 +35,7 @@ def label_tokens(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
 def global_label_count(labels: torch.Tensor, mesh, shifted: bool = False) -> torch.Tensor:
     """Tokens counted by the loss over the whole global batch (sum over dp x cp), as a tensor on the mesh's
     device: reading it is the caller's choice (``train_step`` reads it once, its one host sync per step)."""
-    count = label_tokens(labels, shifted).to(torch.float64 if mesh.device.type == "cpu" else torch.float32)
-    count = count.to(mesh.device)
+    count = label_tokens(labels, shifted).to(mesh.device, torch.int64)  # exact at any count (float32 is not past 2**24)
     if mesh.dp_cp_size > 1:
         dist.all_reduce(count, group=mesh.dp_cp_group)
     return count
