@@ -246,18 +246,19 @@ class HuggingFaceMethods:
                                        "optimizer, mesh, step)"),
             "safe_serialization": (not safe_serialization, "only safetensors is written (as transformers 5 does)"),
         }
-        for name, (given, instead) in refused.items():
-            if given:
-                raise ArgumentError(f"save_pretrained({name}=...) is not supported on the parallel model: {instead}")
-        if kwargs:
-            raise ArgumentError(f"save_pretrained: unsupported arguments {sorted(kwargs)} (the parallel model takes "
-                                "is_main_process, max_shard_size, variant, save_original_format, safe_serialization="
-                                "True, dtype and mesh)")
+        # a refusal is raised on every rank after the writer's first exchange (runtime/export.py), so a rank
+        # given an argument alone does not leave the others waiting in a gather
+        refusal = next((ArgumentError(f"save_pretrained({name}=...) is not supported on the parallel model: {instead}")
+                        for name, (given, instead) in refused.items() if given), None)
+        if refusal is None and kwargs:
+            refusal = ArgumentError(f"save_pretrained: unsupported arguments {sorted(kwargs)} (the parallel model "
+                                    "takes is_main_process, max_shard_size, variant, save_original_format, "
+                                    "safe_serialization=True, dtype and mesh)")
         del token, save_peft_format  # only for pushing, and for adapters: neither applies here
         scope = (ExportScope.of_mesh(mesh, is_main_process) if mesh is not None
                  else ExportScope.of_model(self, is_main_process))
         write_pretrained(self, str(save_directory), scope, dtype=dtype, max_shard_size=max_shard_size,
-                         variant=variant, save_original_format=save_original_format)
+                         variant=variant, save_original_format=save_original_format, refusal=refusal)
 
     # ---- dtype and device ------------------------------------------------------------------------------
     def _apply(self, fn, recurse=True):

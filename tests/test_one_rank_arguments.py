@@ -24,7 +24,7 @@ def _raised(fn) -> tuple:
     return message, time.monotonic() - start
 
 
-def _one_rank(rank, world, path):
+def _one_rank(rank, world, path, save_dir):
     import logging
 
     import torch
@@ -63,6 +63,7 @@ def _one_rank(rank, world, path):
         "logits_to_keep with labels": lambda bad: model(input_ids=ids, labels=ids, logits_to_keep=1 if bad else 0),
         "past_key_values not a cache": lambda bad: model(input_ids=ids, past_key_values=(1, 2) if bad else None),
         "input_ids missing": lambda bad: model(input_ids=None if bad else ids),
+        "save_pretrained state_dict": lambda bad: model.save_pretrained(save_dir, state_dict={} if bad else None),
         # not refusals, but options that change the collectives (one rank would gather the logits alone)
         "gather_logits": lambda bad: model(input_ids=ids, labels=ids, gather_logits=True if bad else None),
         "use_cache": lambda bad: model(input_ids=ids, use_cache=True if bad else None),
@@ -107,8 +108,8 @@ def _one_rank(rank, world, path):
     return out
 
 
-def test_a_refusal_on_one_rank_is_raised_on_every_rank_at_once(checkpoints):
-    results = run_ranks(2, _one_rank, checkpoints["llama"], group_timeout=GROUP_TIMEOUT)
+def test_a_refusal_on_one_rank_is_raised_on_every_rank_at_once(checkpoints, tmp_path):
+    results = run_ranks(2, _one_rank, checkpoints["llama"], str(tmp_path / "saved"), group_timeout=GROUP_TIMEOUT)
     # what the rank given the argument says (it names the argument)
     own = {
         "num_beams": "InputError: generate: beam_search is not supported on the parallel model (num_beams=2",
@@ -125,6 +126,8 @@ def test_a_refusal_on_one_rank_is_raised_on_every_rank_at_once(checkpoints):
         "past_key_values not a cache": "TypeError: past_key_values must be the ParallelCache an earlier call "
                                        "returned",
         "input_ids missing": "TypeError: input_ids is required",
+        "save_pretrained state_dict": "ArgumentError: save_pretrained(state_dict=...) is not supported on the "
+                                      "parallel model",
     }
     for rank, out in enumerate(results):
         for (name, bad_rank), (message, seconds) in ((k, v) for k, v in out.items() if isinstance(k, tuple)):
@@ -132,6 +135,10 @@ def test_a_refusal_on_one_rank_is_raised_on_every_rank_at_once(checkpoints):
             if name in own:
                 if rank == bad_rank:
                     assert message.startswith(own[name]), (name, bad_rank, rank, message)
+                elif name == "save_pretrained state_dict":
+                    assert message == (f"ArgumentError: save_pretrained: the arguments of rank {bad_rank} were "
+                                       "refused (see the error on that rank); every rank must call it with the same "
+                                       "arguments"), (name, bad_rank, rank, message)
                 elif name in ("num_beams", "unknown generate argument", "generate shape", "generate mask shape",
                               "do_sample with beams"):
                     assert message == (f"InputError: generate: the arguments of tp rank {bad_rank} were refused (see "

@@ -168,11 +168,14 @@ def test_entries_of_another_user_never_run(cache_dir, tmp_path, caplog):  # noqa
     (lambda e: e["code"]["globals"].update(
         f=["object", "fxparallel.rewrite.collectives", "all_reduce.__globals__"]), "not on the graph cache's allow-list"),
     (lambda e: e["code"].update(src=e["code"]["src"].replace("def forward", "import os\ndef forward", 1)),
-     "not a single function named forward"),
+     "the keyword import"),
+    (lambda e: e["code"].update(src=e["code"]["src"] + "\nx = torch.load('f')\n"), "not a single function named forward"),
     (lambda e: e["code"].update(src=e["code"]["src"].replace("):\n", "):\n    torch.__dict__\n", 1)),
-     "reads the attribute __dict__"),
+     "the name __dict__"),
     (lambda e: e["code"].update(src=e["code"]["src"].replace("):\n", "):\n    eval('1')\n", 1)),
-     "reads eval, which it was not given"),
+     "a call of eval"),
+    (lambda e: e["code"].update(src=e["code"]["src"].replace("):\n", "):\n    for i in range(2): pass\n", 1)),
+     "a For statement"),
     (lambda e: e["code"].update(src=e["code"]["src"].replace("):", ", _x=print()):", 1)), "defaults"),
     (lambda e: e["guards"]["guards"].append(["call", "os", "system", [["int", 1]]]),
      "os.system is not on the graph cache's allow-list"),
@@ -205,3 +208,21 @@ def test_every_cached_graph_passes_the_code_check(cache_dir):  # noqa: F811
         _plan(config, **kwargs)
         assert graph_cache.stats["hits"] == hits + 1, config.model_type
     assert len(glob.glob(str(cache_dir / "*" / "*.json"))) == 2
+
+
+def test_decoded_code_runs_with_fx_builtins_only(cache_dir):  # noqa: F811
+    """Past the static check, a name the code was not given fails when it runs: its globals' builtins are
+    the few FX's code uses (no open, eval, __import__)."""
+    import pytest as _pytest
+
+    from fxparallel.graph_cache import codec
+    from models import tiny_config
+
+    _plan(tiny_config("llama"))
+    with open(_only_file(cache_dir)) as f:
+        entry = json.load(f)["entry"]
+    entry["code"]["src"] = entry["code"]["src"].replace("):\n", "):\n    print('ran')\n", 1)
+    forward = codec.decode(entry).local.forward
+    assert {"open", "eval", "exec", "__import__", "print"}.isdisjoint(forward.__globals__["__builtins__"])
+    with _pytest.raises(NameError, match="print"):
+        forward(None, input_ids=None, labels=None)

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..errors import CheckpointError, ConfigError, FxParallelError
+from .quantization import check_checkpoint_not_quantized, check_model_not_quantized
 
 try:  # transformers' configs are strict dataclasses: a bad field or value raises one of these
     from huggingface_hub.errors import StrictDataclassError
@@ -133,10 +134,12 @@ def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=Non
         hub_kwargs["local_files_only"] = local_files_only
     if isinstance(model, PreTrainedModel):
         causal_lm_class(model.config, type(model).__name__, trust_remote_code)
+        check_model_not_quantized(model)
         has_weights = any(p.device.type != "meta" for p in model.parameters())
         state = {k: v.detach() for k, v in model.state_dict().items()} if has_weights else None
         return ModelSource(model.config, state_dict=state, model_class=type(model))
     if isinstance(model, PretrainedConfig):
+        check_checkpoint_not_quantized(model, f"the {type(model).__name__} passed")
         return ModelSource(model, model_class=causal_lm_class(model, type(model).__name__, trust_remote_code))
     if isinstance(model, (str, os.PathLike)):
         name = os.fspath(model)
@@ -146,6 +149,7 @@ def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=Non
             raise _invalid_loaded_config(name, hub_kwargs, err) from err
         except (OSError, ValueError) as err:
             raise CheckpointError(_config_error(name, hub_kwargs, err)) from err
+        check_checkpoint_not_quantized(config, repr(name))
         model_class = causal_lm_class(config, repr(name), trust_remote_code)
         return ModelSource(config, checkpoint=name, model_class=model_class, hub_kwargs=hub_kwargs)
     raise FxParallelError(
@@ -154,7 +158,7 @@ def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=Non
 
 
 def default_dtype(config) -> torch.dtype:
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = getattr(config, "dtype", None)  # transformers >= 5: torch_dtype is a deprecated alias of it
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype[len("torch."):] if dtype.startswith("torch.") else dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32

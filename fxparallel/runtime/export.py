@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
 from ..rewrite.collectives import gather_full_to, gather_parts_to
 from .dtensor import full_tensor, local_part, tp_of
 from .fsdp import reshard
@@ -74,10 +74,11 @@ def _gather(model, scope: ExportScope, dtype: Optional[torch.dtype]) -> dict:
     return _named_full(model, dtype, lambda param, plan: full_tensor(param, plan, scope.tp))
 
 
-def _gather_to_writer(model, scope: ExportScope, dtype: Optional[torch.dtype]) -> dict:
+def _gather_to_writer(model, scope: ExportScope, dtype: Optional[torch.dtype], refusal: Optional[Exception] = None
+                      ) -> dict:
     """``_gather``'s dict on the writer; empty on the other ranks, which only send their pieces
     (collective over the scope; nothing is gathered when no rank writes)."""
-    route = _route(scope)
+    route = _route(scope, refusal)
     if route is None:
         return {}
     reshard(model)
@@ -108,10 +109,14 @@ class _Route:
     writer_tp: tuple
 
 
-def _route(scope: ExportScope) -> Optional[_Route]:
+def _route(scope: ExportScope, refusal: Optional[Exception] = None) -> Optional[_Route]:
     """The writer and its tp group, as every rank of the scope learns them (collective); None when no
-    rank writes. Agreed rather than assumed: ``is_main_process`` may differ between the ranks."""
+    rank writes. Agreed rather than assumed: ``is_main_process`` may differ between the ranks.
+    ``refusal``: this rank's arguments were refused; it still takes part, then every rank raises (the
+    others naming it), so no rank waits in a gather for one that left."""
     if scope.single:
+        if refusal is not None:
+            raise refusal
         return _Route(0, 0, (0,)) if scope.writer else None
     rank = dist.get_rank()
     mine = None
@@ -119,8 +124,15 @@ def _route(scope: ExportScope) -> Optional[_Route]:
         _, tp_group = tp_of(scope.tp)
         mine = (rank, tuple(dist.get_process_group_ranks(tp_group)) if tp_group is not None else (rank,))
     found = [None] * dist.get_world_size(scope.group)
-    dist.all_gather_object(found, mine, group=scope.group)
-    writer = next((w for w in found if w is not None), None)
+    dist.all_gather_object(found, (mine, refusal is not None), group=scope.group)
+    if refusal is not None:
+        raise refusal
+    refused = [dist.get_global_rank(scope.group, r) if scope.group is not None else r
+               for r, (_, bad) in enumerate(found) if bad]
+    if refused:
+        raise ArgumentError(f"save_pretrained: the arguments of rank {refused[0]} were refused (see the error on that "
+                            "rank); every rank must call it with the same arguments")
+    writer = next((w for w, _ in found if w is not None), None)
     return None if writer is None else _Route(rank, *writer)
 
 
@@ -204,13 +216,15 @@ def _save(model, state: dict, directory: str, dtype: Optional[torch.dtype], save
     """Write ``state`` (every full tensor) as a transformers checkpoint (the writer only)."""
     from transformers import AutoModelForCausalLM
 
+    from ..load.quantization import config_for_float_weights
     from ..load.source import causal_lm_class
 
     out_dtype = dtype or next(iter(state.values())).dtype
-    cls = causal_lm_class(model.config, "save_pretrained", trust_remote_code=True)  # (the model was built already)
+    config = config_for_float_weights(model.config, out_dtype)  # dequantized on load: no quantization_config
+    cls = causal_lm_class(config, "save_pretrained", trust_remote_code=True)  # (the model was built already)
     with torch.device("meta"):
-        hf = cls._from_config(model.config, dtype=out_dtype) if cls else AutoModelForCausalLM.from_config(
-            model.config, dtype=out_dtype)
+        hf = cls._from_config(config, dtype=out_dtype) if cls else AutoModelForCausalLM.from_config(
+            config, dtype=out_dtype)
     expected = set(hf.state_dict())
     missing = sorted(expected - set(state))
     if missing:
@@ -242,11 +256,12 @@ def _agree(error: Optional[BaseException], scope: ExportScope, directory: str) -
 
 
 def write_pretrained(model, directory: str, scope: ExportScope, *, dtype: Optional[torch.dtype] = None,
-                     **save_kwargs) -> Optional[str]:
+                     refusal: Optional[Exception] = None, **save_kwargs) -> Optional[str]:
     """Gather every tensor over ``scope`` and write ``directory`` on its writer (collective).
-    ``save_kwargs`` go to transformers' ``save_pretrained`` (max_shard_size, variant, ...).
+    ``save_kwargs`` go to transformers' ``save_pretrained`` (max_shard_size, variant, ...); ``refusal``: this
+    rank's arguments were refused (raised on every rank after the first exchange, see ``_route``).
     Returns the directory on the writer, None elsewhere."""
-    state = _gather_to_writer(model, scope, dtype)
+    state = _gather_to_writer(model, scope, dtype, refusal)
     error = None
     if scope.writer:
         try:
