@@ -82,6 +82,9 @@ def sharding_summary(model) -> str:
     data_parallel = getattr(model, "_fxparallel_data_parallel", None)
     if data_parallel is not None:
         extras.append(f"data parallel: {data_parallel.mode}, {data_parallel.units} FSDP units")
+    dequantized = getattr(model, "dequantized_from", None)  # load/weights.py: a fine-grained FP8 checkpoint
+    if dequantized:
+        extras.append(f"weights dequantized from {dequantized} on load")
     head = (f"{type(model).__name__}({plan.model_type}, tp={tp}, rank={rank}"
             + "".join(f", {e}" for e in extras)
             + f", {str(model.dtype).replace('torch.', '')} on {model.device}: "

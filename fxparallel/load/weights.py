@@ -2,7 +2,9 @@
 
 Every check (missing tensors, shapes, dtypes, headers, file sizes) runs before any
 parameter is written, and the group agrees on the outcome, so a bad checkpoint leaves
-nothing half-loaded and no rank waits for a peer that failed.
+nothing half-loaded and no rank waits for a peer that failed. In a fine-grained FP8 checkpoint
+(``quantization.fp8_block_size``) each float8 piece is read with the scale blocks covering it and
+dequantized to the parameter's dtype as it is written (``fp8.py``).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -17,7 +20,9 @@ from ..errors import CheckpointError
 from .checkpoint import CheckpointFiles
 from .conversion import ConversionError, Stored, find_conversions
 from .coordinate import agree, first_on_node, heartbeat
+from .fp8 import ScaleRead, check_pair, is_fp8, read_dequantized, scale_index, scale_name
 from .progress import byte_bar
+from .quantization import fp8_block_size
 from .safetensors_io import SafetensorsFile, byte_runs, normalize_index
 
 log = logging.getLogger("fxparallel")
@@ -40,6 +45,7 @@ class _Read:
     out: torch.Tensor  # where the piece goes: a view of this rank's shard
     nbytes: int
     offset: int  # where the piece starts in the file (reads go in file order)
+    scales: Optional[ScaleRead] = None  # a float8 piece: its block scales, read first (fp8.py)
 
 
 def _names(p) -> tuple:
@@ -91,6 +97,7 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
             raise ConversionError(f"tensor {tensor!r} is listed in the index for {path}, which does not hold it")
         return info.shape
 
+    block = fp8_block_size(module.config)  # fine-grained FP8: float8 weights are dequantized on load
     direct = {p.name: next((n for n in _names(p) if n in stored), None) for p in plan.params}
     needed = {n: tuple(p.shape) for p in plan.params if direct[p.name] is None for n in _names(p)}
     conv = _conversions(module, plan, needed, files, shape_of_stored, meta_model) if needed else None
@@ -110,11 +117,14 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
         where = files.source or "the checkpoint"
         raise CheckpointError(f"{where} has no weights for {len(missing)} parameter(s): {', '.join(missing)}")
     known = {n for p in plan.params for n in _names(p)} | {n for n, _ in module.named_buffers()}
-    extra = sorted(set(stored) - known - (conv.consumed if conv is not None else set()))
+    used = known | (conv.consumed if conv is not None else set())
+    if block is not None:  # the scales of the weights the model uses are read with them
+        used |= {scale_name(n) for n in used if scale_name(n) in stored}
+    extra = sorted(set(stored) - used)
     if extra:
         warnings.warn(f"{files.source or 'checkpoint'} has {len(extra)} tensor(s) the model does not use: "
                       f"{', '.join(extra)}", stacklevel=4)
-    reads, problems = [], []
+    reads, problems, scale_reads, dequantized = [], [], {}, False
     for p in plan.params:
         tensor = direct[p.name]  # tied: read once, under one name
         if tensor is not None:
@@ -137,13 +147,21 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
             problems.append(f"tensor {n!r} in {path} has dtype {info.dtype}, which fxparallel cannot read")
         if bad:
             continue
+        if block is not None:
+            if _unscaled(node.leaves(), block, header, stored, problems):
+                continue
+            dequantized = dequantized or any(is_fp8(header(n)[0]) for n in node.leaves())
         param = module.get_parameter(p.name).detach()
         for source, dest in slice_pieces(p, rank, tp):
             for tensor, index, out in node.pieces(normalize_index(p.shape, source), param[dest]):
                 info, path = header(tensor)
                 runs = byte_runs(info.shape, normalize_index(info.shape, index), info.itemsize)
                 if runs:
-                    reads.append(_Read(path, tensor, index, out, sum(n for _, n in runs), info.start + runs[0][0]))
+                    scales = None
+                    if block is not None and is_fp8(info):
+                        scales = _scale_read(tensor, normalize_index(info.shape, index), block, header, scale_reads)
+                    reads.append(_Read(path, tensor, index, out, sum(n for _, n in runs), info.start + runs[0][0],
+                                       scales))
     for name, buffer in module.named_buffers():
         if name in stored:  # persistent buffers hold trained values too (e.g. MoE routing score biases)
             info, path = header(name)
@@ -157,8 +175,46 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
                 reads.append(_Read(path, name, (), buffer, sum(n for _, n in runs), info.start + runs[0][0]))
     if problems:
         raise CheckpointError("the checkpoint does not match the model:\n  " + "\n  ".join(problems))
+    if dequantized:  # shown by print(model) (summary.py)
+        module.dequantized_from = f"fp8 (blocks {block[0]}x{block[1]})"
     reads.sort(key=lambda r: (r.path, r.offset))
-    return reads, headers
+    scales = sorted(scale_reads.values(), key=lambda r: (r.path, r.offset))
+    return [_Read(r.path, r.tensor, r.source, r.out, r.nbytes, r.offset) for r in scales] + reads, headers
+
+
+def _unscaled(leaves: list, block: tuple, header, stored: dict, problems: list) -> bool:
+    """Check every float8 tensor of ``leaves`` against its block scales (``problems`` extended); True if any fails.
+    A floating tensor with scales is refused too: its scales would be dropped."""
+    failed = False
+    for tensor in leaves:
+        info, path = header(tensor)
+        scales = scale_name(tensor)
+        scale_info = header(scales)[0] if scales in stored else None
+        if is_fp8(info):
+            why = check_pair(tensor, info, scale_info, block, path)
+        elif scale_info is not None:
+            why = (f"tensor {tensor!r} in {path} has block scales {scales!r} but is stored as {info.dtype}, not "
+                   "float8: fxparallel does not know how to apply them")
+        else:
+            continue
+        if why is not None:
+            problems.append(why)
+            failed = True
+    return failed
+
+
+def _scale_read(tensor: str, index: tuple, block: tuple, header, scale_reads: dict) -> ScaleRead:
+    """The read of the scale blocks covering ``tensor[index]`` (one per distinct range, shared)."""
+    name = scale_name(tensor)
+    info, path = header(name)
+    sindex = scale_index(index, block)
+    key = (name, sindex)
+    if key not in scale_reads:
+        runs = byte_runs(info.shape, sindex, info.itemsize)
+        out = torch.empty(tuple(b - a for a, b in sindex), dtype=torch.float32)
+        scale_reads[key] = ScaleRead(path, name, tuple(slice(a, b) for a, b in sindex), out,
+                                     sum(n for _, n in runs), info.start + runs[0][0])
+    return scale_reads[key]
 
 
 def _converted_node(p, name: str, conv, header, problems: list):
@@ -214,6 +270,7 @@ def load_from_files(module, plan, files: CheckpointFiles, rank: int, tp: int, *,
     beat = heartbeat(group) if group is not None else None  # peers wait for a rank still reading
     try:
         reads, headers = _plan_reads(module, plan, files, rank, tp, meta_model)
+        block = fp8_block_size(module.config)
         bar = _progress(sum(r.nbytes for r in reads), rank, tp) if progress else None
         with torch.no_grad():
             path, handle = None, None
@@ -223,7 +280,10 @@ def load_from_files(module, plan, files: CheckpointFiles, rank: int, tp: int, *,
                         if handle is not None:
                             handle.__exit__(None, None, None)
                         path, handle = r.path, headers[r.path].__enter__()
-                    nbytes += handle.read_into(r.tensor, r.source, r.out)
+                    if r.scales is None:
+                        nbytes += handle.read_into(r.tensor, r.source, r.out)
+                    else:
+                        nbytes += read_dequantized(handle, r.tensor, r.source, r.out, r.scales.out, block)
                     if bar is not None:
                         bar.update(r.nbytes)
                     if beat is not None:

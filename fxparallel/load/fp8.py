@@ -1,0 +1,112 @@
+"""Fine-grained FP8 weights, dequantized piece by piece while a rank reads its slice.
+
+The layout DeepSeek-V3/R1 and Qwen3-*-FP8 publish (transformers' ``FineGrainedFP8Config``, quant_method
+"fp8"): a quantized weight ``X.weight`` of shape ``[..., rows, cols]`` is stored as float8 (e4m3fn), next to
+``X.weight_scale_inv`` (float32) of shape ``[..., ceil(rows / bm), ceil(cols / bn)]`` for the config's
+``weight_block_size`` ``[bm, bn]``; element ``[i, j]`` is ``float(weight[i, j]) * scale[i // bm, j // bn]``
+(the last blocks of a dimension that ``bm`` / ``bn`` does not divide are partial). Layers left unquantized
+(``modules_to_not_convert``: the embeddings, lm_head, norms, routers ...) are stored as plain tensors and read as
+any other.
+
+A piece ``weight[..., r0:r1, c0:c1]`` of a rank's slice (slices may cut through a block, be uneven or made of
+several segments) needs the float8 bytes of the piece alone and the scale blocks
+``[r0 // bm .. (r1 - 1) // bm] x [c0 // bn .. (c1 - 1) // bn]`` that cover it. Both are read with the same
+``pread`` path as every other tensor, and the product is formed in float32 on row chunks of at most
+``STAGING_BYTES`` (each scale expanded to its block and cropped to the chunk), then cast to the parameter's
+dtype: the same arithmetic as transformers' ``Fp8Dequantize`` (``float32(weight) * float32(scale)``, then the
+cast), so the values equal its dequantized model bit for bit. No rank dequantizes (nor reads) a whole tensor
+that it does not keep whole.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .safetensors_io import STAGING_BYTES, normalize_index
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
+
+
+def scale_name(tensor: str) -> str:
+    return tensor + SCALE_SUFFIX
+
+
+def is_fp8(info) -> bool:
+    return info is not None and info.torch_dtype in FP8_DTYPES
+
+
+def expected_scale_shape(shape: tuple, block: tuple) -> tuple:
+    """The shape of the scales of a weight of ``shape``: its leading dims, then ceil(rows / bm), ceil(cols / bn)."""
+    return tuple(shape[:-2]) + tuple(-(-n // b) for n, b in zip(shape[-2:], block))
+
+
+def check_pair(weight: str, info, scale_info, block: tuple, path: str) -> Optional[str]:
+    """Why the float8 tensor ``weight`` (header ``info``) and its scales cannot be dequantized; None if they can."""
+    if scale_info is None:
+        return (f"tensor {weight!r} in {path} is {info.torch_dtype} but the checkpoint has no "
+                f"{scale_name(weight)!r}: fine-grained FP8 (quant_method 'fp8') needs the block scales of every float8 "
+                "weight to dequantize it")
+    if len(info.shape) < 2:
+        return f"tensor {weight!r} in {path} is a {len(info.shape)}-D {info.torch_dtype} tensor; block scales need 2-D"
+    dtype = scale_info.torch_dtype
+    if dtype is None or not dtype.is_floating_point or dtype in FP8_DTYPES:
+        return (f"tensor {scale_name(weight)!r} has dtype {scale_info.dtype}; fxparallel reads float scales only "
+                "(float32, bfloat16, float16)")
+    expected = expected_scale_shape(info.shape, block)
+    if tuple(scale_info.shape) != expected:
+        return (f"tensor {scale_name(weight)!r} has shape {list(scale_info.shape)}, but {weight!r} of shape "
+                f"{list(info.shape)} in blocks of {list(block)} (weight_block_size) needs {list(expected)}")
+    return None
+
+
+@dataclass
+class ScaleRead:
+    """The scale blocks covering one piece, read into ``out`` (float32) before the piece is dequantized."""
+
+    path: str
+    tensor: str
+    source: tuple  # index into the stored scales
+    out: torch.Tensor
+    nbytes: int
+    offset: int
+
+
+def scale_index(index: tuple, block: tuple) -> tuple:
+    """The index of the scales covering ``weight[index]`` (``index``: (start, stop) per dim, non-empty)."""
+    lead = tuple(index[:-2])
+    blocked = tuple((a // b, (z - 1) // b + 1) for (a, z), b in zip(index[-2:], block))
+    return lead + blocked
+
+
+def read_dequantized(handle, tensor: str, source: tuple, out: torch.Tensor, scales: torch.Tensor,
+                     block: tuple) -> int:
+    """Write ``dequantize(tensor)[source]`` into ``out`` (any dtype, device or strides): the float8 bytes of the
+    piece are read from ``handle`` (an open ``SafetensorsFile``), ``scales``: the float32 scale blocks covering
+    the piece (``scale_index``). Returns the bytes read."""
+    info = handle.tensors[tensor]
+    index = normalize_index(info.shape, source)
+    if any(b <= a for a, b in index):
+        return 0
+    (r0, r1), (c0, c1) = index[-2:]
+    bm, bn = block
+    lead = tuple(b - a for a, b in index[:-2])
+    per_row = max(1, math.prod(lead) * (c1 - c0) * 4)  # float32 bytes of one row of the piece
+    step = max(bm, STAGING_BYTES // per_row // bm * bm)  # rows per chunk, whole blocks (except at the ends)
+    cols = torch.arange(c0, c1) // bn - c0 // bn  # the scale column of each column of the piece
+    lead_index = tuple(slice(a, b) for a, b in index[:-2])
+    nbytes = 0
+    start = r0
+    while start < r1:
+        stop = min(r1, (start // step + 1) * step)
+        q = torch.empty(lead + (stop - start, c1 - c0), dtype=info.torch_dtype)
+        nbytes += handle.read_into(tensor, lead_index + (slice(start, stop), slice(c0, c1)), q)
+        rows = torch.arange(start, stop) // bm - r0 // bm
+        s = scales.index_select(-2, rows).index_select(-1, cols)  # each scale over its block, cropped
+        value = (q.to(torch.float32) * s).to(out.dtype)
+        out[..., start - r0:stop - r0, :].copy_(value)
+        start = stop
+    return nbytes
