@@ -17,7 +17,7 @@ import torch
 from checks import full_values, mask_some_labels
 from distributed import run_ranks
 
-STEPS = 3
+STEPS = 4  # two optimizer steps after the resume: a lost optimizer state shows in the second
 SAVE_AT = 2  # checkpoint after this many steps
 LR, WD, MAX_NORM = 1e-3, 0.1, 0.8
 GLOBAL_BATCH, SEQ = 8, 16
@@ -69,6 +69,7 @@ def _layout_run(path, ckpt_root, tp, dp, mode="shard", save=False, export_dir=No
     _train(model, opt, data, mesh, 0, SAVE_AT, history)
     if save:
         run["saved_params"] = full_values(model, mesh)
+        run["saved_optim"] = _optimizer_states(model, opt, mesh)
         save_checkpoint(ckpt_root, model, opt, mesh, SAVE_AT)
     _train(model, opt, data, mesh, SAVE_AT, STEPS, history)
     run["history"] = history
@@ -83,9 +84,20 @@ def _layout_run(path, ckpt_root, tp, dp, mode="shard", save=False, export_dir=No
     meta = load_checkpoint(ckpt_root, model, opt, mesh)  # back to step SAVE_AT, from the 2x2 layout
     run["loaded_meta"] = {k: meta[k] for k in ("step", "layout")}
     run["loaded_params"] = full_values(model, mesh)
+    run["loaded_optim"] = _optimizer_states(model, opt, mesh)
     run["resumed"] = []
     _train(model, opt, data, mesh, SAVE_AT, STEPS, run["resumed"])
     return run
+
+
+def _optimizer_states(model, opt, mesh) -> dict:
+    """Every AdamW state of every parameter as a full tensor ("<name>/exp_avg", ...), and the step counts."""
+    states = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        for name, value in full_values(model, mesh, lambda p, k=key: opt.state[p][k]).items():
+            states[f"{name}/{key}"] = value
+    states["steps"] = torch.tensor(sorted({float(s["step"]) for s in opt.state.values()}))
+    return states
 
 
 def _public(run, rank):
@@ -93,7 +105,7 @@ def _public(run, rank):
     keep = ("history", "resumed", "loaded_meta", "fsdp", "mesh_ranks", "rows", "failed_save")
     out = {k: run[k] for k in keep if k in run}
     if rank == 0:  # as numpy: tensors would travel through shared memory that dies with the rank
-        for k in ("grads", "params", "logits", "loaded_params", "saved_params"):
+        for k in ("grads", "params", "logits", "loaded_params", "saved_params", "saved_optim", "loaded_optim"):
             if k in run:
                 out[k] = {n: t.numpy() for n, t in run[k].items()} if isinstance(run[k], dict) else run[k].numpy()
     return out
@@ -263,6 +275,11 @@ def test_checkpoint_loads_into_every_layout(world4, world2, reference):
         first = ranks[0]
         assert first["loaded_meta"] == {"step": SAVE_AT, "layout": {"dp": 2, "tp": 2, "cp": 1}}, layout
         assert _max_diff(first["loaded_params"], saved) == 0.0, layout  # bit-exact, whatever the layout
+        # every optimizer state of every parameter, bit for bit (a load that skipped them would start Adam anew)
+        optim = world4[0]["2x2x1"]["saved_optim"]
+        assert sorted(first["loaded_optim"]) == sorted(optim) and len(optim) == 2 * len(saved) + 1, layout
+        assert _max_diff(first["loaded_optim"], optim) == 0.0, layout
+        assert first["loaded_optim"]["steps"].tolist() == [float(SAVE_AT)], layout
 
 
 def test_resume_gives_the_same_losses(world4, world2):

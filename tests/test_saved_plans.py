@@ -77,9 +77,16 @@ def _apply_saved(rank, tp, path, plan_path):
     edited_plan = _edited(from_file.plan, _replicate_mlp)
     edited = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32, plan=edited_plan)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
-    ref = reference(path)(input_ids=ids, labels=ids)
+    reference_model = reference(path)
+    ref = reference_model(input_ids=ids, labels=ids)
     out = edited(input_ids=ids, labels=ids, gather_logits=True)
+    out.loss.backward()
+    ref.loss.backward()
+    full = dict(reference_model.named_parameters())
+    grads = max(float((p.grad - edited.plan.param(n).shard_of(full[n].grad, rank, tp)).abs().max())
+                for n, p in edited.named_parameters())
     return {
+        "grads": grads,
         "same as solved": from_file.plan == default.plan,
         "mlp replicated": all(str(p.placement) == "R" for p in edited.plan.params if ".mlp." in p.name),
         "attention still split": all(str(p.placement) != "R" for p in edited.plan.params if "q_proj" in p.name),
@@ -98,4 +105,4 @@ def test_saved_and_edited_plans_are_applied(checkpoints, tmp_path):
         assert out["same as solved"] and out["mlp replicated"] and out["attention still split"], out
         solved, edited = out["forward all-reduces"]
         assert edited == solved - 2, out  # the two MLPs' row-parallel all-reduces are gone
-        assert out["logits"] < 1e-5 and out["loss"] < 1e-6, out
+        assert out["logits"] < 1e-5 and out["loss"] < 1e-6 and out["grads"] < 1e-5, out

