@@ -23,7 +23,7 @@ from ..module import LocalGraph
 from ..plan.placement import Placement
 from ..plan.plan import ShardingPlan
 from ..rewrite.layer_units import LayerPieces, new_piece_key
-from .generated_code import check_generated_code, restricted_builtins
+from .generated_code import check_generated_code
 
 FORMAT = 2
 
@@ -110,7 +110,7 @@ def _encode_code(forward, code: str) -> dict:
 def _decode_code(entry: dict):
     check_generated_code(entry["src"])
     names = {k: _value_of(v) for k, v in entry["globals"].items() if not k.startswith("__")}
-    return _forward_from_src(entry["src"], {**names, "__builtins__": restricted_builtins()}), entry["src"]
+    return _forward_from_src(entry["src"], names), entry["src"]
 
 
 # ---- shape guards (sympy expressions over size symbols) --------------------------------------

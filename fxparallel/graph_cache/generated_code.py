@@ -1,35 +1,27 @@
-"""The shape of code FX generates, checked before a cached entry's source is compiled, and the builtins
-it runs with. A file whose MAC checks out was written by this user's fxparallel, so this is a second line:
+"""The shape of code FX generates, checked before a cached entry's source is compiled. A file whose MAC
+checks out was written by this user's fxparallel, so this is a second line, cheap enough for every launch
+(one parse, a look at the function's signature and top-level statements, and a scan of the text): one
+function ``forward`` without decorators, defaults or annotations that are not constants (they would run when
+it is defined), whose statements assign, delete, evaluate and return; no dunder name anywhere
+(``__globals__``, ``__class__``, ``__import__``), no ``import`` / ``lambda`` / ``global``, no call of a
+builtin that runs or reads code or files, or ends the process.
 
-- statically (``check_generated_code``, cheap enough for every launch: one parse, a look at the function's
-  signature and top-level statements, and a scan of the text): one function ``forward`` without
-  decorators, defaults or annotations that are not constants (they would run when it is defined), whose
-  statements assign, delete, evaluate and return; no dunder name anywhere (``__globals__``, ``__class__``,
-  ``__import__``: the way out of a restricted namespace), no ``import`` / ``lambda`` / ``global``, no call
-  of a builtin that runs or reads code or files;
-- when it runs (``restricted_builtins``): its globals' ``__builtins__`` hold only the builtins FX's code
-  uses, so any other (``eval``, ``open``, ``__import__``) is a NameError, not a call."""
+The code keeps the normal builtins when it runs: Dynamo, which traces it under ``torch.compile``, guards on
+builtins through the function's own builtins dict, so a reduced one breaks compiled decode."""
 from __future__ import annotations
 
 import ast
-import builtins
 import re
 
-# builtins FX's code calls or reads
-_BUILTINS = ("getattr", "slice", "range", "len", "tuple", "list", "dict", "int", "float", "bool", "isinstance",
-             "type", "min", "max", "abs", "Ellipsis", "None", "True", "False")
 _STATEMENTS = (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr, ast.Delete, ast.Pass)
 _DUNDER = re.compile(r"\b__\w*")
 _KEYWORDS = re.compile(r"\b(import|lambda|global|nonlocal|yield|await|async)\b")
-_CALLS = re.compile(r"\b(eval|exec|compile|open|globals|locals|vars|breakpoint|input|setattr|delattr|memoryview)\s*\(")
+_CALLS = re.compile(r"\b(eval|exec|compile|open|globals|locals|vars|breakpoint|input|setattr|delattr|memoryview|"
+                    r"exit|quit|help)\s*\(")
 
 
 class GeneratedCodeError(ValueError):
     """The source is not of the form FX generates."""
-
-
-def restricted_builtins() -> dict:
-    return {name: getattr(builtins, name) for name in _BUILTINS if hasattr(builtins, name)}
 
 
 def _line(src: str, position: int) -> int:
