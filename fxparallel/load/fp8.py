@@ -11,24 +11,27 @@ any other.
 A piece ``weight[..., r0:r1, c0:c1]`` of a rank's slice (slices may cut through a block, be uneven or made of
 several segments) needs the float8 bytes of the piece alone and the scale blocks
 ``[r0 // bm .. (r1 - 1) // bm] x [c0 // bn .. (c1 - 1) // bn]`` that cover it. Both are read with the same
-``pread`` path as every other tensor, and the product is formed in float32 on row chunks of at most
-``STAGING_BYTES`` (each scale expanded to its block and cropped to the chunk), then cast to the parameter's
+``pread`` path as every other tensor, and the product is formed in float32 on row chunks whose temporaries take
+at most ``STAGING_BYTES`` (each scale expanded to its block and cropped to the chunk), then cast to the parameter's
 dtype: the same arithmetic as transformers' ``Fp8Dequantize`` (``float32(weight) * float32(scale)``, then the
 cast), so the values equal its dequantized model bit for bit. No rank dequantizes (nor reads) a whole tensor
-that it does not keep whole.
+that it does not keep whole. ``read_dequantized`` serves compressed-tensors' per-tensor and per-channel FP8 too
+(``compressed_tensors.py``): a scale per channel is a block of one row, a scale per tensor one block.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .safetensors_io import STAGING_BYTES, normalize_index
+from .dequantize import Format, Piece, companion
+from .safetensors_io import STAGING_BYTES, byte_runs, normalize_index
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
+# per element of a chunk: the float8 byte, it and its scale in float32, their product, the cast
+TEMPORARY_BYTES = 16
 
 
 def scale_name(tensor: str) -> str:
@@ -63,18 +66,6 @@ def check_pair(weight: str, info, scale_info, block: tuple, path: str) -> Option
     return None
 
 
-@dataclass
-class ScaleRead:
-    """The scale blocks covering one piece, read into ``out`` (float32) before the piece is dequantized."""
-
-    path: str
-    tensor: str
-    source: tuple  # index into the stored scales
-    out: torch.Tensor
-    nbytes: int
-    offset: int
-
-
 def scale_index(index: tuple, block: tuple) -> tuple:
     """The index of the scales covering ``weight[index]`` (``index``: (start, stop) per dim, non-empty)."""
     lead = tuple(index[:-2])
@@ -85,8 +76,9 @@ def scale_index(index: tuple, block: tuple) -> tuple:
 def read_dequantized(handle, tensor: str, source: tuple, out: torch.Tensor, scales: torch.Tensor,
                      block: tuple) -> int:
     """Write ``dequantize(tensor)[source]`` into ``out`` (any dtype, device or strides): the float8 bytes of the
-    piece are read from ``handle`` (an open ``SafetensorsFile``), ``scales``: the float32 scale blocks covering
-    the piece (``scale_index``). Returns the bytes read."""
+    piece are read from ``handle`` (an open ``SafetensorsFile``), ``scales``: the scale blocks covering the
+    piece (``scale_index``), in the dtype the product is formed in (the weight is cast to it), then cast to
+    ``out``'s. Returns the bytes read."""
     info = handle.tensors[tensor]
     index = normalize_index(info.shape, source)
     if any(b <= a for a, b in index):
@@ -94,7 +86,7 @@ def read_dequantized(handle, tensor: str, source: tuple, out: torch.Tensor, scal
     (r0, r1), (c0, c1) = index[-2:]
     bm, bn = block
     lead = tuple(b - a for a, b in index[:-2])
-    per_row = max(1, math.prod(lead) * (c1 - c0) * 4)  # float32 bytes of one row of the piece
+    per_row = max(1, math.prod(lead) * (c1 - c0) * TEMPORARY_BYTES)
     step = max(bm, STAGING_BYTES // per_row // bm * bm)  # rows per chunk, whole blocks (except at the ends)
     cols = torch.arange(c0, c1) // bn - c0 // bn  # the scale column of each column of the piece
     lead_index = tuple(slice(a, b) for a, b in index[:-2])
@@ -106,7 +98,46 @@ def read_dequantized(handle, tensor: str, source: tuple, out: torch.Tensor, scal
         nbytes += handle.read_into(tensor, lead_index + (slice(start, stop), slice(c0, c1)), q)
         rows = torch.arange(start, stop) // bm - r0 // bm
         s = scales.index_select(-2, rows).index_select(-1, cols)  # each scale over its block, cropped
-        value = (q.to(torch.float32) * s).to(out.dtype)
-        out[..., start - r0:stop - r0, :].copy_(value)
+        out[..., start - r0:stop - r0, :].copy_(q.to(s.dtype).mul_(s))  # the copy casts
         start = stop
     return nbytes
+
+
+class FineGrainedFp8(Format):
+    """quant_method "fp8" with ``weight_block_size`` ``block``: float8 weights and their ``weight_scale_inv``."""
+
+    def __init__(self, block: tuple):
+        self.block = tuple(block)
+        self.label = f"fp8 (blocks {block[0]}x{block[1]})"
+
+    def companions(self, tensor: str, stored) -> list:
+        return [scale_name(tensor)] if scale_name(tensor) in stored else []
+
+    def problem(self, tensor: str, header, stored) -> Optional[str]:
+        """A float8 weight needs its block scales; a floating tensor with scales is refused too (they would be
+        dropped)."""
+        info, path = header(tensor)
+        scales = scale_name(tensor)
+        scale_info = header(scales)[0] if scales in stored else None
+        if is_fp8(info):
+            return check_pair(tensor, info, scale_info, self.block, path)
+        if scale_info is not None:
+            return (f"tensor {tensor!r} in {path} has block scales {scales!r} but is stored as {info.dtype}, not "
+                    "float8: fxparallel does not know how to apply them")
+        return None
+
+    def is_quantized(self, tensor: str, header) -> bool:
+        return is_fp8(header(tensor)[0])
+
+    def piece(self, tensor: str, index: tuple, out: torch.Tensor, header, shared: dict,
+              merged: bool = False) -> Optional[Piece]:
+        info, _ = header(tensor)
+        if not is_fp8(info):
+            return None
+        runs = byte_runs(info.shape, index, info.itemsize)
+        if not runs:
+            return Piece(0, info.start, lambda handle: 0)
+        scales = companion(scale_name(tensor), scale_index(index, self.block), header, shared, torch.float32)
+        source = tuple(slice(a, b) for a, b in index)
+        return Piece(sum(n for _, n in runs), info.start + runs[0][0],
+                     lambda handle: read_dequantized(handle, tensor, source, out, scales.out, self.block))

@@ -1,19 +1,26 @@
-"""Quantized checkpoints: loaded exactly (fine-grained FP8, dequantized on load) or refused by name before
-anything is captured or read, never loaded silently wrong.
+"""Quantized checkpoints: loaded exactly (dequantized on load) or refused by name before anything is captured
+or read, never loaded silently wrong.
 
 A checkpoint whose config.json has a ``quantization_config`` stores its weights in another form (fine-grained
 FP8 with ``weight_scale_inv`` block scales, MXFP4 ``*_blocks`` / ``*_scales``, packed integers of GPTQ / AWQ /
 bitsandbytes, ...): read as plain tensors they give wrong numbers (FP8 cast without its scales) or missing
 weights.
 
-Fine-grained FP8 as DeepSeek-V3/R1 and Qwen3-*-FP8 publish it (``quant_method`` "fp8" with a 2-D
-``weight_block_size``, float scales, dynamic activations) is dequantized on load: each rank reads the float8
-bytes of its own slice of a weight and the ``weight_scale_inv`` blocks that cover it (``fp8.py``), so the
-parallel model holds the weights transformers' ``dequantize=True`` gives. Every other ``quant_method``
-transformers knows, and the FP8 variants fxparallel does not read (per-tensor scales, ue8m0 scales, FP4
-experts, static activation scales, quantized embeddings), are refused, naming them and what to do. A
-transformers model passed in is accepted when its weights are plain floating tensors (e.g. loaded with
-``dequantize=True``), refused when they are still quantized."""
+Three forms are dequantized on load, each rank reading only its own slice of a weight and the scales that cover
+it, so the parallel model holds the weights transformers' ``dequantize=True`` gives (``loaded_format``):
+
+- fine-grained FP8 as DeepSeek-V3/R1 and Qwen3-*-FP8 publish it (``quant_method`` "fp8" with a 2-D
+  ``weight_block_size``, float scales, dynamic activations): ``fp8.py``;
+- MXFP4 as GPT-OSS publishes it (``quant_method`` "mxfp4", the experts as ``X_blocks`` / ``X_scales``):
+  ``mxfp4.py``;
+- compressed-tensors FP8 as llm-compressor writes it (``quant_method`` "compressed-tensors", FP8 weights with
+  scales per tensor or per channel, activations left in the compute dtype): ``compressed_tensors.py``.
+
+Every other ``quant_method`` transformers knows, and the variants of these three that fxparallel does not read
+(per-tensor or ue8m0 fine-grained scales, FP4 experts, static activation scales, MXFP4 outside GPT-OSS, integer or
+FP4 compressed-tensors schemes, ...), are refused, naming them and what to do. A transformers model passed in is
+accepted when its weights are plain floating tensors (e.g. loaded with ``dequantize=True``), refused when they are
+still quantized."""
 from __future__ import annotations
 
 import copy
@@ -23,15 +30,23 @@ from typing import Optional
 import torch
 
 from ..errors import CheckpointError
+from . import compressed_tensors
+from .dequantize import Format
+from .fp8 import FineGrainedFp8
+from .mxfp4 import Mxfp4
 
 log = logging.getLogger("fxparallel")
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ADVICE = ("dequantize it with transformers and save the result, then parallelize that directory: e.g. "
            "AutoModelForCausalLM.from_pretrained(path, quantization_config=<its config class>(dequantize=True)) "
-           "where the method supports it (fp8, mxfp4, ...), then .save_pretrained(out_dir); or use the "
-           "checkpoint's unquantized original")
-SUPPORTED = "fine-grained FP8 (quant_method 'fp8' with a 2-D weight_block_size), dequantized on load"
+           "where the method supports it (fp8, mxfp4, compressed-tensors, ...), then .save_pretrained(out_dir); or "
+           "use the checkpoint's unquantized original")
+SUPPORTED = ("fine-grained FP8 (quant_method 'fp8' with a 2-D weight_block_size), MXFP4 (quant_method 'mxfp4', "
+             "GPT-OSS's experts) and compressed-tensors FP8 (quant_method 'compressed-tensors', FP8 weights with "
+             "scales per tensor or per channel), each dequantized on load")
+READ = ("fp8", "mxfp4", compressed_tensors.METHOD)  # the quant_methods some of whose forms are read
+MXFP4_MODELS = ("gpt_oss",)  # transformers dequantizes MXFP4 experts of these only (its GptOssMLP)
 
 
 def _field(found, name: str, default=None):
@@ -71,6 +86,24 @@ def _fp8_unsupported(found) -> Optional[str]:
     return None
 
 
+def _mxfp4_unsupported(config) -> Optional[str]:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MXFP4_MODELS:
+        return (f"transformers dequantizes MXFP4 experts of {' / '.join(MXFP4_MODELS)} only, and this config is a "
+                f"{model_type!r}")
+    return None
+
+
+def _unsupported(config) -> Optional[str]:
+    """Why the quantization of ``config`` (a method in ``READ``) is not a form fxparallel reads; None if it is."""
+    method, found = quant_method(config), config.quantization_config
+    if method == "fp8":
+        return _fp8_unsupported(found)
+    if method == "mxfp4":
+        return _mxfp4_unsupported(config)
+    return compressed_tensors.unsupported(found)
+
+
 def fp8_block_size(config) -> Optional[tuple]:
     """(rows, cols) of the blocks of a fine-grained FP8 checkpoint fxparallel dequantizes; None otherwise."""
     found = getattr(config, "quantization_config", None)
@@ -79,21 +112,33 @@ def fp8_block_size(config) -> Optional[tuple]:
     return tuple(int(b) for b in _field(found, "weight_block_size"))
 
 
+def loaded_format(config) -> Optional[Format]:
+    """How the checkpoint of ``config`` is dequantized on load; None when it is not quantized (or refused)."""
+    method = quant_method(config)
+    if method not in READ or _unsupported(config) is not None:
+        return None
+    if method == "fp8":
+        return FineGrainedFp8(fp8_block_size(config))
+    if method == "mxfp4":
+        return Mxfp4()
+    return compressed_tensors.CompressedTensorsFp8(config.quantization_config)
+
+
 def _known() -> str:
     try:
         from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
     except ImportError:  # pragma: no cover - transformers moved it
         return "none"
-    return ", ".join(sorted(m for m in AUTO_QUANTIZATION_CONFIG_MAPPING if m != "fp8"))
+    return ", ".join(sorted(m for m in AUTO_QUANTIZATION_CONFIG_MAPPING if m not in READ))
 
 
 def check_checkpoint_not_quantized(config, where: str) -> None:
     """Refuse a checkpoint (hub id, directory or config) whose config declares a quantization fxparallel does
-    not read; fine-grained FP8 (``fp8_block_size``) passes: it is dequantized on load."""
+    not read; the forms of ``loaded_format`` pass: they are dequantized on load."""
     method = quant_method(config)
-    if method is None or fp8_block_size(config) is not None:
+    if method is None or loaded_format(config) is not None:
         return
-    why = f" ({_fp8_unsupported(config.quantization_config)})" if method == "fp8" else ""
+    why = f" ({_unsupported(config)})" if method in READ else ""
     raise CheckpointError(
         f"{where} is quantized (quantization_config.quant_method={method!r}){why}; fxparallel does not load these "
         f"quantized weights (it loads {SUPPORTED}; none of transformers' other methods: {_known()}), and reading "

@@ -2,9 +2,9 @@
 
 Every check (missing tensors, shapes, dtypes, headers, file sizes) runs before any
 parameter is written, and the group agrees on the outcome, so a bad checkpoint leaves
-nothing half-loaded and no rank waits for a peer that failed. In a fine-grained FP8 checkpoint
-(``quantization.fp8_block_size``) each float8 piece is read with the scale blocks covering it and
-dequantized to the parameter's dtype as it is written (``fp8.py``).
+nothing half-loaded and no rank waits for a peer that failed. In a quantized checkpoint fxparallel reads
+(``quantization.loaded_format``: fine-grained FP8, MXFP4, compressed-tensors FP8) each quantized piece is read
+with the scales covering it and dequantized to the parameter's dtype as it is written (``dequantize.py``).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -20,9 +20,9 @@ from ..errors import CheckpointError
 from .checkpoint import CheckpointFiles
 from .conversion import ConversionError, Stored, find_conversions
 from .coordinate import agree, first_on_node, heartbeat
-from .fp8 import ScaleRead, check_pair, is_fp8, read_dequantized, scale_index, scale_name
+from .dequantize import bounds
 from .progress import byte_bar
-from .quantization import fp8_block_size
+from .quantization import loaded_format
 from .safetensors_io import SafetensorsFile, byte_runs, normalize_index
 
 log = logging.getLogger("fxparallel")
@@ -45,7 +45,7 @@ class _Read:
     out: torch.Tensor  # where the piece goes: a view of this rank's shard
     nbytes: int
     offset: int  # where the piece starts in the file (reads go in file order)
-    scales: Optional[ScaleRead] = None  # a float8 piece: its block scales, read first (fp8.py)
+    decode: Optional[Callable] = None  # a quantized piece: decode(handle) reads and dequantizes it (dequantize.py)
 
 
 def _names(p) -> tuple:
@@ -97,13 +97,20 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
             raise ConversionError(f"tensor {tensor!r} is listed in the index for {path}, which does not hold it")
         return info.shape
 
-    block = fp8_block_size(module.config)  # fine-grained FP8: float8 weights are dequantized on load
+    form = loaded_format(module.config)  # a quantized checkpoint: dequantized on load
     direct = {p.name: next((n for n in _names(p) if n in stored), None) for p in plan.params}
-    needed = {n: tuple(p.shape) for p in plan.params if direct[p.name] is None for n in _names(p)}
+    packed, problems = {}, []  # parameters stored in the format's own layout (MXFP4's X_blocks / X_scales)
+    for p in (p for p in plan.params if form is not None and direct[p.name] is None):
+        node, why = form.parameter(p.name, tuple(p.shape), stored, header)
+        if node is not None or why is not None:
+            packed[p.name] = node  # None: refused (``why``)
+            problems += [why] if why is not None else []
+    needed = {n: tuple(p.shape) for p in plan.params if direct[p.name] is None and p.name not in packed
+              for n in _names(p)}
     conv = _conversions(module, plan, needed, files, shape_of_stored, meta_model) if needed else None
     converted, missing = {}, []
     for p in plan.params:
-        if direct[p.name] is not None:
+        if direct[p.name] is not None or p.name in packed:
             continue
         name = next((n for n in _names(p) if conv is not None and n in conv.groups), None)
         if name is None:
@@ -118,16 +125,20 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
         raise CheckpointError(f"{where} has no weights for {len(missing)} parameter(s): {', '.join(missing)}")
     known = {n for p in plan.params for n in _names(p)} | {n for n, _ in module.named_buffers()}
     used = known | (conv.consumed if conv is not None else set())
-    if block is not None:  # the scales of the weights the model uses are read with them
-        used |= {scale_name(n) for n in used if scale_name(n) in stored}
+    if form is not None:  # the scales of the weights the model uses are read with them
+        used |= {c for n in used for c in form.companions(n, stored)}
     extra = sorted(set(stored) - used)
     if extra:
         warnings.warn(f"{files.source or 'checkpoint'} has {len(extra)} tensor(s) the model does not use: "
                       f"{', '.join(extra)}", stacklevel=4)
-    reads, problems, scale_reads, dequantized = [], [], {}, False
+    reads, companions, dequantized = [], {}, False
     for p in plan.params:
         tensor = direct[p.name]  # tied: read once, under one name
-        if tensor is not None:
+        if p.name in packed:
+            node = packed[p.name]
+            if node is None:
+                continue
+        elif tensor is not None:
             info, path = header(tensor)
             if info is None:
                 problems.append(f"tensor {tensor!r} is listed in the index for {path}, which does not hold it")
@@ -141,27 +152,31 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
             node = _converted_node(p, converted[p.name], conv, header, problems)
             if node is None:
                 continue
+        merged = tensor is None and p.name not in packed and conv.groups[converted[p.name]].converter is not None
         bad = [n for n in node.leaves() if header(n)[0].torch_dtype is None]
         for n in bad:
             info, path = header(n)
             problems.append(f"tensor {n!r} in {path} has dtype {info.dtype}, which fxparallel cannot read")
         if bad:
             continue
-        if block is not None:
-            if _unscaled(node.leaves(), block, header, stored, problems):
+        if form is not None:
+            why = [w for w in (form.problem(n, header, stored) for n in node.leaves()) if w is not None]
+            if why:
+                problems += why
                 continue
-            dequantized = dequantized or any(is_fp8(header(n)[0]) for n in node.leaves())
+            dequantized = dequantized or any(form.is_quantized(n, header) for n in node.leaves())
         param = module.get_parameter(p.name).detach()
         for source, dest in slice_pieces(p, rank, tp):
             for tensor, index, out in node.pieces(normalize_index(p.shape, source), param[dest]):
                 info, path = header(tensor)
+                piece = None if form is None else form.piece(tensor, bounds(index), out, header, companions, merged)
+                if piece is not None:
+                    if piece.nbytes:
+                        reads.append(_Read(path, tensor, index, out, piece.nbytes, piece.offset, piece.decode))
+                    continue
                 runs = byte_runs(info.shape, normalize_index(info.shape, index), info.itemsize)
                 if runs:
-                    scales = None
-                    if block is not None and is_fp8(info):
-                        scales = _scale_read(tensor, normalize_index(info.shape, index), block, header, scale_reads)
-                    reads.append(_Read(path, tensor, index, out, sum(n for _, n in runs), info.start + runs[0][0],
-                                       scales))
+                    reads.append(_Read(path, tensor, index, out, sum(n for _, n in runs), info.start + runs[0][0]))
     for name, buffer in module.named_buffers():
         if name in stored:  # persistent buffers hold trained values too (e.g. MoE routing score biases)
             info, path = header(name)
@@ -176,45 +191,10 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
     if problems:
         raise CheckpointError("the checkpoint does not match the model:\n  " + "\n  ".join(problems))
     if dequantized:  # shown by print(model) (summary.py)
-        module.dequantized_from = f"fp8 (blocks {block[0]}x{block[1]})"
+        module.dequantized_from = form.label
     reads.sort(key=lambda r: (r.path, r.offset))
-    scales = sorted(scale_reads.values(), key=lambda r: (r.path, r.offset))
-    return [_Read(r.path, r.tensor, r.source, r.out, r.nbytes, r.offset) for r in scales] + reads, headers
-
-
-def _unscaled(leaves: list, block: tuple, header, stored: dict, problems: list) -> bool:
-    """Check every float8 tensor of ``leaves`` against its block scales (``problems`` extended); True if any fails.
-    A floating tensor with scales is refused too: its scales would be dropped."""
-    failed = False
-    for tensor in leaves:
-        info, path = header(tensor)
-        scales = scale_name(tensor)
-        scale_info = header(scales)[0] if scales in stored else None
-        if is_fp8(info):
-            why = check_pair(tensor, info, scale_info, block, path)
-        elif scale_info is not None:
-            why = (f"tensor {tensor!r} in {path} has block scales {scales!r} but is stored as {info.dtype}, not "
-                   "float8: fxparallel does not know how to apply them")
-        else:
-            continue
-        if why is not None:
-            problems.append(why)
-            failed = True
-    return failed
-
-
-def _scale_read(tensor: str, index: tuple, block: tuple, header, scale_reads: dict) -> ScaleRead:
-    """The read of the scale blocks covering ``tensor[index]`` (one per distinct range, shared)."""
-    name = scale_name(tensor)
-    info, path = header(name)
-    sindex = scale_index(index, block)
-    key = (name, sindex)
-    if key not in scale_reads:
-        runs = byte_runs(info.shape, sindex, info.itemsize)
-        out = torch.empty(tuple(b - a for a, b in sindex), dtype=torch.float32)
-        scale_reads[key] = ScaleRead(path, name, tuple(slice(a, b) for a, b in sindex), out,
-                                     sum(n for _, n in runs), info.start + runs[0][0])
-    return scale_reads[key]
+    first = sorted(companions.values(), key=lambda r: (r.path, r.offset))  # scales, before the pieces using them
+    return [_Read(r.path, r.tensor, r.source, r.out, r.nbytes, r.offset) for r in first] + reads, headers
 
 
 def _converted_node(p, name: str, conv, header, problems: list):
@@ -270,7 +250,6 @@ def load_from_files(module, plan, files: CheckpointFiles, rank: int, tp: int, *,
     beat = heartbeat(group) if group is not None else None  # peers wait for a rank still reading
     try:
         reads, headers = _plan_reads(module, plan, files, rank, tp, meta_model)
-        block = fp8_block_size(module.config)
         bar = _progress(sum(r.nbytes for r in reads), rank, tp) if progress else None
         with torch.no_grad():
             path, handle = None, None
@@ -280,10 +259,10 @@ def load_from_files(module, plan, files: CheckpointFiles, rank: int, tp: int, *,
                         if handle is not None:
                             handle.__exit__(None, None, None)
                         path, handle = r.path, headers[r.path].__enter__()
-                    if r.scales is None:
+                    if r.decode is None:
                         nbytes += handle.read_into(r.tensor, r.source, r.out)
                     else:
-                        nbytes += read_dequantized(handle, r.tensor, r.source, r.out, r.scales.out, block)
+                        nbytes += r.decode(handle)
                     if bar is not None:
                         bar.update(r.nbytes)
                     if beat is not None:

@@ -365,7 +365,12 @@ def _identity(x: torch.Tensor, *args) -> torch.Tensor:
 
 
 def all_reduce(x, handle):
-    return _AllReduce.apply(x, handle) if _recorded(x) else _direct(_all_reduce, x, handle)
+    # one rank: the identity runs directly, a view of x, not a Function's output that is its input (autograd
+    # forbids in-place ops on that, and GPT-OSS adds its expert bias in place after the reduction); forward-mode
+    # AD and torch.func still reach the Function, which refuses them
+    alone = group_by_handle(handle).size == 1 and torch.autograd.forward_ad._current_level < 0 \
+        and not torch._C._are_functorch_transforms_active()
+    return _AllReduce.apply(x, handle) if _recorded(x) and not alone else _direct(_all_reduce, x, handle)
 
 
 def copy_to_tp(x, handle):
