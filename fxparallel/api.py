@@ -403,6 +403,8 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     module.sliding_window = _sliding_window(meta.config)
     module.generation_config = _generation_config(source, meta.config)
     module.embedding_modules = embedding_modules(meta)
+    module.embedding_weights = tuple(f"{path}.weight" for path, m in meta.named_modules()
+                                     if isinstance(m, torch.nn.Embedding))
     module.dropout_rates = dict(getattr(meta, "fxparallel_dropout", {}))
     module.set_buffers(meta.fxparallel_buffers)
     module.add_graph(local)

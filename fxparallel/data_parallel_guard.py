@@ -2,9 +2,9 @@
 
 DDP's constructor broadcasts rank 0's parameters over every other rank's, then averages gradients
 over its group: around a tensor-parallel model that copies rank 0's shards over the other ranks'
-(silently: the shapes match) and mixes the gradients of different shards. accelerate wraps any
-model in DDP on a multi-process CPU job (``transformers.Trainer`` does so through it), and users
-wrap by habit. DDP reads the module's ``_ddp_params_and_buffers_to_ignore`` before it communicates;
+(silently: the shapes match) and mixes the gradients of different shards. accelerate wraps a
+model in DDP when no ``ParallelismConfig(tp_size=...)`` tells it the model is tensor parallel
+(``transformers.Trainer`` tells it: it reads ``model.tp_size``), and users wrap by habit. DDP reads the module's ``_ddp_params_and_buffers_to_ignore`` before it communicates;
 answering that read with an error stops it on every rank before any parameter changes."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from .errors import GroupError
 
 ADVICE = ("for data parallelism over more ranks use fxparallel.runtime (init_mesh, then parallelize over "
           "mesh.tp_mesh and apply_data_parallel(model, mesh): FSDP2 over the dp ranks); to train one "
-          "tensor-parallel group, call the model in your own loop (fxparallel.runtime.train_step)")
+          "tensor-parallel group, use transformers.Trainer (it reads model.tp_size and leaves the model unwrapped), "
+          "accelerate with ParallelismConfig(tp_size=...), or your own loop (fxparallel.runtime.train_step)")
 
 
 class DataParallelError(GroupError):
@@ -26,6 +27,6 @@ class RefusesDistributedDataParallel:
     def _ddp_params_and_buffers_to_ignore(self):
         raise DataParallelError(
             "torch.nn.parallel.DistributedDataParallel was given fxparallel's tensor-parallel model (directly, or "
-            "by accelerate / transformers.Trainer, which wrap every model in DDP on a multi-process CPU job): it "
+            "by accelerate's prepare without a ParallelismConfig(tp_size=...)): it "
             "would broadcast rank 0's shards over the other ranks' and average the gradients of different "
             f"shards. Nothing was changed. Instead, {ADVICE}")

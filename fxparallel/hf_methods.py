@@ -58,10 +58,13 @@ Forward arguments the graphs do not take
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Optional
 
 import torch
+from torch import nn
 
+from .dtensor_parameters import dtensor_views, refresh_views, use_dtensor_parameters
 from .errors import ArgumentError, ShardingError
 
 # forward arguments the graphs do not take: what to do instead
@@ -77,8 +80,6 @@ ALTERNATIVES = {
     "num_logits_to_keep": "transformers' older name: pass logits_to_keep=k",
     "token_type_ids": "token type ids are not supported by the parallel model",
     "head_mask": "head masks are not supported by the parallel model",
-    "num_items_in_batch": "the loss is the mean over this call's label tokens; normalize over a global batch with "
-                          "fxparallel.runtime.scaled_loss (runtime/loss.py)",
 }
 # values of those arguments that ask for nothing
 _HARMLESS = (None, False)
@@ -127,7 +128,10 @@ _INSTEAD = {
                                      "past_key_values=model.new_cache(length)) (see forward's docstring)",
     "get_decoder": "the decoder layers run inside the captured graphs, not as a transformers submodule; run the "
                    "whole model",
-    "base_model": "the decoder runs inside the captured graphs, not as a transformers submodule; run the whole model",
+    "base_model": "the decoder runs inside the captured graphs, not as a transformers submodule; run the whole model "
+                  "(TRL's SFTTrainer / GRPOTrainer call it for their fused LM head over lm_head.weight, which is this "
+                  "rank's vocabulary shard: they are not supported yet; train with transformers.Trainer, whose loss "
+                  "is the model's own, computed across the vocabulary shards)",
     "set_input_embeddings": "resize or replace the embeddings on the Hugging Face model, save_pretrained it, and "
                             "parallelize the saved directory",
     "set_output_embeddings": "resize or replace the head on the Hugging Face model, save_pretrained it, and "
@@ -158,17 +162,64 @@ class HuggingFaceMethods:
     def can_generate(self) -> bool:
         return True
 
+    @property
+    def tp_size(self) -> int:
+        """transformers' tensor-parallel degree. Trainer and accelerate read it to learn that the model was sharded
+        before they saw it (they then leave it unwrapped and give every tp rank the same batch); from the first
+        read on, ``parameters()`` are DTensor views of the shards, so that their gradient clipping is exact
+        (``dtensor_parameters.py``)."""
+        size = self.tp_group.size
+        if size > 1:
+            from transformers.distributed import DistributedConfig
+
+            use_dtensor_parameters(self)
+            self.config.distributed_config = DistributedConfig(tp_size=size)
+        return size
+
+    @property
+    def is_distributed_loading_by_transformers(self) -> bool:
+        """transformers' flag of a model sharded at load time, on once the model is in Trainer's hands (after
+        ``tp_size``): Trainer then leaves placement and gradient reduction to it, and saves it on every rank with
+        ``save_pretrained``, which gathers the shards (Trainer refuses to checkpoint optimizer states of such
+        models: ``save_only_model=True`` or ``save_strategy="no"``)."""
+        return dtensor_views(self) is not None
+
+    def local_named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The registered parameters (this rank's plain shards, or FSDP's DTensors), whatever ``named_parameters``
+        answers (``dtensor_parameters.py``)."""
+        return nn.Module.named_parameters(self, prefix, recurse, remove_duplicate)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        views = dtensor_views(self)
+        for name, param in nn.Module.named_parameters(self, prefix, recurse, remove_duplicate):
+            yield name, (views.get(id(param), param) if views else param)
+
+    input_modalities = "text"  # transformers' (pipelines print it)
+
+    def add_model_tags(self, tags) -> None:
+        """Tags for the model card (TRL's trainers add theirs), as transformers keeps them."""
+        tags = [tags] if isinstance(tags, str) else list(tags)
+        kept = self.__dict__.setdefault("model_tags", [])
+        kept.extend(t for t in tags if t not in kept)
+
+    @property
+    def loss_type(self) -> str:
+        """transformers' name of the loss (``LOSS_MAPPING``): the causal-LM loss, which shifts the labels itself;
+        Trainer reads it to count the label tokens of ``num_items_in_batch`` as that loss does."""
+        return "ForCausalLM"
+
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False,
                        local: bool = False) -> int:
-        """The whole model's parameter count, as transformers counts it (tied weights once); ``local``:
-        the elements this rank holds."""
-        if exclude_embeddings:
-            raise NotImplementedError("num_parameters(exclude_embeddings=True) is not supported on the parallel "
-                                      "model; count the embedding tables from model.plan.params")
+        """The whole model's parameter count, as transformers counts it (tied weights once; without the
+        ``nn.Embedding`` tables if ``exclude_embeddings``); ``local``: the elements this rank holds."""
+        excluded = set(self.embedding_weights) if exclude_embeddings else set()
         if local:
-            return sum(p.numel() for p in self.parameters() if p.requires_grad or not only_trainable)
+            return sum(p.numel() for name, p in self.local_named_parameters()
+                       if (p.requires_grad or not only_trainable) and name not in excluded)
         total = 0
         for p in self.plan.params:
+            if excluded.intersection((p.name,) + tuple(p.aliases)):
+                continue
             count = 1
             for size in p.shape:
                 count *= size
@@ -181,7 +232,7 @@ class HuggingFaceMethods:
             t = getattr(t, "_local_tensor", t)  # an FSDP DTensor: this rank's piece
             return t.nelement() * t.element_size()
 
-        total = sum(nbytes(p) for p in self.parameters())
+        total = sum(nbytes(p) for _, p in self.local_named_parameters())
         if return_buffers:
             total += sum(nbytes(b) for b in self.buffers())
         return total
@@ -273,13 +324,17 @@ class HuggingFaceMethods:
                                 f"device is not supported ({type(err).__name__}: {err}): pass device= to "
                                 "fxparallel.parallelize instead") from err
         if not isinstance(probe, torch.Tensor) or (probe.dtype == self.dtype_ and probe.device == self.device_):
-            return super()._apply(fn, recurse)
+            out = super()._apply(fn, recurse)
+            refresh_views(self)
+            return out
         if probe.device != self.device_:
             raise ShardingError(
                 f"this parallel model was captured and loaded in {where}; moving it to "
                 f"{_dtype_name(probe.dtype)} on {probe.device} is not supported: pass device= to "
                 f"fxparallel.parallelize instead")
-        return self._cast(fn, probe.dtype, recurse)
+        out = self._cast(fn, probe.dtype, recurse)
+        refresh_views(self)
+        return out
 
     def _cast(self, fn, dtype: torch.dtype, recurse: bool):
         """Cast every shard to ``dtype`` and re-capture the graphs in it: the captured code bakes its dtype
@@ -332,7 +387,48 @@ class HuggingFaceMethods:
         except AttributeError:
             if not _pretrained_model_attribute(name) and name not in _INSTEAD:
                 raise
-        instead = _INSTEAD.get(name, "see the README's \"Hugging Face methods\" for what the parallel model has")
-        raise MissingHuggingFaceMethod(
-            f"{type(self).__name__} (fxparallel's parallel model, not a transformers PreTrainedModel) does not "
-            f"implement PreTrainedModel.{name}: {instead}") from None
+        raise _missing(type(self).__name__, name) from None
+
+
+def _missing(cls_name: str, name: str) -> MissingHuggingFaceMethod:
+    instead = _INSTEAD.get(name, "see the README's \"Hugging Face methods\" for what the parallel model has")
+    return MissingHuggingFaceMethod(
+        f"{cls_name} (fxparallel's parallel model, a PreTrainedModel in name only: its weights are shards and "
+        f"it runs captured graphs) does not implement PreTrainedModel.{name}: {instead}")
+
+
+class _Refused:
+    """A PreTrainedModel attribute the parallel model does not have: reading it on an instance raises
+    ``MissingHuggingFaceMethod`` (so ``hasattr`` is False); an instance may still set it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        raise _missing(type(instance).__name__, self.name)
+
+
+def refuse_inherited(cls) -> type:
+    """``cls`` subclasses PreTrainedModel so that the tools that take one (Trainer saves it with
+    ``save_pretrained``, pipelines, TRL) take it; none of PreTrainedModel's single-device code may run on
+    it. Every attribute of PreTrainedModel (and of its mixins) that ``cls`` does not define itself is
+    refused, or, where PreTrainedModel overrides one of nn.Module's / GenerationMixin's, is theirs again."""
+    from transformers import PreTrainedModel
+    from transformers.generation import GenerationMixin
+
+    own = set()
+    for klass in cls.__mro__:
+        if klass is PreTrainedModel:
+            break
+        own.update(vars(klass))
+    for name in dir(PreTrainedModel):
+        if name.startswith("__") or name in own or name == "config_class":
+            continue
+        base = next((k for k in (nn.Module, GenerationMixin) if name in dir(k)), None)
+        if base is not None:
+            setattr(cls, name, inspect.getattr_static(base, name))
+        else:
+            setattr(cls, name, _Refused(name))
+    return cls

@@ -17,14 +17,16 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .data_parallel_guard import RefusesDistributedDataParallel
 from .dcp_state import describe_state_dict
 from .errors import ArgumentError, ShardingError
-from .hf_methods import HuggingFaceMethods, refuse_arguments
+from .hf_methods import HuggingFaceMethods, refuse_arguments, refuse_inherited
 from .inputs import check_arguments, options_code
+from .items_in_batch import check_items_in_batch, loss_over_items
 from .rewrite import collectives, context_parallel
 from .rewrite.layer_units import LayerPieces, install_layer_units
 
@@ -81,12 +83,12 @@ def _set_path(root: nn.Module, dotted: str, value, kind: str):
         module.register_buffer(leaf, value, persistent=False)
 
 
-class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Module, GenerationMixin):
+class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTrainedModel, GenerationMixin):
     """This rank's shards and the graphs that run them; the Hugging Face model methods it has (and the
     ones it refuses, saying what to do instead) are listed in ``hf_methods.py``."""
 
     def __init__(self, config, plan, group, device, dtype, graph_factory, cp_group=None):
-        super().__init__()
+        nn.Module.__init__(self)  # not PreTrainedModel's: there is no single-device model behind this one
         self.config = config
         self.plan = plan
         self.tp_group = group
@@ -107,6 +109,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Mo
         self.sliding_window: Optional[int] = None  # smallest sliding attention window: longest generation
         self.generation_config = None  # the checkpoint's (set by parallelize), as in transformers
         self.embedding_modules: dict = {}  # "input"/"output" -> (module path, class, bias) (set by parallelize)
+        self.embedding_weights: tuple = ()  # the nn.Embedding tables' weights (set by parallelize)
         self.dropout_rates: dict = {}  # the model's dropout rates above 0 (set by parallelize): masks in train()
         object.__setattr__(self, "_last_graph", None)
         object.__setattr__(self, "_compiled", [])  # (compile config, graph, compiled code)
@@ -253,7 +256,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Mo
     # ---- forward -------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, gather_logits=None,
                 past_key_values=None, use_cache=None, return_dict=None, check_inputs=True, compile_config=None,
-                logits_to_keep=0, **unsupported):
+                logits_to_keep=0, num_items_in_batch=None, **unsupported):
         """The model's forward on this rank's shards: same arguments and outputs as the Hugging Face model
         (see the README's "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
         earlier call) runs with a static KV cache sharded by heads (``generation/cache.py``) and returns
@@ -263,7 +266,9 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Mo
         the rank given the argument alone);
         ``compile_config`` (transformers' ``CompileConfig``) runs the graph ``torch.compile``d with its options,
         compiled once per graph (``generate`` passes it for its decode steps); ``logits_to_keep=k`` (an int, as in
-        transformers) computes the logits of the last k positions only (a graph of its own; 0: all)."""
+        transformers) computes the logits of the last k positions only (a graph of its own; 0: all);
+        ``num_items_in_batch`` (transformers.Trainer's): the loss is the sum of this call's token losses divided
+        by it, as transformers' loss computes it under gradient accumulation."""
         gather = (labels is None) if gather_logits is None else bool(gather_logits)
         # the checks of this rank's own arguments: an error is raised only after the exchange in check_arguments,
         # so that an argument given to one rank only never leaves the others waiting in a collective (inputs.py)
@@ -274,6 +279,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Mo
                 raise TypeError("input_ids is required" if input_ids is None else
                                 f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
             logits_to_keep = self._logits_to_keep(logits_to_keep, labels)
+            check_items_in_batch(num_items_in_batch, labels, self.cp_group)
             cache = self._cache_for(past_key_values, use_cache, input_ids, attention_mask)
             args = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
                                       ("position_ids", position_ids), ("labels", labels)) if v is not None}
@@ -319,7 +325,10 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Mo
             uneven = (tuple(sizes),) if sizes and len(set(sizes)) > 1 else None
             local_logits = logits
             logits = collectives.all_gather(logits, placement.dim, self.tp_group.handle, None, uneven) if gather else None
-        out = ParallelCausalLMOutput(loss=results.get("loss"), logits=logits, local_logits=local_logits,
+        loss = results.get("loss")
+        if num_items_in_batch is not None and loss is not None and labels is not None:
+            loss = loss_over_items(loss, args["labels"], num_items_in_batch)
+        out = ParallelCausalLMOutput(loss=loss, logits=logits, local_logits=local_logits,
                                      vocab_range=vocab_range, **{CACHE_FIELD: cache})
         return out if return_dict is not False else self._as_tuple(out, labels, gather_logits)
 
@@ -370,25 +379,32 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Mo
         return self._last_graph.output_sizes.get(name) if self._last_graph is not None else None
 
     # ---- Hugging Face model behaviour (the rest: hf_methods.py) ----------------
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, mode: str = "full"):
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, mode: str = "full",
+                                      every_n_layers: int = 1, offload: bool = False):
         """Recompute each decoder layer in the backward pass (training mode only, as in transformers);
-        ``mode="selective"`` keeps the layers' matrix products: ``runtime/activation_checkpointing.py``."""
+        ``mode="selective"`` keeps the layers' matrix products: ``runtime/activation_checkpointing.py``.
+        ``every_n_layers=n`` (transformers 5's) checkpoints layers 0, n, 2n, ... only."""
         from .runtime import activation_checkpointing
 
-        activation_checkpointing.enable(self, mode, gradient_checkpointing_kwargs)
+        activation_checkpointing.enable(self, mode, gradient_checkpointing_kwargs, every_n_layers, offload)
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
+                                        offload: bool = False, mode: str = "full"):
+        """transformers 5's name (and arguments, as ``Trainer`` passes them) of ``gradient_checkpointing_enable``."""
+        self.gradient_checkpointing_enable(activation_checkpointing_kwargs, mode, every_n_layers, offload)
 
     def gradient_checkpointing_disable(self):
         from .runtime import activation_checkpointing
 
         activation_checkpointing.disable(self)
 
-    # transformers 5's names for the same
-    activation_checkpointing_enable = gradient_checkpointing_enable
     activation_checkpointing_disable = gradient_checkpointing_disable
 
     @property
     def is_gradient_checkpointing(self) -> bool:
         return any(getattr(self.get_submodule(p), "checkpoint", None) is not None for p in self._layer_paths)
+
+    is_activation_checkpointing = is_gradient_checkpointing  # transformers 5's name
 
     def generate(self, input_ids=None, attention_mask=None, generation_config=None, streamer=None, **kwargs):
         """transformers' ``generate`` for decoder-only models (greedy search and sampling) on the parallel
@@ -402,3 +418,6 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, nn.Mo
     @property
     def cp_size(self) -> int:
         return 1 if self.cp_group is None else self.cp_group.size
+
+
+refuse_inherited(ParallelCausalLM)

@@ -73,7 +73,7 @@ def parameter_rows(plan, tp: int, rank: int) -> list:
 def sharding_summary(model) -> str:
     """The text ``repr(model)`` prints (see the module docstring)."""
     plan, tp, rank = model.plan, model.tp_group.size, model.tp_group.rank
-    local = sum(p.numel() for p in model.parameters())
+    local = sum(p.numel() for _, p in model.local_named_parameters())
     extras = []
     if model.cp_group is not None:
         extras.append(f"cp={model.cp_group.size}")
@@ -82,7 +82,7 @@ def sharding_summary(model) -> str:
     data_parallel = getattr(model, "_fxparallel_data_parallel", None)
     if data_parallel is not None:
         extras.append(f"data parallel: {data_parallel.mode}, {data_parallel.units} FSDP units")
-    dequantized = getattr(model, "dequantized_from", None)  # load/weights.py: a fine-grained FP8 checkpoint
+    dequantized = getattr(model, "dequantized_from", None)  # load/weights.py: a quantized checkpoint
     if dequantized:
         extras.append(f"weights dequantized from {dequantized} on load")
     head = (f"{type(model).__name__}({plan.model_type}, tp={tp}, rank={rank}"

@@ -64,3 +64,27 @@ def edited_copy(src: str, dst: str, edit) -> str:
     edit(tensors)
     save_file(tensors, path, metadata={"format": "pt"})
     return dst
+
+
+def save_with_tokenizer(directory: str, seed: int = 0) -> str:
+    """A tiny random Llama and a byte-level BPE tokenizer trained here on a few words (stop strings need a
+    tokenizer whose tokens transformers can map back to text), saved as a hub directory."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    words = "the a one two cat dog sat ran on under over mat tree and then it was big small red green".split()
+    rng = random.Random(seed)
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator([" ".join(rng.choice(words) for _ in range(12)) for _ in range(200)],
+                             trainers.BpeTrainer(vocab_size=120, special_tokens=["<pad>", "<s>", "</s>"],
+                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                        padding_side="left")
+    config = tiny_config("llama", vocab_size=core.get_vocab_size(), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    save_checkpoint(config, directory, seed=seed)
+    tokenizer.save_pretrained(directory)
+    return directory

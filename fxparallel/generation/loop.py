@@ -148,6 +148,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
     # this rank's own checks: an error is raised only after the ranks have compared their arguments (every rank
     # raises then), so that an argument given to one rank only never leaves the others waiting
     refused, text = None, ""
+    tokenizer = kwargs.pop("tokenizer", None)  # transformers' argument for stop_strings (pipelines pass it)
     try:
         config, input_ids, mask, user_max_length = _checked_arguments(model, input_ids, attention_mask,
                                                                       generation_config, kwargs)
@@ -199,7 +200,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
     processors = model._get_logits_processor(config, input_ids_seq_length=prompt, device=device,
                                              logits_processor=logits_processor or LogitsProcessorList(),
                                              model_kwargs={})
-    criteria = model._get_stopping_criteria(config, stopping_criteria or StoppingCriteriaList())
+    criteria = model._get_stopping_criteria(config, stopping_criteria or StoppingCriteriaList(), tokenizer=tokenizer)
     sample = config.do_sample
     generator = None
     if sample:  # one seed for every rank: the same draws everywhere

@@ -84,11 +84,19 @@ def checkpoint_options(mode: str, kwargs: Optional[dict]) -> dict:
     return options
 
 
-def enable(model, mode: str = "full", gradient_checkpointing_kwargs: Optional[dict] = None) -> None:
-    """Checkpoint every decoder layer of ``model`` (a ParallelCausalLM) from its next call on."""
+def enable(model, mode: str = "full", gradient_checkpointing_kwargs: Optional[dict] = None,
+           every_n_layers: int = 1, offload: bool = False) -> None:
+    """Checkpoint the decoder layers of ``model`` (a ParallelCausalLM) from its next call on: every layer, or
+    layers 0, n, 2n, ... with ``every_n_layers=n`` (transformers 5's option)."""
     options = checkpoint_options(mode, gradient_checkpointing_kwargs)
-    for unit in model.layer_units(required_by="activation checkpointing"):
-        unit.checkpoint = options
+    if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int) or every_n_layers < 1:
+        raise ValueError(f"every_n_layers must be a positive int, got {every_n_layers!r}")
+    if offload:
+        raise ValueError("activation checkpointing with offload=True (activations kept in host memory) is not "
+                         "supported on the parallel model; leave offload=False (each rank keeps 1/tp of a layer's "
+                         "activations already), or checkpoint more layers (every_n_layers=1)")
+    for i, unit in enumerate(model.layer_units(required_by="activation checkpointing")):
+        unit.checkpoint = options if i % every_n_layers == 0 else None
 
 
 def disable(model) -> None:

@@ -88,7 +88,7 @@ def _gather_to_writer(model, scope: ExportScope, dtype: Optional[torch.dtype], r
 def _named_full(model, dtype: Optional[torch.dtype], full_of) -> dict:
     """{name and alias: ``full_of(param, plan)`` on CPU in ``dtype``}, skipping None (one parameter at a time)."""
     state = {}
-    for name, param in model.named_parameters():
+    for name, param in model.local_named_parameters():
         plan = model.plan.param(name)
         full = full_of(param, plan)
         if full is not None:
@@ -221,6 +221,10 @@ def _save(model, state: dict, directory: str, dtype: Optional[torch.dtype], save
 
     out_dtype = dtype or next(iter(state.values())).dtype
     config = config_for_float_weights(model.config, out_dtype)  # dequantized on load: no quantization_config
+    if getattr(config, "distributed_config", None) is not None:
+        # set for Trainer (dtensor_parameters.py); the model built here to write the full tensors is a plain one
+        config = copy.deepcopy(config)
+        config.distributed_config = None
     cls = causal_lm_class(config, "save_pretrained", trust_remote_code=True)  # (the model was built already)
     with torch.device("meta"):
         hf = cls._from_config(config, dtype=out_dtype) if cls else AutoModelForCausalLM.from_config(

@@ -59,7 +59,7 @@ def _prepare_mixed_precision(model, param_dtype) -> None:
             "master copies here)"
         )
     with torch.no_grad():
-        for param in model.parameters():
+        for _, param in model.local_named_parameters():
             if param.dtype != torch.float32:
                 param.data = param.data.float()
 
@@ -78,9 +78,15 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from ..dtensor_parameters import dtensor_views
     from .train import check_context_parallel
 
     check_context_parallel(model, mesh)
+    if dtensor_views(model):
+        raise ValueError("apply_data_parallel: this model's parameters are DTensor views for transformers.Trainer / "
+                         "accelerate (model.tp_size was read), which train one tensor-parallel group without FSDP; "
+                         "for dp x tp, apply it to a model nothing has handed to Trainer, and train with "
+                         "fxparallel.runtime.train_step")
     if mode not in MODES:
         raise ValueError(f"data parallel mode must be one of {MODES}, got {mode!r}")
     if mixed_precision not in MIXED_PRECISION:

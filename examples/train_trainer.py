@@ -1,0 +1,82 @@
+"""Fine-tune the tensor-parallel model with transformers.Trainer, then save it as a Hugging Face checkpoint.
+
+    torchrun --nproc_per_node=2 examples/train_trainer.py                      # a tiny Llama built here
+    torchrun --nproc_per_node=2 examples/train_trainer.py --model DIR_OR_HUB_ID --steps 20
+
+Every rank of the job is one tensor-parallel group (world = tp). Trainer reads ``model.tp_size``, takes
+transformers' tensor-parallel path (no DistributedDataParallel, the same batch on every rank) and sees the
+parameters as DTensors, so its gradient clipping uses the true global norm; ``num_items_in_batch``,
+gradient accumulation and gradient checkpointing are the model's own. ``save_model`` gathers the shards
+and writes a checkpoint ``from_pretrained`` loads. accelerate allows that path on GPUs only: on a CPU job
+the example calls ``fxparallel.accelerate_cpu.allow_tensor_parallel_on_cpu()`` first.
+
+By default it builds a tiny Llama with a word-level tokenizer (checkpoints/tiny-llama-generate, as
+examples/generate.py) and trains on random sentences made here (no hub, no datasets).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+
+import torch
+import torch.distributed as dist
+
+import fxparallel
+from fxparallel.accelerate_cpu import allow_tensor_parallel_on_cpu
+from generate import WORDS, build_default
+
+
+def sentences(tokenizer, count: int, length: int, seed: int = 0) -> list:
+    """Random sentences of the tokenizer's words, as Trainer rows (labels = input ids; the loss shifts them)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        ids = tokenizer(" ".join(rng.choice(WORDS) for _ in range(length)))["input_ids"][:length]
+        rows.append({"input_ids": ids, "labels": list(ids)})
+    return rows
+
+
+def main():
+    from transformers import AutoTokenizer, Trainer, TrainingArguments
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="hub id or directory (default: a tiny Llama built here)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", default="out/train_trainer")
+    args = parser.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    rank = dist.get_rank()
+    path = args.model
+    if path is None:
+        path = "checkpoints/tiny-llama-generate"
+        if rank == 0:
+            build_default(path)
+        dist.barrier()
+    if device == "cpu":
+        allow_tensor_parallel_on_cpu()  # accelerate's one GPU-only check on this path (see the docstring)
+
+    model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    training = TrainingArguments(
+        output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=1, max_grad_norm=1.0,
+        gradient_checkpointing=True, logging_steps=1, save_strategy="no", report_to=[], use_cpu=device == "cpu",
+        disable_tqdm=rank != 0)
+    trainer = Trainer(model=model, args=training, train_dataset=sentences(tokenizer, 64, 16),
+                      processing_class=tokenizer)
+    trainer.train()
+    saved = os.path.join(args.out, "final")
+    trainer.save_model(saved)  # every rank: the shards are gathered; rank 0 writes
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+        print(f"saved {saved}: {reloaded.num_parameters()} parameters, loads with from_pretrained")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The parallel model's parameters seen as DTensors over the tensor-parallel group: how
+``transformers.Trainer`` and accelerate train it exactly.
+
+transformers' own tensor-parallel models hold DTensor parameters, and the tools around them rely on it:
+Trainer clips with ``clip_grad_norm_(model.parameters(), max_grad_norm)``, which is the norm of the whole
+model's gradient only over DTensor gradients. Over plain tensors it is each rank's own norm: the ranks
+clip by different factors (silently), and replicated weights drift apart.
+
+The graphs run on plain local tensors, so the registered parameters stay plain. In this mode
+``named_parameters()`` / ``parameters()`` answer with a DTensor view of each (``DTensor.from_local`` on
+the same storage, placement ``Shard(d)`` or ``Replicate()`` from the plan): an optimizer built on them
+updates the model's own shards in place. After each backward a hook moves the gradient of every plain
+parameter onto its view (no copy the first time, an in-place add under gradient accumulation), so
+``clip_grad_norm_`` sums the shards' squares over the group once and counts replicated weights once: one
+all-reduce, the same total norm on every rank.
+
+The mode starts when Trainer or accelerate reads ``model.tp_size`` (transformers' sign that a model was
+sharded before they saw it; they then leave it unwrapped, no DistributedDataParallel, and give every tp
+rank the same batch), or with ``use_dtensor_parameters(model)``. Only placements DTensor can state are
+allowed; a fused weight's segmented shard or an uneven split is refused naming the parameter, before
+anything changes."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from .errors import GroupError
+
+
+class DTensorParametersError(GroupError):
+    """The parallel model cannot present its parameters as DTensors (placement, data parallelism)."""
+
+
+def dtensor_views(model):
+    """{id(plain parameter): its DTensor view}, or None outside the mode."""
+    return model.__dict__.get("_dtensor_views")
+
+
+def use_dtensor_parameters(model) -> None:
+    """Enter the mode (see the module docstring); once per model, a no-op afterwards."""
+    if dtensor_views(model) is not None:
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    from .runtime.dtensor import tp_placement
+
+    group = model.tp_group
+    _refuse_data_parallel(model)
+    placements = {}
+    for name, param in model.local_named_parameters():
+        if isinstance(param, DTensor):
+            raise DTensorParametersError(
+                f"{name} is already a DTensor (fxparallel.runtime.apply_data_parallel sharded it over the data-parallel "
+                "ranks): transformers.Trainer cannot train a model under fxparallel's FSDP; train it with "
+                "fxparallel.runtime.train_step")
+        try:
+            placements[id(param)] = tp_placement(model.plan.param(name))
+        except NotImplementedError as err:
+            raise DTensorParametersError(
+                f"transformers.Trainer / accelerate need the parallel model's parameters as DTensors, and {err}: "
+                "DTensor has no placement for it. Train this model with fxparallel.runtime.train_step (its clipping "
+                "and checkpoints handle every placement), or choose a tp size without such shards") from None
+    mesh = DeviceMesh.from_group(group.process_group, model.device_.type)
+    views = {}
+    for name, param in model.local_named_parameters():
+        full = tuple(model.plan.param(name).shape)
+        view = torch.nn.Parameter(
+            DTensor.from_local(param.detach(), mesh, [placements[id(param)]], run_check=False, shape=full,
+                               stride=_contiguous_stride(full)), requires_grad=param.requires_grad)
+        views[id(param)] = view
+        param.register_post_accumulate_grad_hook(functools.partial(_move_gradient, view))
+    model.__dict__["_dtensor_views"] = views
+
+
+def refresh_views(model) -> None:
+    """After ``model.to(...)`` / ``model.half()``: point every view at its parameter's (new) storage, keeping the
+    view objects (an optimizer's references stay valid)."""
+    views = dtensor_views(model)
+    if not views:
+        return
+    from torch.distributed.tensor import DTensor
+
+    for _, param in model.local_named_parameters():
+        view = views[id(param)]
+        if view._local_tensor.data_ptr() != param.data_ptr() or view.dtype != param.dtype:
+            # ``view.data = ...`` would leave the DTensor's local tensor behind: swap the whole object's contents
+            fresh = torch.nn.Parameter(DTensor.from_local(param.detach(), view.device_mesh, view.placements,
+                                                          run_check=False, shape=view.shape, stride=view.stride()),
+                                       requires_grad=view.requires_grad)
+            torch.utils.swap_tensors(view, fresh)
+
+
+def _move_gradient(view, param) -> None:
+    """Post-accumulate-grad hook of a plain parameter: its gradient goes onto ``view``."""
+    from torch.distributed.tensor import DTensor
+
+    grad, param.grad = param.grad, None
+    if grad is None or not view.requires_grad:
+        return
+    if view.grad is None:
+        view.grad = DTensor.from_local(grad, view.device_mesh, view.placements, run_check=False, shape=view.shape,
+                                       stride=view.stride())
+    else:
+        view.grad._local_tensor.add_(grad)
+
+
+def _refuse_data_parallel(model) -> None:
+    """Data parallelism around it would need the gradients averaged over the dp ranks, which Trainer leaves
+    to a model sharded at load time (FSDP2 in transformers); fxparallel's FSDP runs in its own runtime."""
+    if not dist.is_initialized():
+        return
+    world = dist.get_world_size()
+    tp = model.tp_group.size * (model.cp_size if model.cp_group is not None else 1)
+    if world != tp:
+        raise DTensorParametersError(
+            f"transformers.Trainer / accelerate with the parallel model need one tensor-parallel group over the "
+            f"whole job: the world has {world} ranks and the model's tp group {model.tp_group.size}. Data "
+            "parallelism around it is not supported through Trainer; use fxparallel.runtime (init_mesh, "
+            "apply_data_parallel, train_step) for dp x tp")
+    if model.cp_group is not None:
+        raise DTensorParametersError("transformers.Trainer with context parallelism (cp_group) is not supported; "
+                                     "use fxparallel.runtime.train_step")
+
+
+def _contiguous_stride(shape: tuple) -> tuple:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))

@@ -1,0 +1,199 @@
+"""The pieces of transformers' training stack the parallel model answers to (issue 31's first part):
+``num_items_in_batch`` (Trainer's loss normalization under gradient accumulation) against transformers'
+loss and every gradient at TP=2; ``num_parameters(exclude_embeddings=True)`` (Trainer's FLOP count);
+``activation_checkpointing_enable`` with Trainer's arguments (``every_n_layers``); and stock
+``transformers.Trainer`` training the parallel model at TP=1 with clipping, gradient accumulation,
+gradient checkpointing and a learning-rate schedule, at TP=2 (world = tp) and TP=1: the single-device
+Trainer's losses, grad norms (the true global norm, clipping by it) and final weights, replicated weights
+bit-identical on both ranks. At TP=2 Trainer takes transformers' tensor-parallel path
+(``ParallelismConfig(tp_size=2)``), which accelerate allows on GPUs only: the one check that refuses it
+on CPU is simulated (``fxparallel.accelerate_cpu``, what a CPU user calls); everything else is the path GPU users take.
+``Trainer.save_model`` then writes what transformers loads as the trained model. And
+``pipeline("text-generation")`` takes the parallel model: its repr, transformers' text, and stop strings
+(``stop_sequence``) stopping where they stop transformers'."""
+from __future__ import annotations
+
+from distributed import run_ranks
+
+
+def _trainer_run(model, out_dir, save_to=None):
+    """Train ``model`` with stock Trainer for 4 optimizer steps (then ``save_model(save_to)``); returns
+    (losses, grad norms)."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for _ in range(16):
+        ids = torch.randint(0, 128, (9,), generator=g).tolist()
+        labels = list(ids)
+        labels[2] = -100  # a masked token: num_items_in_batch must count only the others
+        rows.append({"input_ids": ids, "labels": labels})
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=4, learning_rate=5e-2, lr_scheduler_type="linear", warmup_steps=1,
+                             max_grad_norm=0.5, gradient_checkpointing=True, logging_steps=1, report_to=[],
+                             use_cpu=True, save_strategy="no", seed=7, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    if save_to is not None:
+        trainer.save_model(save_to)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return [h["loss"] for h in logs], [float(h["grad_norm"]) for h in logs]
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _single_process(fn, *args):
+    """Run ``fn`` as a job of one process (accelerate reads the launcher's variables)."""
+    import os
+
+    env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
+    _reset_accelerate()
+    try:
+        return fn(*args)
+    finally:
+        os.environ.update(env)
+        _reset_accelerate()
+
+
+def _tensor_parallel_trainer(rank, world, path, root):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate
+
+    import fxparallel
+    from fxparallel.accelerate_cpu import allow_tensor_parallel_on_cpu
+    from transformers import AutoModelForCausalLM
+
+    allow_tensor_parallel_on_cpu()
+    parallel = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    result = {"trainer": _trainer_run(parallel, f"{root}/tp{rank}", save_to=f"{root}/saved")}
+    replicated = [p for _, p in parallel.named_parameters() if p.placements == (Replicate(),)]
+    local = torch.cat([p.to_local().detach().flatten() for p in replicated])
+    copies = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(copies, local)
+    result["replicated_identical"] = all(torch.equal(c, copies[0]) for c in copies)
+    result["replicated_count"] = len(replicated)
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    result["trainer_ref"] = _single_process(_trainer_run, single, f"{root}/single{rank}")
+    ref_params = dict(single.named_parameters())
+    result["trainer_weights"] = max(
+        (p.detach() - parallel.plan.param(n).shard_of(ref_params[n].detach(), rank, world)).abs().max().item()
+        for n, p in parallel.local_named_parameters())
+    # Trainer.save_model: every rank took part (save_pretrained gathers); transformers loads what was trained
+    saved = dict(AutoModelForCausalLM.from_pretrained(f"{root}/saved", dtype=torch.float32).named_parameters())
+    result["saved_equals_shards"] = all(
+        torch.equal(parallel.plan.param(n).shard_of(saved[n], rank, world), p.detach())
+        for n, p in parallel.local_named_parameters())
+    result["saved_vs_single"] = max((saved[n] - p.detach()).abs().max().item() for n, p in single.named_parameters())
+    return result
+
+
+def _pipeline(rank, root):
+    """pipeline("text-generation") on the parallel model and on transformers' (each rank builds its own)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    import fxparallel
+    from models import save_with_tokenizer
+
+    path = f"{root}/with_tokenizer"
+    if rank == 0:
+        save_with_tokenizer(path)
+    dist.barrier()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    pipes = [pipeline("text-generation", model=m, tokenizer=tokenizer) for m in (
+        fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32),
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))]
+    prompt = "the cat sat on"
+    texts = [p(prompt, max_new_tokens=8, do_sample=False)[0]["generated_text"] for p in pipes]
+    stop = texts[1][len(prompt):][3:6]  # a piece of the continuation: generation stops on reaching it
+    stopped = [p(prompt, max_new_tokens=8, do_sample=False, stop_sequence=stop)[0]["generated_text"] for p in pipes]
+    return {"texts": texts, "stopped": stopped, "stop": stop, "repr": repr(pipes[0])}
+
+
+def _cases(rank, world, path, root):
+    import torch
+    import torch.distributed as dist
+
+    import fxparallel
+    from checks import compare
+    from models import reference
+
+    out = {}
+    model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    ref = reference(path)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+
+    # num_items_in_batch (a tensor, as Trainer passes it): loss = sum of token losses / it, every gradient
+    out["items"] = compare(model, ref, rank, world, ids, num_items_in_batch=torch.tensor(7))
+    out["items_loss_ratio"] = (model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(7)).loss
+                               / model(input_ids=ids, labels=ids).loss).item()
+
+    # Trainer's FLOP count asks for the parameters without the embeddings
+    out["counts"] = [(model.num_parameters(exclude_embeddings=e), ref.num_parameters(exclude_embeddings=e))
+                     for e in (False, True)]
+
+    # Trainer's call: activation_checkpointing_enable(activation_checkpointing_kwargs=..., every_n_layers, offload)
+    model.train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=None, every_n_layers=2, offload=False)
+    out["checkpointed"] = [u.checkpoint is not None for u in model.layer_units()]
+    out["checkpointed_grads"] = compare(model, ref, rank, world, ids)
+    model.gradient_checkpointing_disable()
+    try:
+        model.activation_checkpointing_enable(offload=True)
+        out["offload"] = "no error"
+    except ValueError as err:
+        out["offload"] = str(err)
+
+    out["tp2"] = _tensor_parallel_trainer(rank, world, path, root)
+    out["pipeline"] = _pipeline(rank, root)
+
+    # stock Trainer at TP=1 (a group of this rank alone, as a job of one process)
+    groups = [dist.new_group([r]) for r in range(world)]
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        parallel = fxparallel.parallelize(path, groups[rank], dtype=torch.float32)
+        single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        out["tp1"] = {"trainer": _single_process(_trainer_run, parallel, f"{root}/parallel"),
+                      "trainer_ref": _single_process(_trainer_run, single, f"{root}/single")}
+        ref_params = dict(single.named_parameters())
+        out["tp1"]["trainer_weights"] = max((p.detach() - ref_params[n].detach()).abs().max().item()
+                                            for n, p in parallel.named_parameters())
+    return out
+
+
+def _check_trainer(run: dict) -> None:
+    losses, norms = run["trainer"]
+    ref_losses, ref_norms = run["trainer_ref"]
+    assert len(losses) == 4 and len(ref_losses) == 4
+    for ours, theirs in zip(losses + norms, ref_losses + ref_norms):
+        assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (losses, ref_losses, norms, ref_norms)
+    assert max(ref_norms) > 0.5  # the clipping acted
+    assert run["trainer_weights"] < 1e-5, run["trainer_weights"]
+
+
+def test_trainer_stack(checkpoints, tmp_path):
+    results = run_ranks(2, _cases, checkpoints["llama"], str(tmp_path))
+    for r in results:
+        for key in ("items", "checkpointed_grads"):
+            assert r[key]["loss"] < 1e-5 and r[key]["logits"] < 1e-5 and r[key]["grad"] < 1e-5, (key, r[key])
+        assert abs(r["items_loss_ratio"] - 16 / 7) < 1e-5  # 2 rows x 8 shifted labels, summed, over 7
+        assert all(ours == theirs for ours, theirs in r["counts"]), r["counts"]
+        assert r["counts"][1][0] < r["counts"][0][0]
+        assert r["checkpointed"] == [True, False]  # two layers, every second one checkpointed
+        assert "offload=True" in r["offload"] and "not supported" in r["offload"], r["offload"]
+        _check_trainer(r["tp2"])
+        assert r["tp2"]["replicated_identical"] and r["tp2"]["replicated_count"] == 5  # 2 x 2 layer norms + final
+        assert r["tp2"]["saved_equals_shards"] and r["tp2"]["saved_vs_single"] < 1e-5, r["tp2"]
+        pipe = r["pipeline"]
+        assert pipe["texts"][0] == pipe["texts"][1] and pipe["stopped"][0] == pipe["stopped"][1], pipe
+        assert len(pipe["stopped"][1]) < len(pipe["texts"][1]) and pipe["stop"] in pipe["stopped"][1], pipe
+        assert "text-generation" in pipe["repr"] or "TextGeneration" in pipe["repr"], pipe["repr"]
+    _check_trainer(results[0]["tp1"])
