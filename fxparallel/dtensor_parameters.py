@@ -45,7 +45,7 @@ def use_dtensor_parameters(model) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-    from .runtime.dtensor import tp_placement
+    from .runtime.dtensor import contiguous_stride, tp_placement
 
     group = model.tp_group
     _refuse_data_parallel(model)
@@ -69,7 +69,7 @@ def use_dtensor_parameters(model) -> None:
         full = tuple(model.plan.param(name).shape)
         view = torch.nn.Parameter(
             DTensor.from_local(param.detach(), mesh, [placements[id(param)]], run_check=False, shape=full,
-                               stride=_contiguous_stride(full)), requires_grad=param.requires_grad)
+                               stride=contiguous_stride(full)), requires_grad=param.requires_grad)
         views[id(param)] = view
         param.register_post_accumulate_grad_hook(functools.partial(_move_gradient, view))
     model.__dict__["_dtensor_views"] = views
@@ -110,24 +110,15 @@ def _move_gradient(view, param) -> None:
 def _refuse_data_parallel(model) -> None:
     """Data parallelism around it would need the gradients averaged over the dp ranks, which Trainer leaves
     to a model sharded at load time (FSDP2 in transformers); fxparallel's FSDP runs in its own runtime."""
+    if model.cp_group is not None:
+        raise DTensorParametersError("transformers.Trainer with context parallelism (cp_group) is not supported; "
+                                     "use fxparallel.runtime.train_step")
     if not dist.is_initialized():
         return
     world = dist.get_world_size()
-    tp = model.tp_group.size * (model.cp_size if model.cp_group is not None else 1)
-    if world != tp:
+    if world != model.tp_group.size:
         raise DTensorParametersError(
             f"transformers.Trainer / accelerate with the parallel model need one tensor-parallel group over the "
             f"whole job: the world has {world} ranks and the model's tp group {model.tp_group.size}. Data "
             "parallelism around it is not supported through Trainer; use fxparallel.runtime (init_mesh, "
             "apply_data_parallel, train_step) for dp x tp")
-    if model.cp_group is not None:
-        raise DTensorParametersError("transformers.Trainer with context parallelism (cp_group) is not supported; "
-                                     "use fxparallel.runtime.train_step")
-
-
-def _contiguous_stride(shape: tuple) -> tuple:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
-    return tuple(reversed(stride))

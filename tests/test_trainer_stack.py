@@ -163,6 +163,13 @@ def _cases(rank, world, path, root):
         single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         out["tp1"] = {"trainer": _single_process(_trainer_run, parallel, f"{root}/parallel"),
                       "trainer_ref": _single_process(_trainer_run, single, f"{root}/single")}
+        from fxparallel.dtensor_parameters import DTensorParametersError, use_dtensor_parameters
+
+        try:  # a tp group smaller than the job: data parallelism around it, which Trainer cannot do for it
+            use_dtensor_parameters(parallel)
+            out["tp1"]["smaller_group"] = "no error"
+        except DTensorParametersError as err:
+            out["tp1"]["smaller_group"] = str(err)
         ref_params = dict(single.named_parameters())
         out["tp1"]["trainer_weights"] = max((p.detach() - ref_params[n].detach()).abs().max().item()
                                             for n, p in parallel.named_parameters())
@@ -197,3 +204,4 @@ def test_trainer_stack(checkpoints, tmp_path):
         assert len(pipe["stopped"][1]) < len(pipe["texts"][1]) and pipe["stop"] in pipe["stopped"][1], pipe
         assert "text-generation" in pipe["repr"] or "TextGeneration" in pipe["repr"], pipe["repr"]
     _check_trainer(results[0]["tp1"])
+    assert "the world has 2 ranks and the model's tp group 1" in results[0]["tp1"]["smaller_group"]

@@ -80,7 +80,7 @@ def global_view(tensor, plan_param, mesh) -> DTensor:
                          f"shard {tp_shard}")
     placements = (tp, dp_placement(tensor))
     return DTensor.from_local(local_part(tensor), mesh.tp_dp_mesh, placements, run_check=False,
-                              shape=torch.Size(full), stride=_contiguous_stride(full))
+                              shape=torch.Size(full), stride=contiguous_stride(full))
 
 
 def segment_views(tensor, plan_param, mesh):
@@ -102,7 +102,7 @@ def segment_views(tensor, plan_param, mesh):
         piece = tp_shard.narrow(p.dim, offset, local)
         tp = Replicate() if i in p.whole else Shard(p.dim)  # a whole segment: the same on every tp rank
         views[i] = DTensor.from_local(piece, mesh.tp_dp_mesh, (tp, Replicate()), run_check=False,
-                                      shape=torch.Size(shape), stride=_contiguous_stride(tuple(shape)))
+                                      shape=torch.Size(shape), stride=contiguous_stride(tuple(shape)))
         offset += local
 
     def write_back():
@@ -149,7 +149,8 @@ def full_tensor(tensor, plan_param, mesh) -> torch.Tensor:
     return full
 
 
-def _contiguous_stride(shape: tuple) -> tuple:
+def contiguous_stride(shape: tuple) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)
