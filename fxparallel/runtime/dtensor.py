@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..plan.layout import chunked
-from ..rewrite.collectives import gather_parts
+from ..rewrite.collectives import gather_full, gather_parts
 
 
 def tp_placement(plan_param):
@@ -139,9 +139,10 @@ def full_tensor(tensor, plan_param, mesh) -> torch.Tensor:
     if not p.is_shard or tp == 1:
         return tensor
     sizes = [plan_param.local_shape(tp, r)[p.dim] for r in range(tp)]
-    parts = gather_parts(tensor, p.dim, group, tp, sizes if len(set(sizes)) > 1 else None)
-    if not p.segments:
-        return torch.cat(parts, dim=p.dim)  # each rank's rows follow the previous rank's
+    sizes = sizes if len(set(sizes)) > 1 else None
+    if not p.segments:  # each rank's rows follow the previous rank's: the gathered buffer itself, where it can be
+        return gather_full(tensor, p.dim, group, tp, sizes)
+    parts = gather_parts(tensor, p.dim, group, tp, sizes)
     full = tensor.new_empty(tuple(plan_param.shape))
     for rank, part in enumerate(parts):
         for src, dst in plan_param.pieces(rank, tp):  # a whole segment: the same on every rank
