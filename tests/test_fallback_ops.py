@@ -1,0 +1,66 @@
+"""An op without a sharding rule runs on gathered (replicated) inputs: the plan promises that fallback is
+always correct. Here a real model hits it on real ranks, against the single-device model.
+
+The tiny Llama's MLP is patched (in each rank, and in its single-device reference) to use ``torch.flip``,
+which has no rule, twice: on the MLP's hidden units (an activation split across the ranks: gathered, flipped,
+and sliced again for the row-parallel ``down_proj``, whose input gradient is then partial and must be summed
+before the gather's backward takes this rank's part), and on ``down_proj``'s own weight, split on the same
+dimension (a parameter gathered for the op: its gradient from the replicated branch is complete on every rank
+and is added to the shard's). Loss, logits and every gradient must match at TP=2, and the plan must list both
+fallbacks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+
+def flipped_mlp(self, x):
+    h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+    h = torch.flip(h, dims=[-1])  # not elementwise: flipping a sharded dim locally would be wrong
+    out = self.down_proj(h)
+    # a sharded weight read as a whole by an op without a rule (after down_proj has decided its placement)
+    return out + 0.5 * torch.flip(self.down_proj.weight, dims=[1])[:, :5].sum(-1)
+
+
+def _patch():
+    from transformers.models.llama import modeling_llama
+
+    modeling_llama.LlamaMLP.forward = flipped_mlp
+
+
+def _fallback(rank, tp, path):
+    import torch.distributed as dist
+
+    import fxparallel
+    from checks import compare
+    from models import reference
+
+    _patch()  # in this process: the ranks' meta model and the reference run the same code
+    model = fxparallel.parallelize(path, dist.group.WORLD)
+    errors = compare(model, reference(path), rank, tp, gather_logits=True)
+    placements = {p.name: str(p.placement) for p in model.plan.params}
+    return errors, list(model.plan.fallbacks), str(model.plan), placements
+
+
+@pytest.fixture(scope="module")
+def fallback_run(checkpoints):
+    return run_ranks(2, _fallback, checkpoints["llama"])
+
+
+def test_fallback_on_real_ranks_matches_single_device(fallback_run):
+    for errors, _, _, placements in fallback_run:
+        # the ops read sharded values: the MLP is split as usual, so the fallback has something to gather
+        assert placements["model.layers.0.mlp.up_proj.weight"] == "S(0)", placements
+        assert placements["model.layers.0.mlp.down_proj.weight"] == "S(1)", placements
+        assert errors["loss"] < 1e-5 and errors["logits"] < 1e-5 and errors["grad"] < 1e-5, errors
+
+
+def test_plan_lists_the_fallbacks(fallback_run):
+    for _, fallbacks, report, _ in fallback_run:
+        flips = [f for f in fallbacks if "flip" in f and "gathered" in f]
+        # two per layer (the hidden units and down_proj's weight), two layers
+        assert len(flips) == 4, fallbacks
+        assert "replicated by fallback (gathered):" in report and all(f in report for f in flips)
