@@ -1,6 +1,9 @@
 """Architectures without a transformers tp plan, parallelized automatically: fused q/k/v (GPT-2's
 Conv1D c_attn, Phi-3's qkv_proj and gate_up_proj, GPT-NeoX/Bloom/Falcon head-interleaved layouts),
-row-layer biases, ALiBi, partial rotary, MoE. Loss, logits and every gradient vs one device (1e-5)."""
+row-layer biases, ALiBi, partial rotary, MoE. Loss, logits and every gradient vs one device (1e-5).
+
+Every case runs in one spawned group of 4 ranks (``_every_case``): the TP=4 types on all four, then the TP=2
+and the data-dependent types on ranks 0-1; the tests assert its results."""
 from __future__ import annotations
 
 import os
@@ -37,21 +40,60 @@ def arch_checkpoints(tmp_path_factory):
             for t in sorted(set(TP2) | set(TP4))}
 
 
-def _check_all(rank, tp, paths):
+@pytest.fixture(scope="module")
+def arch_checkpoints_extra(tmp_path_factory):
+    from models import save_checkpoint
+    from tiny_configs import tiny_config
+
+    root = tmp_path_factory.mktemp("archs_extra")
+    types = ("jetmoe", "cpmant", "recurrent_gemma", "xlm", "rwkv")
+    return {t: save_checkpoint(tiny_config(t), str(root / t)) for t in types}
+
+
+def _every_case(rank, world, tp4_paths, tp2_paths, extra_paths):
+    """The TP=4 types on all four ranks; then, on ranks 0-1 (a group of their own), the TP=2 types and the
+    data-dependent ones, while ranks 2-3 wait (two busy ranks at a time suit a two-core machine). Every rank waits
+    for the others at the end (rank 0 hosts the store the agreement points use)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])  # every rank creates every group
+    done = dist.new_group(list(range(world)), timeout=datetime.timedelta(hours=1))
+    out = {4: _check_all(dist.group.WORLD, 4, tp4_paths)}
+    if rank < 2:
+        out[2] = _check_all(pair, 2, tp2_paths)
+        out["data-dependent"] = _data_dependent(pair, 2, extra_paths)
+    dist.barrier(group=done)
+    return out
+
+
+@pytest.fixture(scope="module")
+def on_ranks(arch_checkpoints, arch_checkpoints_extra):
+    """Per case (4, 2, "data-dependent"): the results of each of its ranks, in tp-rank order."""
+    per_rank = run_ranks(4, _every_case, {t: arch_checkpoints[t] for t in TP4}, {t: arch_checkpoints[t] for t in TP2},
+                         arch_checkpoints_extra, timeout=1800)
+    return {case: [r[case] for r in per_rank if case in r] for case in (4, 2, "data-dependent")}
+
+
+def _check_all(group, tp, paths):
     import warnings
 
     import torch
-    import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
     import fxparallel
     from checks import batch, compare
+    from fxparallel.capture.dynamo import EXAMPLE_SEQ
     from models import reference
 
     results = {}
     for name, path in paths.items():
-        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
-        errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size), gather_logits=True)
+        model = fxparallel.parallelize(path, group, dtype=torch.float32)
+        # Mamba's scan makes a graph per length: checked at the length parallelize captured its graph at (any
+        # other length would capture a second graph just for this check)
+        ids = batch(model.config.vocab_size, s=EXAMPLE_SEQ if name == "mamba" else 9)
+        errors = compare(model, reference(path), model.tp_group.rank, tp, ids=ids, gather_logits=True)
         plan = model.plan
         results[name] = {k: errors[k] for k in ("loss", "logits", "grad")}
         results[name]["sharded_matrices"] = sum(1 for p in plan.params
@@ -72,10 +114,11 @@ def _check_all(rank, tp, paths):
     return results
 
 
+@pytest.mark.timeout(1800)  # the first test to run sets the fixture up: every case's ranks
 @pytest.mark.parametrize("tp, types", [(2, TP2), (4, TP4)])
-def test_architectures_without_transformers_plan(arch_checkpoints, tp, types):
-    paths = {t: arch_checkpoints[t] for t in types}
-    for results in run_ranks(tp, _check_all, paths, timeout=900):
+def test_architectures_without_transformers_plan(on_ranks, tp, types):
+    assert len(on_ranks[tp]) == tp
+    for results in on_ranks[tp]:
         for name in types:
             r = results[name]
             for key in ("loss", "logits", "grad"):
@@ -150,11 +193,10 @@ def test_architectures_without_transformers_plan(arch_checkpoints, tp, types):
 
 
 
-def _data_dependent(rank, tp, paths):
+def _data_dependent(group, tp, paths):
     import warnings
 
     import torch
-    import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
     import fxparallel
@@ -164,22 +206,23 @@ def _data_dependent(rank, tp, paths):
     results = {}
     for name, path in paths.items():
         # float64: CPM-Ant's fp32 rounding reaches 1e-4 (its logits are large); a wrong plan's error would not
-        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float64)
+        model = fxparallel.parallelize(path, group, dtype=torch.float64)
         ids = batch(model.config.vocab_size, b=2, s=9)
+        single = reference(path).to(torch.float64)
         # (use_cache=False: RWKV's own training step with its cached state modifies a tensor saved for backward)
-        errors = compare(model, reference(path).to(torch.float64), rank, tp, ids=ids, gather_logits=True,
-                         use_cache=False)
+        errors = compare(model, single, model.tp_group.rank, tp, ids=ids, gather_logits=True, use_cache=False)
         shorter = batch(model.config.vocab_size, b=2, s=7, seed=3)
         with torch.no_grad():
             errors["other length"] = (model(input_ids=shorter).logits
-                                      - reference(path).to(torch.float64)(input_ids=shorter).logits).abs().max().item()
+                                      - single(input_ids=shorter).logits).abs().max().item()
         results[name] = {k: errors[k] for k in ("loss", "logits", "grad", "other length")}
         results[name]["graphs"] = len(model.graphs())
         results[name]["fallbacks"] = model.plan.to_dict()["fallbacks"]
     return results
 
 
-def test_data_dependent_and_length_fixed_graphs(arch_checkpoints_extra):
+@pytest.mark.timeout(1800)  # (when run alone, it sets the fixture up)
+def test_data_dependent_and_length_fixed_graphs(on_ranks):
     """JetMoE sizes its experts with ``.tolist()`` (unbacked sizes in the graph, which cannot run on meta:
     captured all the same); CPM-Ant builds its position buckets from ``range(seq_len)`` (Dynamo cannot keep
     the length symbolic: a graph per length); RecurrentGemma's scan writes ``states[:, t]`` token by token
@@ -187,20 +230,11 @@ def test_data_dependent_and_length_fixed_graphs(arch_checkpoints_extra):
     replicated hidden states in place where a copy_to_tp stands (the write gets a copy); RWKV loops over the
     tokens with its recurrent state (a graph per length), its feed-forward sharded through ``torch.relu``.
     All match one device."""
-    for results in run_ranks(2, _data_dependent, arch_checkpoints_extra, timeout=900):
+    assert len(on_ranks["data-dependent"]) == 2
+    for results in on_ranks["data-dependent"]:
         for name, r in results.items():
             for key in ("loss", "logits", "grad", "other length"):
                 # (transformers' loss casts the logits to float32: the gradients keep float32 rounding)
                 assert r[key] < 1e-5, (name, key, r)
         assert results["cpmant"]["graphs"] == 3, results["cpmant"]  # length 9 with labels, 9 and 7 without
         assert results["rwkv"]["fallbacks"] == [], results["rwkv"]["fallbacks"]  # (torch.relu: elementwise)
-
-
-@pytest.fixture(scope="module")
-def arch_checkpoints_extra(tmp_path_factory):
-    from models import save_checkpoint
-    from tiny_configs import tiny_config
-
-    root = tmp_path_factory.mktemp("archs_extra")
-    types = ("jetmoe", "cpmant", "recurrent_gemma", "xlm", "rwkv")
-    return {t: save_checkpoint(tiny_config(t), str(root / t)) for t in types}

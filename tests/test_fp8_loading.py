@@ -7,7 +7,9 @@ covering it; save_pretrained writes the dequantized weights and a config without
 and split by segments (Qwen3-MoE) match too; a float8 weight without its scales is refused naming it.
 The "aligned" Llama (dimensions multiples of 128) is compared with transformers' dequantize=True model; the
 "unaligned" one (partial last blocks, which transformers 5.24's dequantize=True path cannot read) with a float
-copy dequantized by transformers' FP8Linear dequantization (fp8_checkpoints.dequantized_copy)."""
+copy dequantized by transformers' FP8Linear dequantization (fp8_checkpoints.dequantized_copy).
+
+Every multi-rank case runs in one spawned group of 3 ranks (``_every_case``), whose results the tests assert."""
 from __future__ import annotations
 
 import json
@@ -71,12 +73,26 @@ def test_layout_is_the_one_transformers_loads(fp8):
                 assert stored[n][1] == dtype, (kind, n, stored[n], dtype)
 
 
-# ---- exact against transformers' dequantized model, on real ranks ----------------------------------------------
+# ---- exact against transformers' dequantized model, on real ranks (one group of 3 for every case) -----------
 
-def _compare(rank, tp, paths, save_to):
+def _moe_checkpoint(directory: str) -> str:
+    """Each expert's gate/up/down stored as float8 with its scales (``mlp.experts.{e}.gate_proj.weight``,
+    ``..._scale_inv``), merged by transformers' conversion into ``mlp.experts.gate_up_proj`` [E, 2 x 384, 256],
+    whose TP=2 slice is two segments (gate rows 0..191 and up rows 0..191 of every expert) cutting block 1."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    from tiny_configs import tiny_config as any_config
+
+    config = any_config("qwen3_moe", hidden_size=256, moe_intermediate_size=384, head_dim=32, vocab_size=128,
+                        num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2)
+    return fp8_checkpoint(directory, config, seed=5, not_converted=("lm_head",))
+
+
+def _load_and_compare(group, tp, paths, references, save_to):
+    """Both Llamas over ``group`` (``tp`` ranks) against transformers' dequantized models; ``save_to``: then
+    save_pretrained each into it."""
     import warnings
-
-    import torch.distributed as dist
 
     import fxparallel
     from checks import compare
@@ -85,10 +101,12 @@ def _compare(rank, tp, paths, save_to):
     for kind in ("aligned", "unaligned"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model = fxparallel.parallelize(paths[kind], dist.group.WORLD, dtype=torch.float32)
-        r = compare(model, _reference(paths, kind), rank, tp)
+            model = fxparallel.parallelize(paths[kind], group, dtype=torch.float32)
+        tp_rank = model.tp_group.rank
+        r = compare(model, references[kind], tp_rank, tp)
+        r["tp_rank"] = tp_rank
         r["bytes_read"] = model.bytes_read
-        r["expected_bytes"] = _expected_bytes(model, paths[kind], rank, tp)
+        r["expected_bytes"] = _expected_bytes(model, paths[kind], tp_rank, tp)
         r["summary"] = repr(model)
         r["unused"] = [str(w.message) for w in caught if "does not use" in str(w.message)]
         if save_to is not None:
@@ -97,10 +115,59 @@ def _compare(rank, tp, paths, save_to):
     return out
 
 
+def _compare_moe(group, path):
+    import fxparallel
+    from checks import compare
+
+    model = fxparallel.parallelize(path, group, dtype=torch.float32)
+    reference, info = _moe_reference(path)
+    r = compare(model, reference, model.tp_group.rank, model.tp_group.size)
+    r["info"] = {k: list(v) for k, v in info.items() if k != "error_msgs"}
+    r["placements"] = {p.name: str(p.placement) for p in model.plan.params if "experts" in p.name}
+    return r
+
+
+def _every_case(rank, world, paths, save_to, moe):
+    """tp=2 on ranks 0-1 (then save_pretrained) while rank 2 loads alone (tp=1); tp=3 on all three (uneven); then
+    the per-expert Qwen3-MoE at tp=2 on ranks 0-1. Each rank builds the references once."""
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    references = {kind: _reference(paths, kind) for kind in ("aligned", "unaligned")}
+    out = {}
+    if rank < 2:
+        out[2] = _load_and_compare(pair, 2, paths, references, save_to)
+    else:
+        out[1] = _load_and_compare(singles[rank], 1, paths, references, None)
+    out[3] = _load_and_compare(dist.group.WORLD, 3, paths, references, None)
+    if rank < 2:
+        out["moe"] = _compare_moe(pair, moe)
+    return out
+
+
+@pytest.fixture(scope="module")
+def on_ranks(fp8):
+    """Every multi-rank case, run in one spawned group of 3: {tp: results per tp rank, "moe": results per rank,
+    "saved": the tp=2 save_pretrained folder}."""
+    saved = str(fp8["root"] / "saved-tp2")
+    moe = _moe_checkpoint(str(fp8["root"] / "moe"))
+    per_rank = run_ranks(3, _every_case, {k: v for k, v in fp8.items() if k != "root"}, saved, moe, timeout=900)
+    out = {"saved": saved}
+    for key in (1, 2, 3, "moe"):
+        ranked = [r[key] for r in per_rank if key in r]
+        if key != "moe":  # in tp-rank order
+            ranked.sort(key=lambda results: results["aligned"]["tp_rank"])
+            assert [results[kind]["tp_rank"] for results in ranked for kind in ("aligned", "unaligned")] == \
+                [i for i in range(key) for _ in range(2)], (key, ranked)
+        out[key] = ranked
+    return out
+
+
 @pytest.mark.parametrize("tp", [1, 2, 3])
-def test_fp8_matches_transformers_dequantized(fp8, tp):
-    save_to = str(fp8["root"] / f"saved-tp{tp}") if tp == 2 else None
-    per_rank = run_ranks(tp, _compare, {k: v for k, v in fp8.items() if k != "root"}, save_to)
+def test_fp8_matches_transformers_dequantized(fp8, on_ranks, tp):
+    per_rank = on_ranks[tp]
+    assert len(per_rank) == tp
     for rank, results in enumerate(per_rank):
         for kind, r in results.items():
             assert r["loss"] < TOL and r["logits"] < TOL and r["grad"] < TOL, (kind, tp, rank, r)
@@ -112,7 +179,7 @@ def test_fp8_matches_transformers_dequantized(fp8, tp):
     if tp == 2:
         for kind in ("aligned", "unaligned"):
             _check_bytes_read(fp8[kind], [r[kind] for r in per_rank], tp)
-            _check_saved(os.path.join(save_to, kind), _reference(fp8, kind))
+            _check_saved(os.path.join(on_ranks["saved"], kind), _reference(fp8, kind))
 
 
 def _expected_bytes(model, path: str, rank: int, tp: int) -> int:
@@ -214,20 +281,6 @@ def test_fp8_scales_of_the_wrong_shape_are_refused(tmp_path):
 
 # ---- per-expert FP8 weights merged into 3-D experts (Qwen3-*-A3B-FP8's layout) -------------------------------
 
-def _compare_moe(rank, tp, path):
-    import torch.distributed as dist
-
-    import fxparallel
-    from checks import compare
-
-    model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
-    reference, info = _moe_reference(path)
-    r = compare(model, reference, rank, tp)
-    r["info"] = {k: list(v) for k, v in info.items() if k != "error_msgs"}
-    r["placements"] = {p.name: str(p.placement) for p in model.plan.params if "experts" in p.name}
-    return r
-
-
 def _moe_reference(path):
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
@@ -236,19 +289,11 @@ def _moe_reference(path):
     return model.eval(), info
 
 
-def test_fp8_experts_merged_and_split_by_segments(tmp_path):
-    """Each expert's gate/up/down stored as float8 with its scales (``mlp.experts.{e}.gate_proj.weight``,
-    ``..._scale_inv``), merged by transformers' conversion into ``mlp.experts.gate_up_proj`` [E, 2 x 384, 256],
-    whose TP=2 slice is two segments (gate rows 0..191 and up rows 0..191 of every expert) cutting block 1."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-    from tiny_configs import tiny_config as any_config
-
-    config = any_config("qwen3_moe", hidden_size=256, moe_intermediate_size=384, head_dim=32, vocab_size=128,
-                        num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2)
-    path = fp8_checkpoint(str(tmp_path / "moe"), config, seed=5, not_converted=("lm_head",))
-    per_rank = run_ranks(2, _compare_moe, path)
+def test_fp8_experts_merged_and_split_by_segments(on_ranks):
+    """Each expert's gate/up/down stored as float8 with its scales, merged into 3-D experts and split at TP=2 by
+    segments (``_moe_checkpoint``), on ranks 0-1 of the group."""
+    per_rank = on_ranks["moe"]
+    assert len(per_rank) == 2
     for rank, r in enumerate(per_rank):
         assert not any(r["info"].values()), r["info"]
         assert r["loss"] < TOL and r["logits"] < TOL and r["grad"] < TOL, (rank, r)

@@ -1,7 +1,7 @@
 """Per-decoder-layer FSDP2 units: each layer is all-gathered only while it runs.
 
-Two spawns: world 4 (tp=2 x dp=2, Qwen3) and world 2 (tp=1 x dp=2, Llama), both with tied
-embeddings. Against the single-process
+One spawn of 4 ranks: tp=2 x dp=2 (Qwen3) on all four, then tp=1 x dp=2 (Llama) on ranks 0-1 (in a process
+group of their own), both with tied embeddings. Against the single-process
 transformers model: the number of units (layers + root), that inside a layer's forward no
 other layer is unsharded (the same probe sees every layer unsharded with root-only
 wrapping), loss and every gradient (1e-5), a few AdamW steps, a graph captured after
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from checks import as_numpy, full_values
-from distributed import run_ranks
+from distributed import free_port, run_ranks
 
 LAYERS = 2
 GLOBAL_BATCH, SEQ = 4, 16
@@ -58,16 +58,30 @@ def _probe(model):
     return seen
 
 
+def _parallelize(path, mesh, **kwargs):
+    """``fxparallel.parallelize`` over the mesh's tp group: the first dp replica plans (into the graph cache), the
+    others then read its graphs (as tests/test_fused_checkpoint.py does)."""
+    import torch.distributed as dist
+
+    import fxparallel
+
+    if mesh.dp_rank:
+        dist.barrier()
+    model = fxparallel.parallelize(path, mesh.tp_mesh, **kwargs)
+    if not mesh.dp_rank:
+        dist.barrier()
+    return model
+
+
 def _fsdp_run(path, mesh, mode="shard", mixed=None, per_layer=True, later_graph=False):
     """Wrap, step once (grads), step twice more (AdamW); with ``later_graph`` then a forward without
     labels (a graph captured after wrapping)."""
     from torch.distributed.fsdp import FSDPModule
 
-    import fxparallel
     from fxparallel.runtime import apply_data_parallel, train_step
 
     dtype = torch.bfloat16 if mixed else torch.float32
-    model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=dtype)
+    model = _parallelize(path, mesh, dtype=dtype)
     model = apply_data_parallel(model, mesh, mode=mode, mixed_precision=mixed, per_layer=per_layer)
     seen = _probe(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -95,13 +109,10 @@ def _fsdp_run(path, mesh, mode="shard", mixed=None, per_layer=True, later_graph=
 def _split_vs_whole(path, mesh):
     """Plain parallelize (no FSDP), graph split by layer or kept whole: logits, loss, every gradient.
     Returns the differences and the split model."""
-    import fxparallel
-
     ids = _batches(mesh).global_batch_at(0)["input_ids"]
     results = {}
     for split in (True, False):
-        model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32,
-                                       skip_passes=() if split else ("split_by_layer",))
+        model = _parallelize(path, mesh, dtype=torch.float32, skip_passes=() if split else ("split_by_layer",))
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         results[split] = {"model": model, "loss": out.loss.detach(), "logits": model(input_ids=ids).logits.detach(),
@@ -131,26 +142,42 @@ def _unsplit_graph_is_refused(model, mesh):
     return None
 
 
-def _world4(rank, world, paths):
-    from fxparallel.runtime import init_mesh
-
-    path = paths["qwen3"]
-    mesh = init_mesh(tp=2, dp=2, cp=1)
+def _world4(mesh, path):
     return {"layers": _fsdp_run(path, mesh, later_graph=True), "bf16": _fsdp_run(path, mesh, mixed="bf16"),
             "split": _split_vs_whole(path, mesh)[0]}
 
 
-def _world2(rank, world, paths):
-    from fxparallel.runtime import init_mesh
-
-    path = paths["llama"]
-    mesh = init_mesh(tp=1, dp=2, cp=1)
+def _world2(mesh, path):
     split, model = _split_vs_whole(path, mesh)
     # root-only wrapping runs in bf16 only: bit-identical to per-layer bf16, which is checked against one process
     return {"layers": _fsdp_run(path, mesh, later_graph=True), "replicate": _fsdp_run(path, mesh, mode="replicate"),
             "bf16": _fsdp_run(path, mesh, mixed="bf16"),
             "root_only": _fsdp_run(path, mesh, mixed="bf16", per_layer=False),
             "split": split, "refused": _unsplit_graph_is_refused(model, mesh)}
+
+
+def _every_case(rank, world, paths):
+    """tp=2 x dp=2 (Qwen3) on all four ranks; then ranks 0-1 leave that job for one of two ranks (a new process
+    group on a port rank 0 picks: init_mesh spans the whole job, and the runtime reduces over it) and run
+    tp=1 x dp=2 (Llama) in it."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from fxparallel.runtime import init_mesh
+
+    out = {"world4": _world4(init_mesh(tp=2, dp=2, cp=1), paths["qwen3"])}
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.barrier()  # every rank is done with the job of four
+    if rank >= 2:
+        return out
+    dist.destroy_process_group()
+    os.environ.update(MASTER_PORT=str(port[0]), WORLD_SIZE="2")
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    out["world2"] = _world2(init_mesh(tp=1, dp=2, cp=1), paths["llama"])
+    return out
 
 
 # ---- the single-process reference ------------------------------------------------------
@@ -196,13 +223,20 @@ def references(paths):
 
 
 @pytest.fixture(scope="module")
-def world4(paths):
-    return run_ranks(4, _world4, paths)
+def on_ranks(paths):
+    return run_ranks(4, _every_case, paths, timeout=900)
 
 
 @pytest.fixture(scope="module")
-def world2(paths):
-    return run_ranks(2, _world2, paths)
+def world4(on_ranks):
+    return [r["world4"] for r in on_ranks]
+
+
+@pytest.fixture(scope="module")
+def world2(on_ranks):
+    world2 = [r["world2"] for r in on_ranks if "world2" in r]
+    assert len(world2) == 2
+    return world2
 
 
 def _max_diff(a: dict, b: dict) -> float:
