@@ -44,11 +44,12 @@ def use_dtensor_parameters(model) -> None:
         return
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
+    from transformers.distributed import DistributedConfig
 
     from .runtime.dtensor import contiguous_stride, tp_placement
 
     group = model.tp_group
-    _refuse_data_parallel(model)
+    _refuse_unsupported_layouts(model)
     placements = {}
     for name, param in model.local_named_parameters():
         if isinstance(param, DTensor):
@@ -73,6 +74,8 @@ def use_dtensor_parameters(model) -> None:
         views[id(param)] = view
         param.register_post_accumulate_grad_hook(functools.partial(_move_gradient, view))
     model.__dict__["_dtensor_views"] = views
+    if group.size > 1:  # transformers' record of a sharded model, which Trainer and accelerate read
+        model.config.distributed_config = DistributedConfig(tp_size=group.size)
 
 
 def refresh_views(model) -> None:
@@ -81,34 +84,35 @@ def refresh_views(model) -> None:
     views = dtensor_views(model)
     if not views:
         return
-    from torch.distributed.tensor import DTensor
-
     for _, param in model.local_named_parameters():
         view = views[id(param)]
         if view._local_tensor.data_ptr() != param.data_ptr() or view.dtype != param.dtype:
             # ``view.data = ...`` would leave the DTensor's local tensor behind: swap the whole object's contents
-            fresh = torch.nn.Parameter(DTensor.from_local(param.detach(), view.device_mesh, view.placements,
-                                                          run_check=False, shape=view.shape, stride=view.stride()),
-                                       requires_grad=view.requires_grad)
+            fresh = torch.nn.Parameter(_like(view, param.detach()), requires_grad=view.requires_grad)
             torch.utils.swap_tensors(view, fresh)
 
 
 def _move_gradient(view, param) -> None:
     """Post-accumulate-grad hook of a plain parameter: its gradient goes onto ``view``."""
-    from torch.distributed.tensor import DTensor
-
     grad, param.grad = param.grad, None
     if grad is None or not view.requires_grad:
         return
     if view.grad is None:
-        view.grad = DTensor.from_local(grad, view.device_mesh, view.placements, run_check=False, shape=view.shape,
-                                       stride=view.stride())
+        view.grad = _like(view, grad)
     else:
         view.grad._local_tensor.add_(grad)
 
 
-def _refuse_data_parallel(model) -> None:
-    """Data parallelism around it would need the gradients averaged over the dp ranks, which Trainer leaves
+def _like(view, local):
+    """A DTensor with ``view``'s mesh, placements and global shape over the local tensor ``local``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, view.device_mesh, view.placements, run_check=False, shape=view.shape,
+                              stride=view.stride())
+
+
+def _refuse_unsupported_layouts(model) -> None:
+    """Context parallelism is refused (Trainer would give the cp ranks whole sequences). Data parallelism around it would need the gradients averaged over the dp ranks, which Trainer leaves
     to a model sharded at load time (FSDP2 in transformers); fxparallel's FSDP runs in its own runtime."""
     if model.cp_group is not None:
         raise DTensorParametersError("transformers.Trainer with context parallelism (cp_group) is not supported; "

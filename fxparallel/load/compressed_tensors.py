@@ -26,9 +26,8 @@ from typing import Optional
 
 import torch
 
-from .dequantize import Format, Piece, companion
-from .fp8 import FP8_DTYPES, is_fp8, read_dequantized
-from .safetensors_io import byte_runs
+from .dequantize import companion
+from .fp8 import FP8_DTYPES, ScaledFp8, is_fp8
 
 METHOD = "compressed-tensors"
 FORMATS = ("float-quantized", "naive-quantized")
@@ -122,11 +121,14 @@ def _grid(shape: tuple, scale_shape: tuple) -> Optional[tuple]:
     return None
 
 
-class CompressedTensorsFp8(Format):
+class CompressedTensorsFp8(ScaledFp8):
     """quant_method "compressed-tensors", FP8 weights with ``weight_scale`` per tensor or per channel."""
 
     def __init__(self, found):
         self.label = f"compressed-tensors fp8 ({' and '.join(f'per-{s}' for s in strategies(found))} scales)"
+
+    def scale_name(self, tensor: str) -> str:
+        return scale_name(tensor)
 
     def companions(self, tensor: str, stored) -> list:
         names = [scale_name(tensor), input_scale_name(tensor),  # input scales: activations run unquantized
@@ -141,10 +143,7 @@ class CompressedTensorsFp8(Format):
             return (f"tensor {tensor!r} in {path} has zero points ({tensor + '_zero_point'!r}): fxparallel reads "
                     "symmetric compressed-tensors FP8 only")
         if not is_fp8(info):
-            if scale_info is not None:
-                return (f"tensor {tensor!r} in {path} has scales {scale!r} but is stored as {info.dtype}, not float8: "
-                        "fxparallel does not know how to apply them")
-            return None
+            return self.scales_on_float(tensor, info, path, scale_info)
         if scale_info is None:
             return (f"tensor {tensor!r} in {path} is {info.torch_dtype} but the checkpoint has no {scale!r}: "
                     "compressed-tensors FP8 needs the scale of every float8 weight to dequantize it")
@@ -160,24 +159,11 @@ class CompressedTensorsFp8(Format):
                     f"needs [1] (a scale per tensor) or [{info.shape[0]}, 1] (per output channel)")
         return None
 
-    def is_quantized(self, tensor: str, header) -> bool:
-        return is_fp8(header(tensor)[0])
-
-    def piece(self, tensor: str, index: tuple, out: torch.Tensor, header, shared: dict,
-              merged: bool = False) -> Optional[Piece]:
-        info, _ = header(tensor)
-        if not is_fp8(info):
-            return None
-        runs = byte_runs(info.shape, index, info.itemsize)
-        if not runs:
-            return Piece(0, info.start, lambda handle: 0)
+    def scales_of(self, tensor: str, index: tuple, info, header, shared: dict, merged: bool) -> tuple:
         scale_info, _ = header(scale_name(tensor))
-        block = _grid(info.shape, scale_info.shape)
         if tuple(scale_info.shape) in PER_TENSOR:  # the one scale, as stored
             sindex = tuple((0, n) for n in scale_info.shape)
         else:  # per channel: the scales of the piece's rows
             sindex = (index[0], (0, 1))
-        scales = companion(scale_name(tensor), sindex, header, shared, torch.float32 if merged else None)
-        source = tuple(slice(a, b) for a, b in index)
-        return Piece(sum(n for _, n in runs), info.start + runs[0][0],
-                     lambda handle: read_dequantized(handle, tensor, source, out, scales.out.reshape(-1, 1), block))
+        read = companion(scale_name(tensor), sindex, header, shared, torch.float32 if merged else None)
+        return read.out.reshape(-1, 1), _grid(info.shape, scale_info.shape)

@@ -103,28 +103,24 @@ def read_dequantized(handle, tensor: str, source: tuple, out: torch.Tensor, scal
     return nbytes
 
 
-class FineGrainedFp8(Format):
-    """quant_method "fp8" with ``weight_block_size`` ``block``: float8 weights and their ``weight_scale_inv``."""
+class ScaledFp8(Format):
+    """float8 weights with float scales (a scale per block, channel or tensor), dequantized by
+    ``read_dequantized``; a subclass names the scales and says which of them cover a piece."""
 
-    def __init__(self, block: tuple):
-        self.block = tuple(block)
-        self.label = f"fp8 (blocks {block[0]}x{block[1]})"
+    def scale_name(self, tensor: str) -> str:
+        raise NotImplementedError
 
-    def companions(self, tensor: str, stored) -> list:
-        return [scale_name(tensor)] if scale_name(tensor) in stored else []
+    def scales_of(self, tensor: str, index: tuple, info, header, shared: dict, merged: bool) -> tuple:
+        """(the ``Companion`` read of the scales covering ``tensor[index]``, as a 2-D grid; the block (rows,
+        cols) each scale covers)."""
+        raise NotImplementedError
 
-    def problem(self, tensor: str, header, stored) -> Optional[str]:
-        """A float8 weight needs its block scales; a floating tensor with scales is refused too (they would be
-        dropped)."""
-        info, path = header(tensor)
-        scales = scale_name(tensor)
-        scale_info = header(scales)[0] if scales in stored else None
-        if is_fp8(info):
-            return check_pair(tensor, info, scale_info, self.block, path)
-        if scale_info is not None:
-            return (f"tensor {tensor!r} in {path} has block scales {scales!r} but is stored as {info.dtype}, not "
-                    "float8: fxparallel does not know how to apply them")
-        return None
+    def scales_on_float(self, tensor: str, info, path: str, scale_info) -> Optional[str]:
+        """A floating tensor with scales is refused: they would be dropped."""
+        if scale_info is None:
+            return None
+        return (f"tensor {tensor!r} in {path} has scales {self.scale_name(tensor)!r} but is stored as {info.dtype}, "
+                "not float8: fxparallel does not know how to apply them")
 
     def is_quantized(self, tensor: str, header) -> bool:
         return is_fp8(header(tensor)[0])
@@ -137,7 +133,34 @@ class FineGrainedFp8(Format):
         runs = byte_runs(info.shape, index, info.itemsize)
         if not runs:
             return Piece(0, info.start, lambda handle: 0)
-        scales = companion(scale_name(tensor), scale_index(index, self.block), header, shared, torch.float32)
+        scales, block = self.scales_of(tensor, index, info, header, shared, merged)
         source = tuple(slice(a, b) for a, b in index)
         return Piece(sum(n for _, n in runs), info.start + runs[0][0],
-                     lambda handle: read_dequantized(handle, tensor, source, out, scales.out, self.block))
+                     lambda handle: read_dequantized(handle, tensor, source, out, scales, block))
+
+
+class FineGrainedFp8(ScaledFp8):
+    """quant_method "fp8" with ``weight_block_size`` ``block``: float8 weights and their ``weight_scale_inv``."""
+
+    def __init__(self, block: tuple):
+        self.block = tuple(block)
+        self.label = f"fp8 (blocks {block[0]}x{block[1]})"
+
+    def scale_name(self, tensor: str) -> str:
+        return scale_name(tensor)
+
+    def companions(self, tensor: str, stored) -> list:
+        return [scale_name(tensor)] if scale_name(tensor) in stored else []
+
+    def problem(self, tensor: str, header, stored) -> Optional[str]:
+        """A float8 weight needs its block scales."""
+        info, path = header(tensor)
+        scales = scale_name(tensor)
+        scale_info = header(scales)[0] if scales in stored else None
+        if is_fp8(info):
+            return check_pair(tensor, info, scale_info, self.block, path)
+        return self.scales_on_float(tensor, info, path, scale_info)
+
+    def scales_of(self, tensor: str, index: tuple, info, header, shared: dict, merged: bool) -> tuple:
+        read = companion(scale_name(tensor), scale_index(index, self.block), header, shared, torch.float32)
+        return read.out, self.block
