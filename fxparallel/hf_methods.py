@@ -64,6 +64,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import fused_head
 from .dtensor_parameters import dtensor_views, refresh_views, use_dtensor_parameters
 from .errors import ArgumentError, ShardingError
 
@@ -129,9 +130,8 @@ _INSTEAD = {
     "get_decoder": "the decoder layers run inside the captured graphs, not as a transformers submodule; run the "
                    "whole model",
     "base_model": "the decoder runs inside the captured graphs, not as a transformers submodule; run the whole model "
-                  "(TRL's SFTTrainer / GRPOTrainer call it for their fused LM head over lm_head.weight, which is this "
-                  "rank's vocabulary shard: they are not supported yet; train with transformers.Trainer, whose loss "
-                  "is the model's own, computed across the vocabulary shards)",
+                  "(for TRL's fused LM head, apply trl.trainer.utils.add_fused_lm_head to the parallel model itself, "
+                  "as SFTTrainer does: the model then answers fused_lm_head=True across the vocabulary shards)",
     "set_input_embeddings": "resize or replace the embeddings on the Hugging Face model, save_pretrained it, and "
                             "parallelize the saved directory",
     "set_output_embeddings": "resize or replace the head on the Hugging Face model, save_pretrained it, and "
@@ -145,6 +145,11 @@ class HuggingFaceMethods:
     """transformers' PreTrainedModel methods on ``ParallelCausalLM``: see the module docstring."""
 
     main_input_name = "input_ids"
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "forward" and fused_head.adopt(self, value):
+            return  # TRL's fused LM head: the model answers fused_lm_head=True itself (fused_head.py)
+        super().__setattr__(name, value)
 
     # ---- attributes ----------------------------------------------------------------------------------
     @property
@@ -170,10 +175,7 @@ class HuggingFaceMethods:
         (``dtensor_parameters.py``)."""
         size = self.tp_group.size
         if size > 1:
-            from transformers.distributed import DistributedConfig
-
-            use_dtensor_parameters(self)
-            self.config.distributed_config = DistributedConfig(tp_size=size)
+            use_dtensor_parameters(self)  # once; it also sets config.distributed_config
         return size
 
     @property

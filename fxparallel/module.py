@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import fused_head
 from .data_parallel_guard import RefusesDistributedDataParallel
 from .dcp_state import describe_state_dict
 from .errors import ArgumentError, ShardingError
@@ -256,7 +257,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
     # ---- forward -------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, gather_logits=None,
                 past_key_values=None, use_cache=None, return_dict=None, check_inputs=True, compile_config=None,
-                logits_to_keep=0, num_items_in_batch=None, **unsupported):
+                logits_to_keep=0, num_items_in_batch=None, fused_lm_head=False, shift_labels=None, **unsupported):
         """The model's forward on this rank's shards: same arguments and outputs as the Hugging Face model
         (see the README's "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
         earlier call) runs with a static KV cache sharded by heads (``generation/cache.py``) and returns
@@ -268,7 +269,14 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
         compiled once per graph (``generate`` passes it for its decode steps); ``logits_to_keep=k`` (an int, as in
         transformers) computes the logits of the last k positions only (a graph of its own; 0: all);
         ``num_items_in_batch`` (transformers.Trainer's): the loss is the sum of this call's token losses divided
-        by it, as transformers' loss computes it under gradient accumulation."""
+        by it, as transformers' loss computes it under gradient accumulation; ``fused_lm_head=True`` (with
+        ``labels`` or ``shift_labels``), once TRL's ``add_fused_lm_head`` was applied: TRL's per-token outputs,
+        computed across the vocabulary shards (``fused_head.py``)."""
+        if fused_lm_head or shift_labels is not None:
+            return fused_head.forward_of(self)(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
+                shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, check_inputs=check_inputs,
+                **unsupported)
         gather = (labels is None) if gather_logits is None else bool(gather_logits)
         # the checks of this rank's own arguments: an error is raised only after the exchange in check_arguments,
         # so that an argument given to one rank only never leaves the others waiting in a collective (inputs.py)

@@ -10,7 +10,12 @@ bit-identical on both ranks. At TP=2 Trainer takes transformers' tensor-parallel
 on CPU is simulated (``fxparallel.accelerate_cpu``, what a CPU user calls); everything else is the path GPU users take.
 ``Trainer.save_model`` then writes what transformers loads as the trained model. And
 ``pipeline("text-generation")`` takes the parallel model: its repr, transformers' text, and stop strings
-(``stop_sequence``) stopping where they stop transformers'."""
+(``stop_sequence``) stopping where they stop transformers'. TRL: the fused LM head its trainers add
+(``add_fused_lm_head``, with a temperature and every optional output) computed across the vocabulary shards equals
+TRL's on transformers' model (each field, the loss, every gradient), and stock ``SFTTrainer`` at TP=2 gives the
+single-device SFTTrainer's losses, grad norms, entropy and token accuracy and weights. (The SFT runs use SGD:
+Adam's first steps divide each gradient by its own magnitude, which turns fp32 rounding in near-zero gradients into
+1e-4 weight differences whatever computed them; Trainer's run above uses AdamW.)"""
 from __future__ import annotations
 
 from distributed import run_ranks
@@ -117,6 +122,76 @@ def _pipeline(rank, root):
     return {"texts": texts, "stopped": stopped, "stop": stop, "repr": repr(pipes[0])}
 
 
+def _fused_head(rank, world, path):
+    """TRL's fused LM head on the parallel model and on transformers': {field: max difference}, "grad"."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    import fxparallel
+
+    parallel = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    fields = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    for m in (parallel, single):
+        add_fused_lm_head(m, temperature=0.7, outputs=fields)
+    ids = torch.randint(3, single.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    with torch.no_grad():  # the last labels are the model's own top token there: is_top1 True somewhere
+        labels[:, 6:] = single(input_ids=ids).logits.argmax(-1)[:, 5:-1]
+    labels[0, 3] = labels[1, :4] = -100
+    ours, theirs = (m(input_ids=ids, labels=labels, fused_lm_head=True) for m in (parallel, single))
+    out = {k: (getattr(ours, k).float() - getattr(theirs, k).float()).abs().max().item()
+           for k in fields + ("loss", "label_mask")}
+    out["top1_hits"] = int(theirs.is_top1.sum())
+    ours.loss.backward()
+    theirs.loss.backward()
+    grads = dict(single.named_parameters())
+    out["grad"] = max((p.grad - parallel.plan.param(n).shard_of(grads[n].grad, rank, world)).abs().max().item()
+                      for n, p in parallel.local_named_parameters())
+    return out
+
+
+def _sft_run(model, tokenizer, out_dir):
+    """Stock SFTTrainer for 3 optimizer steps on pre-tokenized rows of different lengths (padded, the pads
+    masked); returns its logged losses, grad norms, entropies and token accuracies."""
+    import torch
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    g = torch.Generator().manual_seed(11)
+    rows = [{"input_ids": torch.randint(3, tokenizer.vocab_size, (int(n),), generator=g).tolist()}
+            for n in torch.randint(5, 12, (16,), generator=g)]
+    args = SFTConfig(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+                     learning_rate=5e-2, max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True,
+                     save_strategy="no", seed=7, dataloader_num_workers=0, bf16=False, max_length=None, optim="sgd")
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {k: [float(h[k]) for h in logs] for k in ("loss", "grad_norm", "entropy", "mean_token_accuracy")}
+
+
+def _sft(rank, world, root):
+    """SFTTrainer on the parallel model at TP=2 and on transformers' in a job of one process."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import fxparallel
+
+    path = f"{root}/with_tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    parallel = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    out = {"tp2": _sft_run(parallel, tokenizer, f"{root}/sft{rank}")}
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out["single"] = _single_process(_sft_run, single, tokenizer, f"{root}/sft-single{rank}")
+    weights = dict(single.named_parameters())
+    out["weights"] = max((p.detach() - parallel.plan.param(n).shard_of(weights[n].detach(), rank, world)).abs().max()
+                         .item() for n, p in parallel.local_named_parameters())
+    return out
+
+
 def _cases(rank, world, path, root):
     import torch
     import torch.distributed as dist
@@ -153,6 +228,8 @@ def _cases(rank, world, path, root):
 
     out["tp2"] = _tensor_parallel_trainer(rank, world, path, root)
     out["pipeline"] = _pipeline(rank, root)
+    out["fused_head"] = _fused_head(rank, world, f"{root}/with_tokenizer")
+    out["sft"] = _sft(rank, world, root)
 
     # stock Trainer at TP=1 (a group of this rank alone, as a job of one process)
     groups = [dist.new_group([r]) for r in range(world)]
@@ -203,5 +280,13 @@ def test_trainer_stack(checkpoints, tmp_path):
         assert pipe["texts"][0] == pipe["texts"][1] and pipe["stopped"][0] == pipe["stopped"][1], pipe
         assert len(pipe["stopped"][1]) < len(pipe["texts"][1]) and pipe["stop"] in pipe["stopped"][1], pipe
         assert "text-generation" in pipe["repr"] or "TextGeneration" in pipe["repr"], pipe["repr"]
+        fused = r["fused_head"]
+        assert all(v < 1e-5 for k, v in fused.items() if k != "top1_hits"), fused
+        assert fused["top1_hits"] > 0, fused  # is_top1 compared where it is True somewhere
+        sft = r["sft"]
+        for key, ours in sft["tp2"].items():
+            assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(ours, sft["single"][key])), (
+                key, ours, sft["single"][key])
+        assert max(sft["single"]["grad_norm"]) > 0.5 and sft["weights"] < 1e-5, sft  # clipped; the same weights
     _check_trainer(results[0]["tp1"])
     assert "the world has 2 ranks and the model's tp group 1" in results[0]["tp1"]["smaller_group"]
