@@ -1,8 +1,10 @@
 """Peak resident memory and bytes read per rank while loading quantized checkpoints dequantized on load:
 fxparallel.parallelize next to transformers' from_pretrained(..., quantization_config=<Config>(dequantize=True)),
-on a fine-grained FP8 Llama and an MXFP4 GPT-OSS of a few tens of MB built locally (tests' builders).
+on a fine-grained FP8 Llama, a compressed-tensors FP8 Llama and an MXFP4 GPT-OSS of a few tens of MB built locally
+(tests' builders).
 
     python benchmarks/quantized_load_memory.py    # TP = 1, 2, 4 in bf16: results/quantized_load_memory.json
+    python benchmarks/quantized_load_memory.py --formats compressed-tensors   # one format (the others' rows kept)
     torchrun --nproc_per_node=2 benchmarks/quantized_load_memory.py --rank-run ...   # one TP size (what the above runs)
 
 Measured as benchmarks/load_memory.py does: peak RSS growth is VmHWM (reset through /proc/self/clear_refs) minus the
@@ -35,17 +37,24 @@ MXFP4 = dict(vocab_size=8192, hidden_size=1024, intermediate_size=1024, num_hidd
              max_position_embeddings=256, sliding_window=128, layer_types=["sliding_attention", "full_attention"])
 
 
-def build(root: str) -> dict:
-    """The two checkpoints under ``root`` (built once)."""
+CONFIGS = {"fp8": FP8, "compressed-tensors": FP8, "mxfp4": MXFP4}  # compressed-tensors: the FP8 Llama's shapes
+
+
+def build(root: str, formats) -> dict:
+    """The checkpoints of ``formats`` under ``root`` (built once)."""
     from fp8_checkpoints import fp8_checkpoint
     from models import tiny_config
-    from quantized_checkpoints import gpt_oss_config, mxfp4_checkpoint
+    from quantized_checkpoints import ct_fp8_checkpoint, gpt_oss_config, mxfp4_checkpoint
 
-    paths = {"fp8": os.path.join(root, "llama-fp8"), "mxfp4": os.path.join(root, "gpt-oss-mxfp4")}
-    if not os.path.exists(os.path.join(paths["fp8"], "config.json")):
-        fp8_checkpoint(paths["fp8"], tiny_config("llama", **FP8), seed=0, not_converted=("lm_head",))
-    if not os.path.exists(os.path.join(paths["mxfp4"], "config.json")):
-        mxfp4_checkpoint(paths["mxfp4"], gpt_oss_config(**MXFP4), seed=0)
+    builders = {  # compressed-tensors: llm-compressor's FP8 (attention, per tensor) and FP8_DYNAMIC (MLP, per channel)
+        "fp8": lambda path: fp8_checkpoint(path, tiny_config("llama", **FP8), seed=0, not_converted=("lm_head",)),
+        "compressed-tensors": lambda path: ct_fp8_checkpoint(path, tiny_config("llama", **FP8), seed=0),
+        "mxfp4": lambda path: mxfp4_checkpoint(path, gpt_oss_config(**MXFP4), seed=0)}
+    paths = {}
+    for method in formats:
+        paths[method] = os.path.join(root, method)
+        if not os.path.exists(os.path.join(paths[method], "config.json")):
+            builders[method](paths[method])
     return paths
 
 
@@ -54,7 +63,7 @@ def stored_bytes(path: str) -> dict:
 
     tensors = SafetensorsFile(os.path.join(path, "model.safetensors")).tensors
     quantized = sum(i.end - i.start for n, i in tensors.items()
-                    if i.dtype.startswith("F8") or n.endswith(("_blocks", "_scales", "_scale_inv")))
+                    if i.dtype.startswith("F8") or n.endswith(("_blocks", "_scales", "_scale_inv", "_scale")))
     return {"file": os.path.getsize(os.path.join(path, "model.safetensors")),
             "tensors": sum(i.end - i.start for i in tensors.values()), "quantized": quantized}
 
@@ -97,9 +106,10 @@ def measure_fxparallel(path: str, dtype) -> dict:
 
 
 def measure_transformers(path: str, method: str, dtype, tp: int) -> dict:
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config, Mxfp4Config
 
-    config = {"fp8": FineGrainedFP8Config, "mxfp4": Mxfp4Config}[method](dequantize=True)
+    config = {"fp8": FineGrainedFP8Config, "compressed-tensors": CompressedTensorsConfig,
+              "mxfp4": Mxfp4Config}[method](dequantize=True)
     kwargs = {}
     label = f"transformers {type(config).__name__}(dequantize=True)"
     if tp > 1:
@@ -165,6 +175,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default="/tmp/fxparallel-bench/quantized", help="where the checkpoints are built")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--formats", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                        help="the formats measured; the json keeps the other formats' earlier rows")
     parser.add_argument("--dtype", default="bfloat16", help="the compute dtype the weights are dequantized to")
     parser.add_argument("--transformers-tp", action="store_true",
                         help="also try transformers' DistributedConfig load at TP > 1")
@@ -174,7 +186,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.rank_run:
         return run_rank(args)
-    paths = build(args.root)
+    paths = build(args.root, args.formats)
     raw = args.json + ".jsonl"
     if os.path.exists(raw):
         os.remove(raw)
@@ -191,9 +203,15 @@ def main() -> None:
             raise SystemExit(f"tp={tp} failed")
     rows = [r for line in open(raw) for r in json.loads(line)]
     os.remove(raw)
+    checkpoints = {m: dict(stored_bytes(p), config=CONFIGS[m]) for m, p in paths.items()}
+    if os.path.exists(args.json):  # the other formats' earlier rows, measured in the same dtype
+        with open(args.json) as f:
+            earlier = json.load(f)
+        if earlier.get("dtype") == args.dtype:
+            rows = [r for r in earlier["rows"] if r["method"] not in paths] + rows
+            checkpoints = {**{m: c for m, c in earlier["checkpoints"].items() if m not in paths}, **checkpoints}
     with open(args.json, "w") as f:
-        json.dump({"dtype": args.dtype, "checkpoints": {m: dict(stored_bytes(p), config=FP8 if m == "fp8" else MXFP4)
-                                                        for m, p in paths.items()}, "rows": rows}, f, indent=1)
+        json.dump({"dtype": args.dtype, "checkpoints": checkpoints, "rows": rows}, f, indent=1)
     print(table(rows))
 
 

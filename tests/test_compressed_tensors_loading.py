@@ -2,7 +2,7 @@
 "float-quantized", float8 ``weight`` with ``weight_scale`` per tensor or per output channel, ``input_scale`` for
 static activations) load exactly, dequantized to the compute dtype while each rank reads its own slice: loss,
 logits and every gradient equal transformers' ``CompressedTensorsConfig(dequantize=True)`` model (fp32, 1e-5) at
-TP=1, 2 and 3 (uneven: kv heads 2/1/1, MLP 43/43/42), each weight bit for bit (fp32 and the config's bf16), and
+TP=1, 2, 4 and 3 (uneven: kv heads 2/1/1, MLP 43/43/42), each weight bit for bit (fp32 and the config's bf16), and
 a Qwen3-MoE's per-expert FP8 weights merged into 3-D experts and split by segments at TP=2; a rank
 reads its slice's float8 bytes and the scales of its rows (a row-parallel slice: every row's scale), never the
 input scales; save_pretrained writes the dequantized weights without quantization_config. Every other
@@ -114,12 +114,12 @@ def test_any_piece_reads_its_rows_scales_only(ct):
                 assert torch.equal(out, full[r0:r1, c0:c1]) and nbytes == (r1 - r0) * (c1 - c0), (name, r0, c0)
 
 
-# ---- exact against transformers' decompressed model, on real ranks (one group of 3 for every case) -----------
+# ---- exact against transformers' decompressed model, on real ranks (one group of 4 for every case) -----------
 
 def _compare(rank, world, path, save_to, moe):
-    """tp=2 on ranks 0-1 (then save_pretrained) while rank 2 loads alone in fp32; tp=3 on all (uneven); then rank
-    2 alone in the config's bf16 while ranks 0-1 load the Qwen3-MoE (``moe``, if given) at tp=2. Alone, every
-    weight is compared bit for bit."""
+    """tp=2 on ranks 0-1 (then save_pretrained) while rank 2 loads alone in fp32 and rank 3 alone in the config's
+    bf16; tp=4 on all; tp=3 on ranks 0-2 (uneven); then ranks 0-1 load the Qwen3-MoE (``moe``, if given) at
+    tp=2. Alone, every weight is compared bit for bit."""
     import warnings
 
     import torch.distributed as dist
@@ -127,9 +127,12 @@ def _compare(rank, world, path, save_to, moe):
     import fxparallel
     from checks import compare
 
-    pair, single = dist.new_group([0, 1]), dist.new_group([2])  # every rank creates every group
-    cases = [(2, pair, None) if rank < 2 else (1, single, None), (3, dist.group.WORLD, None)]
-    cases += [(1, single, torch.bfloat16)] if rank == 2 else [("moe", pair, None)] if moe else []
+    pair, triple = dist.new_group([0, 1]), dist.new_group([0, 1, 2])
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    cases = [(2, pair, None) if rank < 2 else (1, singles[rank], None if rank == 2 else torch.bfloat16),
+             (4, dist.group.WORLD, None)]
+    cases += [(3, triple, None)] if rank < 3 else []
+    cases += [("moe", pair, None)] if moe and rank < 2 else []
     reference = _reference(path)
     out = {}
     for tp, group, dtype in cases:
@@ -157,10 +160,10 @@ def _compare(rank, world, path, save_to, moe):
     return out
 
 
-def test_compressed_tensors_fp8_matches_transformers_dequantized_at_tp_1_2_3(ct):
+def test_compressed_tensors_fp8_matches_transformers_dequantized_at_tp_1_2_3_4(ct):
     save_to = str(ct["root"] / "saved-tp2")
     moe = _moe_checkpoint(str(ct["root"] / "moe")) if importlib.util.find_spec("compressed_tensors") else None
-    per_rank = run_ranks(3, _compare, ct["path"], save_to, moe)
+    per_rank = run_ranks(4, _compare, ct["path"], save_to, moe)
     stored = _stored(ct["path"])
     total = sum(t.numel() * t.element_size() for t in stored.values())
     inputs = sum(t.numel() * t.element_size() for n, t in stored.items() if n.endswith("input_scale"))
@@ -180,11 +183,12 @@ def test_compressed_tensors_fp8_matches_transformers_dequantized_at_tp_1_2_3(ct)
             assert r["bytes_read"] == r["expected_bytes"], (tp, rank, r["bytes_read"], r["expected_bytes"])
             by_tp.setdefault(tp, {})[r["tp_rank"]] = r["bytes_read"]
     assert by_tp[1][0] == by_tp["bf16"][0] == total - inputs  # one rank reads every tensor but the input scales
-    for tp in (2, 3):
-        assert max(by_tp[tp].values()) < {2: 0.6, 3: 0.45}[tp] * total, (tp, by_tp[tp], total)
+    for tp in (2, 3, 4):
+        assert sorted(by_tp[tp]) == list(range(tp)), (tp, by_tp[tp])
+        assert max(by_tp[tp].values()) < {2: 0.6, 3: 0.45, 4: 0.35}[tp] * total, (tp, by_tp[tp], total)
     print(f"compressed-tensors fp8 Llama: tensors {total} B (input scales {inputs} B); read per rank: " + "; ".join(
         f"tp={tp}: " + ", ".join(f"{by_tp[tp][r]} B ({100 * by_tp[tp][r] / total:.1f}%)" for r in sorted(by_tp[tp]))
-        for tp in (2, 3)))
+        for tp in (2, 3, 4)))
     _check_saved(save_to, ct["path"])
 
 

@@ -1,6 +1,6 @@
 """Fine-grained FP8 checkpoints (quant_method "fp8", weight_block_size [128, 128], as DeepSeek-V3/R1 and
 Qwen3-*-FP8 publish them) load exactly, dequantized to the compute dtype while each rank reads its own slice:
-loss, logits and every gradient equal transformers' dequantized model (fp32, 1e-5) at TP=1, 2 and 3 (uneven),
+loss, logits and every gradient equal transformers' dequantized model (fp32, 1e-5) at TP=1, 2, 4 and 3 (uneven),
 with splits that cut through 128 x 128 blocks; a rank reads only its slice's float8 bytes and the scale blocks
 covering it; save_pretrained writes the dequantized weights and a config without quantization_config; in bf16
 (the config's dtype) every weight equals transformers' bit for bit; per-expert FP8 weights merged into 3-D experts
@@ -9,7 +9,7 @@ The "aligned" Llama (dimensions multiples of 128) is compared with transformers'
 "unaligned" one (partial last blocks, which transformers 5.24's dequantize=True path cannot read) with a float
 copy dequantized by transformers' FP8Linear dequantization (fp8_checkpoints.dequantized_copy).
 
-Every multi-rank case runs in one spawned group of 3 ranks (``_every_case``), whose results the tests assert."""
+Every multi-rank case runs in one spawned group of 4 ranks (``_every_case``), whose results the tests assert."""
 from __future__ import annotations
 
 import json
@@ -89,16 +89,16 @@ def _moe_checkpoint(directory: str) -> str:
     return fp8_checkpoint(directory, config, seed=5, not_converted=("lm_head",))
 
 
-def _load_and_compare(group, tp, paths, references, save_to):
-    """Both Llamas over ``group`` (``tp`` ranks) against transformers' dequantized models; ``save_to``: then
-    save_pretrained each into it."""
+def _load_and_compare(group, tp, paths, references, save_to, kinds=("aligned", "unaligned")):
+    """The Llamas ``kinds`` over ``group`` (``tp`` ranks) against transformers' dequantized models; ``save_to``:
+    then save_pretrained each into it."""
     import warnings
 
     import fxparallel
     from checks import compare
 
     out = {}
-    for kind in ("aligned", "unaligned"):
+    for kind in kinds:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model = fxparallel.parallelize(paths[kind], group, dtype=torch.float32)
@@ -128,19 +128,22 @@ def _compare_moe(group, path):
 
 
 def _every_case(rank, world, paths, save_to, moe):
-    """tp=2 on ranks 0-1 (then save_pretrained) while rank 2 loads alone (tp=1); tp=3 on all three (uneven); then
-    the per-expert Qwen3-MoE at tp=2 on ranks 0-1. Each rank builds the references once."""
+    """tp=2 on ranks 0-1 (then save_pretrained) while rank 2 loads alone (tp=1); the aligned Llama at tp=4 on all
+    four; the unaligned one at tp=3 on ranks 0-2 (uneven: MLP columns 107/107/106, splits through
+    blocks); then the per-expert Qwen3-MoE at tp=2 on ranks 0-1. Each rank builds the references it needs once."""
     import torch.distributed as dist
 
-    pair = dist.new_group([0, 1])
+    pair, triple = dist.new_group([0, 1]), dist.new_group([0, 1, 2])
     singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     references = {kind: _reference(paths, kind) for kind in ("aligned", "unaligned")}
     out = {}
     if rank < 2:
         out[2] = _load_and_compare(pair, 2, paths, references, save_to)
-    else:
+    elif rank == 2:
         out[1] = _load_and_compare(singles[rank], 1, paths, references, None)
-    out[3] = _load_and_compare(dist.group.WORLD, 3, paths, references, None)
+    out[4] = _load_and_compare(dist.group.WORLD, 4, paths, references, None, kinds=("aligned",))
+    if rank < 3:
+        out[3] = _load_and_compare(triple, 3, paths, references, None, kinds=("unaligned",))
     if rank < 2:
         out["moe"] = _compare_moe(pair, moe)
     return out
@@ -148,23 +151,23 @@ def _every_case(rank, world, paths, save_to, moe):
 
 @pytest.fixture(scope="module")
 def on_ranks(fp8):
-    """Every multi-rank case, run in one spawned group of 3: {tp: results per tp rank, "moe": results per rank,
+    """Every multi-rank case, run in one spawned group of 4: {tp: results per tp rank, "moe": results per rank,
     "saved": the tp=2 save_pretrained folder}."""
     saved = str(fp8["root"] / "saved-tp2")
     moe = _moe_checkpoint(str(fp8["root"] / "moe"))
-    per_rank = run_ranks(3, _every_case, {k: v for k, v in fp8.items() if k != "root"}, saved, moe, timeout=900)
+    per_rank = run_ranks(4, _every_case, {k: v for k, v in fp8.items() if k != "root"}, saved, moe, timeout=900)
     out = {"saved": saved}
-    for key in (1, 2, 3, "moe"):
+    for key in (1, 2, 3, 4, "moe"):
         ranked = [r[key] for r in per_rank if key in r]
         if key != "moe":  # in tp-rank order
-            ranked.sort(key=lambda results: results["aligned"]["tp_rank"])
-            assert [results[kind]["tp_rank"] for results in ranked for kind in ("aligned", "unaligned")] == \
-                [i for i in range(key) for _ in range(2)], (key, ranked)
+            ranked.sort(key=lambda results: next(iter(results.values()))["tp_rank"])
+            assert [r["tp_rank"] for results in ranked for r in results.values()] == \
+                [i for i in range(key) for _ in ranked[0]], (key, ranked)
         out[key] = ranked
     return out
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3])
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
 def test_fp8_matches_transformers_dequantized(fp8, on_ranks, tp):
     per_rank = on_ranks[tp]
     assert len(per_rank) == tp
@@ -176,9 +179,11 @@ def test_fp8_matches_transformers_dequantized(fp8, on_ranks, tp):
     if tp == 1:  # one rank reads every tensor whole
         for kind in ("aligned", "unaligned"):
             assert per_rank[0][kind]["bytes_read"] == sum(_stored_bytes(fp8[kind]).values()), (kind, per_rank[0][kind])
+    if tp > 1:
+        for kind in per_rank[0]:
+            _check_bytes_read(fp8[kind], [r[kind] for r in per_rank], tp)
     if tp == 2:
         for kind in ("aligned", "unaligned"):
-            _check_bytes_read(fp8[kind], [r[kind] for r in per_rank], tp)
             _check_saved(os.path.join(on_ranks["saved"], kind), _reference(fp8, kind))
 
 
