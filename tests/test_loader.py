@@ -253,7 +253,7 @@ def test_parallelize_loads_from_an_offline_hub_cache(checkpoints, tmp_path, monk
     commit = os.path.basename(snapshot)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", cache)
-    per_rank = run_ranks(2, _hub_cache_ranks, "org/tiny", cache, commit)
+    per_rank = run_ranks(2, _hub_cache_ranks, "org/tiny", cache, commit, fresh=True)  # hub reads its env on import
     full = full_tensors(ck)
     for rank, (shards, nbytes, plan, source) in enumerate(per_rank):
         plan = fxparallel.ShardingPlan.from_dict(plan)
@@ -306,7 +306,7 @@ def test_one_download_per_node_and_failures_reach_every_rank(checkpoints, plans,
     with FakeHub({"org/tiny": good, "org/broken": broken}) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-        per_rank = run_ranks(2, _loopback_ranks, plan.to_dict(), cache)
+        per_rank = run_ranks(2, _loopback_ranks, plan.to_dict(), cache, fresh=True)
     # every needed file was downloaded exactly once for the two ranks; nothing else was
     weights = {name for name in good if name.endswith(".safetensors") and name.startswith("model-")}
     assert {f for (repo, f), n in hub.gets.items() if repo == "org/tiny"} == weights | {
