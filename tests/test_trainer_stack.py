@@ -13,7 +13,8 @@ on CPU is simulated (``fxparallel.accelerate_cpu``, what a CPU user calls); ever
 (``stop_sequence``) stopping where they stop transformers'. TRL: the fused LM head its trainers add
 (``add_fused_lm_head``, with a temperature and every optional output) computed across the vocabulary shards equals
 TRL's on transformers' model (each field, the loss, every gradient), and stock ``SFTTrainer`` at TP=2 gives the
-single-device SFTTrainer's losses, grad norms, entropy and token accuracy and weights. (The SFT runs use SGD:
+single-device SFTTrainer's losses, grad norms, entropy and token accuracy and weights; GRPOTrainer, which gives the
+tp ranks different batches, is refused on its first forward, naming input_ids, with every weight unchanged. (The SFT runs use SGD:
 Adam's first steps divide each gradient by its own magnitude, which turns fp32 rounding in near-zero gradients into
 1e-4 weight differences whatever computed them; Trainer's run above uses AdamW.)"""
 from __future__ import annotations
@@ -192,6 +193,40 @@ def _sft(rank, world, root):
     return out
 
 
+def _reward_length(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def _grpo_refused(rank, world, root):
+    """TRL's GRPOTrainer at TP=2: it seeds each process differently and shuffles each generation batch with that
+    seed, so the tp ranks get different batches; the first forward refuses them, before any update."""
+    import torch
+    import torch.distributed as dist
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    import fxparallel
+    from fxparallel.errors import InputError
+
+    path = f"{root}/with_tokenizer"
+    model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+    prompts = ["the cat", "a dog ran", "one two", "big red tree", "the mat", "it was", "then a", "under the"]
+    args = GRPOConfig(output_dir=f"{root}/grpo{rank}", per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=5, max_steps=2, learning_rate=5e-2, logging_steps=1, report_to=[],
+                      use_cpu=True, save_strategy="no", seed=7, dataloader_num_workers=0, bf16=False)
+    trainer = GRPOTrainer(model=model, args=args, reward_funcs=_reward_length, processing_class=
+                          AutoTokenizer.from_pretrained(path), train_dataset=Dataset.from_dict({"prompt": prompts}))
+    try:
+        trainer.train()
+        error = "no error"
+    except InputError as err:
+        error = str(err)
+    unchanged = all(torch.equal(p, before[n]) for n, p in model.local_named_parameters())
+    return {"error": error, "unchanged": unchanged}
+
+
 def _cases(rank, world, path, root):
     import torch
     import torch.distributed as dist
@@ -230,6 +265,7 @@ def _cases(rank, world, path, root):
     out["pipeline"] = _pipeline(rank, root)
     out["fused_head"] = _fused_head(rank, world, f"{root}/with_tokenizer")
     out["sft"] = _sft(rank, world, root)
+    out["grpo"] = _grpo_refused(rank, world, root)
 
     # stock Trainer at TP=1 (a group of this rank alone, as a job of one process)
     groups = [dist.new_group([r]) for r in range(world)]
@@ -288,5 +324,7 @@ def test_trainer_stack(checkpoints, tmp_path):
             assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(ours, sft["single"][key])), (
                 key, ours, sft["single"][key])
         assert max(sft["single"]["grad_norm"]) > 0.5 and sft["weights"] < 1e-5, sft  # clipped; the same weights
+        assert "the ranks of one tensor-parallel group got different arguments (the values of input_ids" in \
+            r["grpo"]["error"] and r["grpo"]["unchanged"], r["grpo"]
     _check_trainer(results[0]["tp1"])
     assert "the world has 2 ranks and the model's tp group 1" in results[0]["tp1"]["smaller_group"]
