@@ -9,7 +9,8 @@ DTensor's does, while ``.shape`` stays the shard's): it describes the pieces of 
 the shard holds (``ParamPlan.pieces``: one slice, or one per part of a fused weight, uneven splits
 included). DCP then saves full-shape tensors, each rank its pieces, and ``dcp.load`` into the
 ``state_dict()`` of a model parallelized at any tp size (or a transformers model) reads exactly
-the pieces each rank holds, in place.
+the pieces each rank holds, in place. ``torch.save`` of the state dict (a file per rank) still pickles each
+value as the plain shard it is. ``dcp_optimizer.py`` does the same for a torch optimizer's state.
 
 Under FSDP (``runtime.apply_data_parallel``) a value is a DTensor over the data-parallel ranks of
 this rank's tensor-parallel shard, which DCP cannot combine with the tensor-parallel pieces: DCP
@@ -31,7 +32,7 @@ def _pieces(tensor: torch.Tensor, plan, rank: int, tp: int) -> list:
     return out
 
 
-def _describe(tensor: torch.Tensor, plan, rank: int, tp: int) -> None:
+def describe(tensor: torch.Tensor, plan, rank: int, tp: int) -> None:
     """Give ``tensor`` (this rank's shard of ``plan``'s parameter) DCP's checkpointable protocol."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -62,6 +63,7 @@ def _describe(tensor: torch.Tensor, plan, rank: int, tp: int) -> None:
     tensor.__create_chunk_list__ = create_chunk_list
     tensor.__get_tensor_shard__ = get_tensor_shard
     tensor.size = size
+    tensor.__reduce_ex__ = tensor.detach().__reduce_ex__  # torch.save (a file per rank) pickles the plain shard
 
 
 def _refuse_under_fsdp(value, name: str) -> None:
@@ -92,4 +94,4 @@ def describe_state_dict(model, state_dict: dict, prefix: str, _local_metadata) -
         if isinstance(value, DTensor):
             _refuse_under_fsdp(value, key)
         else:
-            _describe(value, plan, rank, tp)
+            describe(value, plan, rank, tp)

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import fused_head
+from . import dcp_optimizer, fused_head
 from .data_parallel_guard import RefusesDistributedDataParallel
 from .dcp_state import describe_state_dict
 from .errors import ArgumentError, ShardingError
@@ -125,6 +125,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
                 _set_path(self, name, param, "param")
         # state_dict() handed to torch.distributed.checkpoint saves full-shape tensors (dcp_state.py)
         self.register_state_dict_post_hook(describe_state_dict)
+        dcp_optimizer.track(self)  # optimizer.state_dict() to DCP as well (dcp_optimizer.py)
         # eval mode, as transformers' from_pretrained: the model's dropout applies after model.train()
         # (every graph reads self.training per call: rewrite/dropout.py)
         self.eval()
