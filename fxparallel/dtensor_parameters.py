@@ -112,8 +112,9 @@ def _like(view, local):
 
 
 def _refuse_unsupported_layouts(model) -> None:
-    """Context parallelism is refused (Trainer would give the cp ranks whole sequences). Data parallelism around it would need the gradients averaged over the dp ranks, which Trainer leaves
-    to a model sharded at load time (FSDP2 in transformers); fxparallel's FSDP runs in its own runtime."""
+    """Context parallelism is refused (Trainer would give the cp ranks whole sequences). Data parallelism
+    around the model would need the gradients averaged over the dp ranks, which Trainer leaves to a model sharded
+    at load time (FSDP2 in transformers); fxparallel's FSDP runs in its own runtime."""
     if model.cp_group is not None:
         raise DTensorParametersError("transformers.Trainer with context parallelism (cp_group) is not supported; "
                                      "use fxparallel.runtime.train_step")

@@ -77,10 +77,17 @@ def forward_of(model):
 
 
 def fused_forward(model, head: FusedHead, input_ids=None, labels=None, shift_labels=None, num_items_in_batch=None,
-                  **kwargs):
+                  past_key_values=None, use_cache=None, logits_to_keep=0, gather_logits=None, compile_config=None,
+                  return_dict=None, **kwargs):
     """``model(..., fused_lm_head=True)`` under TRL's fused head ``head``: TRL's ``FusedCausalLMOutput``."""
     from trl.trainer.utils import FusedCausalLMOutput
 
+    asked = {"past_key_values": past_key_values is not None, "use_cache=True": bool(use_cache),
+             "logits_to_keep": bool(logits_to_keep), "gather_logits": gather_logits is not None,
+             "compile_config": compile_config is not None, "return_dict=False": return_dict is False}
+    if any(asked.values()):
+        raise TypeError(f"fused_lm_head=True scores every position without a KV cache and returns TRL's "
+                        f"FusedCausalLMOutput: {', '.join(k for k, v in asked.items() if v)} is not taken with it")
     if (labels is None) == (shift_labels is None):
         raise TypeError("fused_lm_head=True needs labels (scored against the next position) or shift_labels "
                         "(already shifted), one of them")
@@ -89,7 +96,6 @@ def fused_forward(model, head: FusedHead, input_ids=None, labels=None, shift_lab
     if getattr(model.config.get_text_config(), "output_router_logits", False) or kwargs.get("output_router_logits"):
         raise NotImplementedError("TRL's fused LM head with output_router_logits (the MoE load-balancing loss) is not "
                                   "supported on the parallel model; set config.output_router_logits = False")
-    kwargs.pop("use_cache", None)
     out = model(input_ids=input_ids, gather_logits=False, use_cache=False, **kwargs)
     logits, start = (out.logits, 0) if out.local_logits is None else (out.local_logits, out.vocab_range[0])
     if shift_labels is None:

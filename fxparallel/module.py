@@ -277,7 +277,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
             return fused_head.forward_of(self)(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
                 shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, check_inputs=check_inputs,
-                **unsupported)
+                past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep,
+                gather_logits=gather_logits, compile_config=compile_config, return_dict=return_dict, **unsupported)
         gather = (labels is None) if gather_logits is None else bool(gather_logits)
         # the checks of this rank's own arguments: an error is raised only after the exchange in check_arguments,
         # so that an argument given to one rank only never leaves the others waiting in a collective (inputs.py)

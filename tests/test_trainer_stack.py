@@ -146,6 +146,11 @@ def _fused_head(rank, world, path):
     out = {k: (getattr(ours, k).float() - getattr(theirs, k).float()).abs().max().item()
            for k in fields + ("loss", "label_mask")}
     out["top1_hits"] = int(theirs.is_top1.sum())
+    try:  # an option the fused head does not take is refused, not ignored
+        parallel(input_ids=ids, labels=labels, fused_lm_head=True, logits_to_keep=1)
+        out["refused"] = "no error"
+    except TypeError as err:
+        out["refused"] = str(err)
     ours.loss.backward()
     theirs.loss.backward()
     grads = dict(single.named_parameters())
@@ -317,7 +322,8 @@ def test_trainer_stack(checkpoints, tmp_path):
         assert len(pipe["stopped"][1]) < len(pipe["texts"][1]) and pipe["stop"] in pipe["stopped"][1], pipe
         assert "text-generation" in pipe["repr"] or "TextGeneration" in pipe["repr"], pipe["repr"]
         fused = r["fused_head"]
-        assert all(v < 1e-5 for k, v in fused.items() if k != "top1_hits"), fused
+        assert all(v < 1e-5 for k, v in fused.items() if k not in ("top1_hits", "refused")), fused
+        assert "logits_to_keep is not taken with it" in fused["refused"], fused["refused"]
         assert fused["top1_hits"] > 0, fused  # is_top1 compared where it is True somewhere
         sft = r["sft"]
         for key, ours in sft["tp2"].items():
