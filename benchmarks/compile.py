@@ -95,7 +95,7 @@ def per_call_overhead(path: str, calls: int = 200) -> dict:
     out = {}
     with torch.no_grad():
         model(input_ids=ids)
-        graph = model._last_graph
+        graph = model._graph_set.last
         ways = {"module": lambda: model(input_ids=ids),
                 "module, check_inputs=False": lambda: model(input_ids=ids, check_inputs=False),
                 "graph code": lambda: graph.forward(model, input_ids=ids)}

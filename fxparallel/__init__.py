@@ -8,7 +8,7 @@ from .api import parallelize, plan_model
 from .errors import CaptureError, CheckpointError, FxParallelError, GroupError, ShardingError
 from .group import fake_group
 from .plan import ShardingPlan
+from .version import __version__  # noqa: F401 - fxparallel.__version__
 
 __all__ = ["parallelize", "plan_model", "ShardingPlan", "fake_group", "FxParallelError", "ShardingError", "CaptureError",
            "CheckpointError", "GroupError"]
-__version__ = "0.1.0"

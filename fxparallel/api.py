@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .capture import build_meta_model, capture
 from .capture.derive import without_labels
 from .capture.repeat_layers import capture_layers_once
-from .capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
+from .capture.spec import EXAMPLE_BATCH, EXAMPLE_SEQ, GraphSpec
 from . import graph_cache
 from .graph_cache import PlannedGraph, graph_key
 from .errors import GroupError
@@ -36,8 +36,11 @@ from .load import (initialize, load_from_files, load_from_state_dict, resolve_ch
                    resolve_source)
 from .load.coordinate import exchange
 from .load.dtype import resolve_dtype
-from .module import LocalGraph, ParallelCausalLM
+from .model_facts import ModelFacts
+from .module import ParallelCausalLM
+from .ops.local_graph import LocalGraph
 from .plan.layout import ShardLayout, text_config
+from .plan.options import PlanOptions
 from .plan.saved import check_applied, fixed_placements, read_plan
 from .plan.solver import check_layer_symmetry, solve
 from .plan.validate import check_splittable
@@ -68,61 +71,51 @@ def _choose_device(group: TPGroup, device, cp=None) -> torch.device:
     return device
 
 
-def plan_graph(meta_model, arguments, group: TPGroup, device, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None,
-               cp=None, sequence_parallel: bool = False, skip_passes=(), cache_length=None, logits_to_keep: int = 0,
-               unpadded: bool = False, captured=None, derived=None) -> PassContext:
-    """Capture, solve and rewrite one graph; returns the context after every pass (rewrite/passes.py).
-
-    ``cp``: the context-parallel group (or None): labels arrive shifted and attention spans the cp ranks.
-    ``cache_length``: a generation graph with a static KV cache of that length (capture/cache.py); it
-    runs without sequence parallelism (decode steps have one token). ``logits_to_keep``: the model's
-    logits of the last that many positions only (0: all; ``generate``'s prefill keeps 1). ``unpadded``: for
-    calls whose attention mask holds no padding (capture/causal_mask.py). The seconds of
-    each stage are in ``ctx.timings`` (capture, solve, rewrite).
+def plan_graph(meta_model, spec: GraphSpec, group: TPGroup, device, options: PlanOptions = PlanOptions(),
+               captured=None, derived=None) -> PassContext:
+    """Capture ``spec`` (what the graph computes: capture/spec.py), solve and rewrite it with ``options``
+    (plan/options.py); returns the context after every pass (rewrite/passes.py). The seconds of each stage
+    are in ``ctx.timings`` (capture, solve, rewrite).
     ``captured``: a graph captured (or derived) before, planned instead of capturing.
     ``derived``: a dict that gets the graph without labels derived from this capture
-    (``capture/derive.py``), by its arguments, before the passes rewrite the capture."""
+    (``capture/derive.py``), by its spec, before the passes rewrite the capture."""
     t = time.perf_counter()
     if captured is None:
-        options = dict(shape=shape, labels_shifted=cp is not None, cache_length=cache_length,
-                       logits_to_keep=logits_to_keep, unpadded=unpadded)
         # a deep model with alike layers: captured with a few and repeated (capture/repeat_layers.py)
-        captured = capture_layers_once(meta_model, arguments, capture, **options)
-        captured = captured or capture(meta_model, arguments, **options)
+        captured = capture_layers_once(meta_model, spec, capture) or capture(meta_model, spec)
         if derived is not None:
             without = without_labels(captured)
             if without is not None:
-                derived[tuple(a for a in arguments if a != "labels")] = without
+                derived[spec.without_labels()] = without
     timings = {"capture": time.perf_counter() - t}
-    sequence_parallel = sequence_parallel and cache_length is None
-    if cp is not None:
+    options = options.for_cache(spec.cache_length)
+    if options.cp is not None:
         kind = getattr(meta_model.config, "model_type", type(meta_model).__name__)
         context_parallel_checks.check_graph(captured, kind)
     # uneven splits by whole heads / columns / rows
     layout = ShardLayout.for_config(meta_model.config, group.size).add_embedding_rows(meta_model)
     t = time.perf_counter()
+    fixed = options.fixed
     if captured.few_layers is not None:  # solved on the few layers; the walk over all of them follows it
         few = solve(captured.few_layers, group.size, fixed=fixed, layout=layout)
-        fixed = {**few.params, **(fixed or {})}
+        fixed = {**few.params, **fixed}
     gplan = solve(captured, group.size, fixed=fixed, layout=layout)
     if captured.few_layers is not None:
         gplan.reasons.update(few.reasons)  # why each was chosen, not that it was given
     timings["solve"] = time.perf_counter() - t
     t = time.perf_counter()
-    ctx = PassContext(captured, gplan, group, device, sequence_parallel=sequence_parallel, cp=cp)
-    run_passes(ctx, skip=skip_passes)
+    ctx = PassContext(captured, gplan, group, device, sequence_parallel=options.sequence_parallel, cp=options.cp)
+    run_passes(ctx, skip=options.skip_passes)
     ctx.timings = dict(timings, rewrite=time.perf_counter() - t)
     return ctx
 
 
-def local_graph(ctx: PassContext, arguments, cache_length=None, logits_to_keep: int = 0,
-                unpadded: bool = False) -> LocalGraph:
+def local_graph(ctx: PassContext, spec: GraphSpec) -> LocalGraph:
     """What the module keeps of a rewritten graph: its code and what calling it needs."""
-    return LocalGraph(arguments=tuple(arguments), forward=ctx.forward, outputs=ctx.captured.outputs,
+    return LocalGraph(spec=spec, forward=ctx.forward, outputs=ctx.captured.outputs,
                       output_placements=ctx.output_placements, guards=ctx.captured.shape_guards(),
                       attributes=ctx.attributes, code=ctx.code, output_sizes=ctx.output_sizes, pieces=ctx.pieces,
-                      state=_state_shapes(ctx), cache_length=cache_length, logits_to_keep=logits_to_keep,
-                      unpadded=unpadded)
+                      state=_state_shapes(ctx))
 
 
 def _state_shapes(ctx: PassContext) -> dict:
@@ -157,35 +150,32 @@ def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
     return meta
 
 
-def planned_graph(meta, arguments, group: TPGroup, device, dtype, *, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ), fixed=None,
-                  cp=None, sequence_parallel: bool = False, skip_passes=(), cache_length=None,
-                  logits_to_keep: int = 0, unpadded: bool = False, report: bool = False, captured=None,
-                  derived=None) -> PlannedGraph:
+def planned_graph(meta, spec: GraphSpec, group: TPGroup, device, dtype, options: PlanOptions = PlanOptions(), *,
+                  report: bool = False, captured=None, derived=None) -> PlannedGraph:
     """``plan_graph`` and what the module keeps of it, from the graph cache when this exact graph was
-    planned before (``graph_cache``: same model, rank, arguments, options and versions).
+    planned before (``graph_cache``: same model, rank, spec, options and versions).
     ``report``: also the ShardingPlan (the training graph's). ``captured`` / ``derived``: as
     ``plan_graph`` takes them (neither is part of the key: a derived graph is the one a capture
-    of its arguments at ``shape`` gives)."""
-    options = dict(shape=shape, fixed=fixed, cp=cp, sequence_parallel=sequence_parallel, skip_passes=skip_passes,
-                   cache_length=cache_length, logits_to_keep=logits_to_keep, unpadded=unpadded)
-
+    of its spec gives)."""
     def build() -> PlannedGraph:
-        ctx = plan_graph(meta, arguments, group, device, **options, captured=captured, derived=derived)
+        ctx = plan_graph(meta, spec, group, device, options, captured=captured, derived=derived)
         plan = None
         if report:
             asymmetric = check_layer_symmetry(ctx.gplan.params)
             if asymmetric:
                 log.warning("layers with the same structure got different placements: %s", ", ".join(asymmetric))
             plan = build_plan(meta, ctx, dtype, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
-        return PlannedGraph(local_graph(ctx, arguments, cache_length, logits_to_keep, unpadded),
-                            dict(ctx.gplan.params), plan, timings=ctx.timings)
+        return PlannedGraph(local_graph(ctx, spec), dict(ctx.gplan.params), plan, timings=ctx.timings)
 
-    key = graph_key(meta, arguments, group, device, dtype=dtype, report=report, **options)
-    return graph_cache.cached(key, build)
+    return graph_cache.cached(graph_key(meta, spec, group, device, dtype, options, report), build)
 
 
-def training_arguments(cp) -> tuple:
-    return TRAINING_ARGUMENTS if cp is None else CONTEXT_PARALLEL_TRAINING_ARGUMENTS
+def training_spec(cp) -> GraphSpec:
+    """The graph ``parallelize`` captures first: the forward with labels (under context parallelism also the
+    global positions of each token, and labels that arrive shifted)."""
+    if cp is None:
+        return GraphSpec(TRAINING_ARGUMENTS)
+    return GraphSpec(CONTEXT_PARALLEL_TRAINING_ARGUMENTS, labels_shifted=True)
 
 
 def _vocabulary(meta) -> tuple:
@@ -255,62 +245,69 @@ def embedding_modules(meta) -> dict:
 
 
 class GraphFactory:
-    """Captures the graphs of a parallel module after the first (``ParallelCausalLM._graph_factory``):
+    """Captures the graphs of a parallel module (``GraphSet.factory``): the training graph first, then one
     for a new set of arguments, a KV cache length, or shapes outside every graph's guards. It captures
     the meta model (in the module's dtype) with every parameter's placement fixed to the first plan's,
     so every graph reads the same shards. ``in_dtype`` gives the factory of another dtype
     (``model.to(dtype)``: a new meta model in that dtype, the same placements). ``derived``: graphs
-    derived from the training capture (``capture/derive.py``) by arguments, planned instead of a
-    capture."""
+    derived from the training capture (``capture/derive.py``) by spec, planned instead of a capture."""
 
-    def __init__(self, source, meta, dtype: torch.dtype, group: TPGroup, cp, sequence_parallel: bool,
-                 trust_remote_code: bool, fixed: dict, derived=None):
-        self.source, self.meta, self.dtype, self.group, self.cp = source, meta, dtype, group, cp
-        self.sequence_parallel, self.trust_remote_code, self.fixed = sequence_parallel, trust_remote_code, fixed
+    def __init__(self, source, meta, dtype: torch.dtype, group: TPGroup, device, options: PlanOptions,
+                 trust_remote_code: bool, derived=None):
+        self.source, self.meta, self.dtype, self.group, self.device = source, meta, dtype, group, device
+        self.options, self.trust_remote_code = options, trust_remote_code
+        self.fixed = dict(options.fixed)  # grows with each graph's placements: they hold for every later graph
         self.derived = derived if derived is not None else {}
-        self.usual_shapes = None  # the training graph's ShapeGuards (set by parallelize)
+        self.usual_shapes = None  # the training graph's ShapeGuards
 
-    def __call__(self, module, arguments, input_shape, cache_length=None, logits_to_keep: int = 0,
-                 unpadded: bool = False) -> LocalGraph:
-        shape = tuple(int(s) for s in input_shape)
+    def __call__(self, spec: GraphSpec) -> LocalGraph:
         planned = None
         usual = self.usual_shapes is not None and self.usual_shapes.holds_for(
-            {a: shape for a in training_arguments(self.cp)})
-        if cache_length is None and usual:
+            {a: spec.shape for a in training_spec(self.options.cp).arguments})
+        if spec.cache_length is None and usual:
             # a shape the training graph takes: planned at the training capture's example shape, so the first
             # call's shape does not change the graph (nor its cache key); from the training capture if it was cut
             # (that derived graph computes every position's logits: kept for the call that asks for them)
-            derived = None if logits_to_keep or unpadded else self.derived.pop(tuple(arguments), None)
-            planned = self._planned(module, arguments, (EXAMPLE_BATCH, EXAMPLE_SEQ), None, derived, logits_to_keep,
-                                    unpadded)
-            if not planned.local.guards.holds_for({a: shape for a in arguments}):
+            example = spec.at((EXAMPLE_BATCH, EXAMPLE_SEQ))
+            derived = None if spec.logits_to_keep or spec.unpadded else self.derived.pop(example, None)
+            planned = self._planned(example, captured=derived)
+            if not planned.local.guards.holds_for({a: spec.shape for a in spec.arguments}):
                 planned = None
-        if planned is None:
-            planned = self._planned(module, arguments, shape, cache_length, None, logits_to_keep, unpadded)
-        for name, placement in planned.params.items():  # the cache's placement holds for every later graph
-            self.fixed.setdefault(name, placement)
-        return planned.local
+        return (planned or self._planned(spec)).local
 
-    def _planned(self, module, arguments, shape, cache_length, captured, logits_to_keep=0,
-                 unpadded=False) -> PlannedGraph:
-        return planned_graph(self.meta, arguments, self.group, module.device_, self.dtype, shape=shape,
-                             fixed=self.fixed, cp=self.cp, sequence_parallel=self.sequence_parallel,
-                             skip_passes=module.skip_passes, cache_length=cache_length, logits_to_keep=logits_to_keep,
-                             unpadded=unpadded, captured=captured)
+    def _planned(self, spec: GraphSpec, **planning) -> PlannedGraph:
+        planned = planned_graph(self.meta, spec, self.group, self.device, self.dtype,
+                                self.options.with_fixed(self.fixed), **planning)
+        for name, placement in planned.params.items():  # the first plan's placement holds for every later graph
+            self.fixed.setdefault(name, placement)
+        return planned
 
     def in_dtype(self, dtype: torch.dtype) -> "GraphFactory":
         """The factory of the same model in ``dtype`` (a meta model built in it, as ``parallelize`` builds)."""
         meta = _meta_model(self.source, self.group.size, dtype, self.trust_remote_code)
-        return GraphFactory(self.source, meta, dtype, self.group, self.cp, self.sequence_parallel,
-                            self.trust_remote_code, self.fixed)
+        return GraphFactory(self.source, meta, dtype, self.group, self.device, self.options.with_fixed(self.fixed),
+                            self.trust_remote_code)
 
-    def training_graph(self, module) -> tuple:
-        """(LocalGraph, ShardingPlan) of the training graph, as ``parallelize`` captures it first."""
-        planned = planned_graph(self.meta, training_arguments(self.cp), self.group, module.device_, self.dtype,
-                                fixed=self.fixed, cp=self.cp, sequence_parallel=self.sequence_parallel,
-                                skip_passes=module.skip_passes, report=True, derived=self.derived)
+    def training_graph(self) -> PlannedGraph:
+        """The training graph (and its ShardingPlan), which ``parallelize`` captures first."""
+        # its capture also gives the graph without labels (capture/derive.py), for the first call without labels
+        planned = self._planned(training_spec(self.options.cp), report=True, derived=self.derived)
         self.usual_shapes = planned.local.guards
-        return planned.local, planned.plan
+        return planned
+
+
+def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
+    """What the parallel module needs to know of the model besides its shards and graphs (model_facts.py)."""
+    forward_parameters = inspect.signature(meta.forward).parameters
+    vocab_rows, label_classes = _vocabulary(meta)
+    return ModelFacts(
+        sequence_parallel=sequence_parallel, vocab_rows=vocab_rows, label_classes=label_classes,
+        position_limit=_position_limit(meta), takes_position_ids="position_ids" in forward_parameters,
+        takes_logits_to_keep="logits_to_keep" in forward_parameters, sliding_window=_sliding_window(meta.config),
+        generation_config=_generation_config(source, meta.config), embedding_modules=embedding_modules(meta),
+        embedding_weights=tuple(f"{path}.weight" for path, m in meta.named_modules()
+                                if isinstance(m, torch.nn.Embedding)),
+        dropout_rates=dict(getattr(meta, "fxparallel_dropout", {})))
 
 
 def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, revision=None,
@@ -324,8 +321,8 @@ def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, t
                             token=token, trust_remote_code=trust_remote_code)
     dtype = resolve_dtype(dtype, torch_dtype, config=source.config)
     meta = _meta_model(source, tp, dtype, trust_remote_code)
-    planned = planned_graph(meta, TRAINING_ARGUMENTS, fake_group(tp), torch.device("cpu"), dtype,
-                            sequence_parallel=sequence_parallel, report=True)
+    planned = planned_graph(meta, GraphSpec(TRAINING_ARGUMENTS), fake_group(tp), torch.device("cpu"), dtype,
+                            PlanOptions(sequence_parallel=sequence_parallel), report=True)
     return planned.plan, planned.local
 
 
@@ -379,36 +376,18 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     timings["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    derived = {}  # the graph without labels, cut from this capture for the first call without labels
-    planned = planned_graph(meta, training_arguments(cp), group, device, dtype, fixed=fixed, cp=cp,
-                            sequence_parallel=sequence_parallel, skip_passes=skip_passes, report=True,
-                            derived=derived)
-    local, sharding = planned.local, planned.plan
+    options = PlanOptions(fixed=fixed or {}, cp=cp, sequence_parallel=sequence_parallel, skip_passes=skip_passes)
+    factory = GraphFactory(source, meta, dtype, group, device, options, trust_remote_code)
+    planned = factory.training_graph()
+    sharding = planned.plan
     if saved is not None:
         check_applied(saved, sharding)
     timings.update(planned.timings)  # capture, solve, rewrite; or the graph cache's read
     timings["capture+plan+rewrite"] = time.perf_counter() - t
-    graph_factory = GraphFactory(source, meta, dtype, group, cp, sequence_parallel, trust_remote_code,
-                                 dict(planned.params), derived)
 
     # weights: everything that can fail on input runs before any shard is written
-    module = ParallelCausalLM(source.config, sharding, group, device, dtype, graph_factory, cp_group=cp)
-    module.sequence_parallel = sequence_parallel
-    module.skip_passes = tuple(skip_passes)
-    module.vocab_rows, module.label_classes = _vocabulary(meta)
-    module.position_limit = _position_limit(meta)
-    forward_parameters = inspect.signature(meta.forward).parameters
-    module.takes_position_ids = "position_ids" in forward_parameters
-    module.takes_logits_to_keep = "logits_to_keep" in forward_parameters
-    module.sliding_window = _sliding_window(meta.config)
-    module.generation_config = _generation_config(source, meta.config)
-    module.embedding_modules = embedding_modules(meta)
-    module.embedding_weights = tuple(f"{path}.weight" for path, m in meta.named_modules()
-                                     if isinstance(m, torch.nn.Embedding))
-    module.dropout_rates = dict(getattr(meta, "fxparallel_dropout", {}))
-    module.set_buffers(meta.fxparallel_buffers)
-    module.add_graph(local)
-    graph_factory.usual_shapes = local.guards
+    module = ParallelCausalLM(source.config, sharding, group, device, dtype, factory,
+                              model_facts(meta, source, sequence_parallel), planned.local, cp_group=cp)
     # each rank planned alone (its own graph cache and packages): refuse mismatched plans before reading weights
     t = time.perf_counter()
     check_plans_agree(sharding, (("tp_group", group), ("cp_group", cp)))

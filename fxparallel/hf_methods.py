@@ -67,6 +67,7 @@ from torch import nn
 from . import fused_head
 from .dtensor_parameters import dtensor_views, refresh_views, use_dtensor_parameters
 from .errors import ArgumentError, ShardingError
+from .inputs import ARGUMENTS
 
 # forward arguments the graphs do not take: what to do instead
 ALTERNATIVES = {
@@ -92,7 +93,6 @@ def refuse_arguments(unsupported: dict) -> None:
     asked = {k: v for k, v in unsupported.items() if not any(v is h for h in _HARMLESS)}
     if not asked:
         return
-    from .module import ARGUMENTS
 
     lines = [f"{name}: {ALTERNATIVES[name]}" for name in sorted(asked) if name in ALTERNATIVES]
     unknown = sorted(set(asked) - set(ALTERNATIVES))
@@ -352,25 +352,20 @@ class HuggingFaceMethods:
                 f"cannot cast the parallel model to {_dtype_name(dtype)} under apply_data_parallel (FSDP holds its "
                 "own copies): pass dtype= to fxparallel.parallelize before apply_data_parallel, or use its "
                 "mixed_precision= argument")
-        in_dtype = getattr(self._graph_factory, "in_dtype", None)
+        in_dtype = getattr(self._graph_set.factory, "in_dtype", None)
         if in_dtype is None:
             raise ShardingError(f"cannot cast the parallel model to {_dtype_name(dtype)}: its graph factory cannot "
                                 "capture another dtype; pass dtype= to fxparallel.parallelize instead")
         factory = in_dtype(dtype)  # builds the meta model first: a failure changes nothing
         super()._apply(fn, recurse)  # parameters (in place: optimizers keep them), gradients, buffers
         self.set_buffers(factory.meta.fxparallel_buffers)  # as the model's __init__ makes them in ``dtype``
-        self._graphs.clear()
-        self._graph_of_shapes.clear()
-        self._compiled.clear()
-        object.__setattr__(self, "_generation_cache", None)  # a compiled generate's cache, in the old dtype
-        object.__setattr__(self, "_last_graph", None)
+        self._graph_set.drop(factory)  # the graphs, their compiled code, a compiled generate's kept cache
         for path in self._layer_paths:
             getattr(self.get_submodule(path), "_pieces", {}).clear()
-        object.__setattr__(self, "_graph_factory", factory)
         self.dtype_ = dtype
-        graph, plan = factory.training_graph(self)
-        self.plan = dataclasses.replace(self.plan, dtype=plan.dtype, collectives=plan.collectives)
-        self.add_graph(graph)
+        planned = factory.training_graph()
+        self.plan = dataclasses.replace(self.plan, dtype=planned.plan.dtype, collectives=planned.plan.collectives)
+        self.add_graph(planned.local)
         return self
 
     # ---- display and missing attributes ------------------------------------------------------------------

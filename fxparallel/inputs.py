@@ -36,6 +36,9 @@ import torch.distributed as dist
 
 from .errors import InputError
 
+# the tensor arguments of the forward, in the order the graphs take them
+ARGUMENTS = ("input_ids", "attention_mask", "position_ids", "labels")
+
 # the arguments a fingerprint covers; its 14 fields: ndim, batch, seq, presence bits (and above them the
 # options, ``options_code``), 4 checksums (one per argument), ids min / max, labels bad count, problem, rng
 # digest, mask without padding

@@ -9,11 +9,11 @@ re-materialized.
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
 import operator
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -24,16 +24,19 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from . import dcp_optimizer, fused_head
 from .data_parallel_guard import RefusesDistributedDataParallel
 from .dcp_state import describe_state_dict
+from .capture.spec import GraphSpec
 from .errors import ArgumentError, ShardingError
+from .graph_set import GraphSet
 from .hf_methods import HuggingFaceMethods, refuse_arguments, refuse_inherited
-from .inputs import check_arguments, options_code
+from .inputs import ARGUMENTS, check_arguments, options_code
 from .items_in_batch import check_items_in_batch, loss_over_items
+from .model_facts import ModelFacts
 from .rewrite import collectives, context_parallel
-from .rewrite.layer_units import LayerPieces, install_layer_units
+from .ops.local_graph import LocalGraph
+from .rewrite.layer_units import install_layer_units
 
 log = logging.getLogger("fxparallel")
 
-ARGUMENTS = ("input_ids", "attention_mask", "position_ids", "labels")
 # the output field holding the KV cache: ``cache`` from transformers 5.24 on (its ``past_key_values`` then logs a
 # deprecation warning on every first use), ``past_key_values`` before
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -50,23 +53,6 @@ class ParallelCausalLMOutput(CausalLMOutputWithPast):
 
     local_logits: Optional[torch.FloatTensor] = None
     vocab_range: Optional[tuple] = None
-
-
-@dataclass
-class LocalGraph:
-    arguments: tuple  # argument names the graph takes
-    forward: Callable  # generated code; called with the module as ``self``
-    outputs: tuple  # output names
-    output_placements: dict  # name -> Placement
-    guards: object  # ShapeGuards: the argument shapes the code is valid for
-    attributes: dict  # attributes the code reads besides parameters and buffers (custom autograd bodies)
-    code: str
-    output_sizes: dict = field(default_factory=dict)  # name -> per-rank sizes along its sharded dim
-    state: dict = field(default_factory=dict)  # KV cache argument -> (full shape, local shape, dtype)
-    cache_length: Optional[int] = None  # a generation graph's static cache length
-    logits_to_keep: int = 0  # the logits of the last that many positions only (0: all)
-    unpadded: bool = False  # for calls whose attention mask holds no padding (capture/causal_mask.py)
-    pieces: Optional[LayerPieces] = None  # per-layer pieces the root code calls (rewrite/layer_units.py)
 
 
 def _set_path(root: nn.Module, dotted: str, value, kind: str):
@@ -88,33 +74,22 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
     """This rank's shards and the graphs that run them; the Hugging Face model methods it has (and the
     ones it refuses, saying what to do instead) are listed in ``hf_methods.py``."""
 
-    def __init__(self, config, plan, group, device, dtype, graph_factory, cp_group=None):
+    def __init__(self, config, plan, group, device, dtype, factory=None, facts: ModelFacts = ModelFacts(),
+                 first_graph: Optional[LocalGraph] = None, cp_group=None):
+        """``factory``: captures new graphs (api.GraphFactory, from its meta model; None: a module of weights
+        only); ``facts``: what the module needs to know of the model (model_facts.py); ``first_graph``: the
+        training graph, planned with ``plan``; ``cp_group``: inputs are then this rank's chunks of each sequence
+        (runtime/context_parallel.py)."""
         nn.Module.__init__(self)  # not PreTrainedModel's: there is no single-device model behind this one
         self.config = config
         self.plan = plan
         self.tp_group = group
-        self.cp_group = cp_group  # context parallelism: inputs are this rank's chunks (rewrite/context_parallel.py)
+        self.cp_group = cp_group
         self.device_ = torch.device(device)
         self.dtype_ = dtype
-        object.__setattr__(self, "_graphs", [])  # not submodules: they share our parameters
-        object.__setattr__(self, "_graph_of_shapes", {})  # (argument names, shapes) -> graph: no guard per call
-        object.__setattr__(self, "_graph_factory", graph_factory)
-        self.sequence_parallel = False  # set by parallelize: sequences must then divide by tp
-        self.skip_passes = ()  # rewrite passes left out of every graph (set by parallelize)
-        # token ids index this many embedding rows, labels this many logits (set by parallelize; None: unchecked)
-        self.vocab_rows: Optional[int] = None
-        self.label_classes: Optional[int] = None
-        self.position_limit: Optional[int] = None  # rows of a learned position table: longest generation
-        self.takes_position_ids = True  # the model's forward has position_ids (else: positions from its cache)
-        self.takes_logits_to_keep = False  # the model's forward has logits_to_keep (generate's prefill keeps 1)
-        self.sliding_window: Optional[int] = None  # smallest sliding attention window: longest generation
-        self.generation_config = None  # the checkpoint's (set by parallelize), as in transformers
-        self.embedding_modules: dict = {}  # "input"/"output" -> (module path, class, bias) (set by parallelize)
-        self.embedding_weights: tuple = ()  # the nn.Embedding tables' weights (set by parallelize)
-        self.dropout_rates: dict = {}  # the model's dropout rates above 0 (set by parallelize): masks in train()
-        object.__setattr__(self, "_last_graph", None)
-        object.__setattr__(self, "_compiled", [])  # (compile config, graph, compiled code)
-        object.__setattr__(self, "_generation_cache", None)  # (key, ParallelCache): generate's, reused (loop.py)
+        for name in (f.name for f in dataclasses.fields(facts)):  # see model_facts.py
+            setattr(self, name, getattr(facts, name))
+        self._graph_set = GraphSet(factory)  # every graph of this module (graph_set.py)
         # decoder layers as modules the graphs call, so FSDP can make each one a unit
         self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params)
         for p in plan.params:
@@ -129,15 +104,20 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
         # eval mode, as transformers' from_pretrained: the model's dropout applies after model.train()
         # (every graph reads self.training per call: rewrite/dropout.py)
         self.eval()
+        if factory is not None:
+            self.set_buffers(factory.meta.fxparallel_buffers)
+        if first_graph is not None:
+            self.add_graph(first_graph)
 
     # ---- graphs --------------------------------------------------------------
-    def add_graph(self, graph: LocalGraph) -> None:
+    def add_graph(self, graph: LocalGraph, shapes: Optional[dict] = None) -> None:
+        """Add ``graph`` (captured for a call of ``shapes``, argument name -> shape, where given)."""
         self._check_pieces(graph)
         self._register_attributes(graph)
         if graph.pieces is not None:
             for path, forward in graph.pieces.forward.items():
                 self.get_submodule(path).add_piece(graph.pieces.key, forward)
-        self._graphs.append(graph)
+        self._graph_set.add(graph, shapes)
 
     def _check_pieces(self, graph: LocalGraph) -> None:
         if graph.pieces is None:
@@ -168,7 +148,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
     def layer_units(self, required_by: Optional[str] = None) -> list:
         """The decoder-layer modules every graph calls, in order; [] when a graph is not split by layer
         (an error naming ``required_by`` when given)."""
-        if not self._graphs or any(g.pieces is None for g in self._graphs):
+        if not len(self._graph_set) or any(g.pieces is None for g in self._graph_set):
             if required_by:
                 why = self._no_layer_units or "its graph did not split by decoder layer (see parallelize's warning)"
                 raise ShardingError(f"{required_by} works on decoder layers one by one, but this model has none: {why}")
@@ -180,40 +160,30 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
             object.__setattr__(self, name, value)  # not submodules: they hold no parameters of ours
 
     def graphs(self) -> list:
-        return list(self._graphs)
+        return list(self._graph_set)
 
     def _graph_for(self, args: dict, cache=None, logits_to_keep: int = 0, unpadded: bool = False) -> LocalGraph:
         """The graph for these arguments (and KV cache, logits kept, a mask without padding), captured on first
         use of an argument set or a shape outside every graph's guards; a shape seen before costs a dictionary
         lookup."""
-        arguments = tuple(n for n in ARGUMENTS if n in args)
         shapes = {k: tuple(v.shape) for k, v in args.items()}
+        spec = GraphSpec(tuple(n for n in ARGUMENTS if n in args), shapes["input_ids"],
+                         labels_shifted=self.cp_group is not None, logits_to_keep=logits_to_keep, unpadded=unpadded,
+                         cache_length=cache.length if cache is not None else None)
         if cache is not None and not cache.layout:  # its layout is that of any graph of its length
-            known = next((g for g in self._graphs if g.cache_length == cache.length), None)
+            known = self._graph_set.with_cache_length(cache.length)
             if known is None:
-                known = self._graph_factory(self, arguments, shapes["input_ids"], cache_length=cache.length,
-                                            logits_to_keep=logits_to_keep)
+                known = self._graph_set.factory(dataclasses.replace(spec, unpadded=False))
                 self.add_graph(known)
             cache.layout = dict(known.state)
-        names = tuple(sorted(args))
         if cache is not None:  # the cache is checked at its full (captured) shapes
             batch = shapes["input_ids"][0]
             for name, (full, _, _) in cache.layout.items():
                 shapes[name] = tuple(batch if s is None else s for s in full)
-            names = tuple(sorted(shapes))
-        length = cache.length if cache is not None else None
-        key = (names, tuple(shapes[n] for n in names), length, logits_to_keep, unpadded)
-        graph = self._graph_of_shapes.get(key)
-        if graph is not None:
-            return graph
-        graph = next((g for g in self._graphs if tuple(sorted(g.arguments)) == tuple(sorted(args))
-                      and g.cache_length == length and g.logits_to_keep == logits_to_keep
-                      and g.unpadded == unpadded and g.guards.holds_for(shapes)), None)
+        graph = self._graph_set.find(spec, shapes)
         if graph is None:
-            graph = self._graph_factory(self, arguments, shapes["input_ids"], cache_length=length,
-                                        logits_to_keep=logits_to_keep, unpadded=unpadded)
-            self.add_graph(graph)
-        self._graph_of_shapes[key] = graph
+            graph = self._graph_set.factory(spec)
+            self.add_graph(graph, shapes)
         return graph
 
     def _logits_to_keep(self, logits_to_keep, labels) -> int:
@@ -240,16 +210,6 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
             raise TypeError("logits_to_keep with labels: the loss needs the logits of every position; leave "
                             "logits_to_keep at 0 when passing labels")
         return keep
-
-    def _compiled_code(self, graph: LocalGraph, compile_config):
-        """``graph``'s code under ``torch.compile`` with ``compile_config``'s options (compiled on its first call).
-        Found by comparing configs (a dataclass), as transformers does: no copy of the options per decode step."""
-        for config, compiled_graph, code in self._compiled:
-            if compiled_graph is graph and config == compile_config:
-                return code
-        code = torch.compile(graph.forward, **compile_config.to_dict())
-        self._compiled.append((copy.deepcopy(compile_config), graph, code))  # (the caller's may change later)
-        return code
 
     def set_buffers(self, buffers: dict) -> None:
         for name, value in buffers.items():
@@ -321,8 +281,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
             if not cache.allocated:
                 cache.allocate(input_ids.shape[0], self.device_)
             args.update(cache.tensors)
-        self._last_graph = graph
-        run = graph.forward if compile_config is None else self._compiled_code(graph, compile_config)
+        self._graph_set.last = graph
+        run = graph.forward if compile_config is None else self._graph_set.compiled(graph, compile_config)
         results = dict(zip(graph.outputs, run(self, **args)))
         logits = results["logits"]
         placement = graph.output_placements.get("logits")
@@ -386,7 +346,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
 
     def output_sizes(self, name: str):
         """Per-rank sizes along the sharded dim of output ``name`` of the last call (uneven splits)."""
-        return self._last_graph.output_sizes.get(name) if self._last_graph is not None else None
+        last = self._graph_set.last
+        return last.output_sizes.get(name) if last is not None else None
 
     # ---- Hugging Face model behaviour (the rest: hf_methods.py) ----------------
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, mode: str = "full",

@@ -23,9 +23,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 def _planned(meta, arguments, captured=None, derived=None):
     from fxparallel.api import plan_graph
+    from fxparallel.capture import GraphSpec
     from fxparallel.group import fake_group
 
-    return plan_graph(meta, arguments, fake_group(2), torch.device("cpu"), captured=captured, derived=derived)
+    return plan_graph(meta, GraphSpec(arguments), fake_group(2), torch.device("cpu"), captured=captured,
+                      derived=derived)
 
 
 def _collectives(ctx) -> list:
@@ -37,7 +39,7 @@ def _collectives(ctx) -> list:
 def test_graph_without_labels_is_the_captured_one(model_type):
     from transformers import GPT2Config
 
-    from fxparallel.capture import build_meta_model
+    from fxparallel.capture import GraphSpec, build_meta_model
     from models import tiny_config
 
     config = (GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64) if model_type == "gpt2"
@@ -45,8 +47,8 @@ def test_graph_without_labels_is_the_captured_one(model_type):
     meta = build_meta_model(config, dtype=torch.float32)
     derived = {}
     _planned(meta, ("input_ids", "labels"), derived=derived)
-    assert list(derived) == [("input_ids",)]
-    cut = derived[("input_ids",)]
+    assert list(derived) == [GraphSpec(("input_ids",))]
+    cut = derived[GraphSpec(("input_ids",))]
     assert cut.outputs == ("logits",) and set(cut.inputs.values()) == {"input_ids"}
     assert not any(arg == "labels" for arg, _ in cut.symbol_sources.values())
     captured = _planned(meta, ("input_ids",))
@@ -63,6 +65,7 @@ def test_no_graph_is_derived_where_the_labels_are_read_beyond_the_loss():
     from transformers import LlamaForCausalLM
 
     from fxparallel.capture.derive import without_labels
+    from fxparallel.capture import GraphSpec
     from fxparallel.capture.dynamo import capture
     from models import tiny_config
 
@@ -74,7 +77,7 @@ def test_no_graph_is_derived_where_the_labels_are_read_beyond_the_loss():
 
     with torch.device("meta"):
         meta = LabelsInLogits(tiny_config("llama"))
-    assert without_labels(capture(meta, ("input_ids", "labels"))) is None
+    assert without_labels(capture(meta, GraphSpec(("input_ids", "labels")))) is None
 
 
 # ---- capture once for identical layers ----------------------------------------------------------
@@ -116,7 +119,7 @@ def test_repeated_layers_plan_as_the_whole_capture(model_type, kwargs):
 def test_layers_that_differ_are_captured_whole():
     """Sliding and full attention alternating (Gemma 2), and a layer type that changes after layer 3
     (Qwen2 with sliding windows from layer 4): no short capture is even tried."""
-    from fxparallel.capture import build_meta_model
+    from fxparallel.capture import GraphSpec, build_meta_model
     from fxparallel.capture.repeat_layers import capture_layers_once
     from tiny_configs import tiny_config
 
@@ -126,7 +129,7 @@ def test_layers_that_differ_are_captured_whole():
     for config in (gemma2, qwen2):
         tried = []
         meta = build_meta_model(config, dtype=torch.float32)
-        assert capture_layers_once(meta, ("input_ids",), lambda *a, **k: tried.append(a)) is None
+        assert capture_layers_once(meta, GraphSpec(("input_ids",)), lambda *a, **k: tried.append(a)) is None
         assert not tried, config.model_type
 
 

@@ -17,7 +17,7 @@ def _attention(model) -> dict:
     found = {}
     for g in model.graphs():
         code = g.code  # the root code and every layer piece
-        key = tuple(sorted(g.arguments)) + (("unpadded",) if g.unpadded else ())
+        key = tuple(sorted(g.arguments)) + (("unpadded",) if g.spec.unpadded else ())
         found[key] = (code.count("is_causal = True"), code.count("attn_mask = attention_mask"))
     return found
 

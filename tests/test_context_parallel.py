@@ -264,10 +264,10 @@ def test_model_without_cp_on_a_cp_mesh_is_refused():
 
 
 def _captured(config, labels_shifted=True):
-    from fxparallel.capture import build_meta_model, capture
+    from fxparallel.capture import GraphSpec, build_meta_model, capture
 
     meta = build_meta_model(config, dtype=torch.float32)
-    return capture(meta, ("input_ids", "position_ids", "labels"), labels_shifted=labels_shifted)
+    return capture(meta, GraphSpec(("input_ids", "position_ids", "labels"), labels_shifted=labels_shifted))
 
 
 def test_graphs_context_parallelism_would_get_wrong_are_refused():

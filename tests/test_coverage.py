@@ -84,7 +84,7 @@ def _check_all(group, tp, paths):
     warnings.filterwarnings("ignore")
     import fxparallel
     from checks import batch, compare
-    from fxparallel.capture.dynamo import EXAMPLE_SEQ
+    from fxparallel.capture.spec import EXAMPLE_SEQ
     from models import reference
 
     results = {}

@@ -65,7 +65,7 @@ def _llama(rank, tp, path):
     full = cfg.num_hidden_layers * 2 * ids.shape[0] * cfg.num_key_value_heads * result.past_key_values.length \
         * head_dim * 4
     out["cache share"] = (result.past_key_values.nbytes() - 8 * cfg.num_hidden_layers) / full
-    out["eager keeps no cache"] = model._generation_cache is None
+    out["eager keeps no cache"] = model._graph_set.kept_cache is None
     decode = next(g for g in model.graphs() if g.cache_length and "input_ids" in g.arguments
                   and g.guards.static_sizes.get(("input_ids", 1)) == 1)
     out["decode collectives"] = (decode.code.count("collectives_all_reduce("), decode.code.count("collectives_all_gather("))
@@ -138,10 +138,10 @@ def _llama(rank, tp, path):
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, compile_config=config)
     shorter = dict(input_ids=ids[:, 2:], attention_mask=mask[:, 2:], max_new_tokens=10, do_sample=False, pad_token_id=0)
     out["compiled equal"] = torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kwargs), expected)
-    pointers = [t.data_ptr() for t in model._generation_cache[1].tensors.values()]
+    pointers = [t.data_ptr() for t in model._graph_set.kept_cache[1].tensors.values()]
     out["compiled equal"] &= torch.equal(model.generate(**shorter, compile_config=config), ref.generate(**shorter))
     # the next compiled call of the same batch and cache length reuses the cache's tensors, emptied first
-    out["compiled cache reused"] = [t.data_ptr() for t in model._generation_cache[1].tensors.values()] == pointers
+    out["compiled cache reused"] = [t.data_ptr() for t in model._graph_set.kept_cache[1].tensors.values()] == pointers
     out["compilations"] = len(compiled)  # (a new batch size would compile again: dynamic=False)
     model.generate(input_ids=ids, attention_mask=mask, disable_compile=True, **kwargs)
     out["compilations with disable_compile"] = len(compiled)
@@ -272,7 +272,7 @@ def test_cache_states_beyond_keys_and_values_are_refused_by_name():
     import torch
 
     from fxparallel.api import _for_device
-    from fxparallel.capture import build_meta_model, capture
+    from fxparallel.capture import GraphSpec, build_meta_model, capture
     from fxparallel.errors import CaptureError
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -282,10 +282,10 @@ def test_cache_states_beyond_keys_and_values_are_refused_by_name():
         meta = build_meta_model(_for_device(tiny_config(model_type), torch.device("cpu")), dtype=torch.float32)
         with pytest.raises(CaptureError, match=name + r": its cache keeps a state .*layers of type \['linear_attention'\]"
                                                       r".*generate and use_cache are not supported for this model yet"):
-            capture(meta, ("input_ids", "attention_mask"), shape=(2, 9), cache_length=128)
+            capture(meta, GraphSpec(("input_ids", "attention_mask"), (2, 9), cache_length=128))
     # RoFormer reads its position offset from the cache's count as data: Dynamo cannot capture that whole
     meta = build_meta_model(_for_device(tiny_config("roformer"), torch.device("cpu")), dtype=torch.float32)
     with pytest.raises(CaptureError, match=r"RoFormerForCausalLM could not be captured as one graph with a KV cache: "
                                            r"generate and use_cache are not supported for this model \(its forward "
                                            r"without a cache is\)\. .*unbacked"):
-        capture(meta, ("input_ids", "attention_mask"), shape=(2, 9), cache_length=128)
+        capture(meta, GraphSpec(("input_ids", "attention_mask"), (2, 9), cache_length=128))

@@ -176,7 +176,7 @@ def _cached_vs_built(rank, world, path, root):
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     runs, captures = [], []
     capture = fxparallel.api.capture
-    fxparallel.api.capture = lambda *a, **k: (captures.append(a[1]), capture(*a, **k))[1]
+    fxparallel.api.capture = lambda *a, **k: (captures.append(a[1].arguments), capture(*a, **k))[1]
     for _ in range(2):  # built, then read back
         model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
         loss = model(input_ids=ids, labels=ids).loss

@@ -124,7 +124,7 @@ def _hf_methods(rank, world, path, root):
     config = CompileConfig(backend=lambda gm, example_inputs: gm.forward, fullgraph=True, dynamic=False, mode=None)
     generating = dict(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     model.generate(**generating, compile_config=config)
-    kept = model._generation_cache is not None
+    kept = model._graph_set.kept_cache is not None
     model.bfloat16()
     direct = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.bfloat16)
     cast_out = model(input_ids=ids, labels=ids, gather_logits=True)
@@ -132,7 +132,7 @@ def _hf_methods(rank, world, path, root):
     out["cast"] = (model.dtype, {p.dtype for p in model.parameters()}, model.plan.dtype, cast_out.logits.dtype,
                    _max_diff(cast_out.logits, direct_out.logits), _max_diff(cast_out.loss, direct_out.loss),
                    "bfloat16 on cpu" in repr(model))
-    out["cast drops the kept cache"] = (kept, model._generation_cache is None, torch.equal(
+    out["cast drops the kept cache"] = (kept, model._graph_set.kept_cache is None, torch.equal(
         model.generate(**generating, compile_config=config), direct.generate(**generating)))
     del direct
 

@@ -114,6 +114,7 @@ def test_the_fingerprint_is_json_and_rank_independent_for_uneven_splits():
     from fxparallel.group import fake_group
     from fxparallel.load import resolve_source
     from fxparallel.plan_agreement import fingerprint
+    from fxparallel.capture import GraphSpec
     from models import tiny_config
 
     config = tiny_config("llama", hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
@@ -121,7 +122,7 @@ def test_the_fingerprint_is_json_and_rank_independent_for_uneven_splits():
     meta = _meta_model(resolve_source(config), 2, torch.float32, False)
     prints = []
     for rank in range(2):
-        planned = planned_graph(meta, ("input_ids", "labels"), fake_group(2, rank), torch.device("cpu"),
+        planned = planned_graph(meta, GraphSpec(("input_ids", "labels")), fake_group(2, rank), torch.device("cpu"),
                                 torch.float32, report=True)
         assert planned.local.code  # each rank's own graph (its own local sizes)
         prints.append(fingerprint(planned.plan))

@@ -2,5 +2,6 @@
 from .dynamo import capture
 from .graph import CapturedGraph
 from .meta_model import build_meta_model
+from .spec import GraphSpec
 
-__all__ = ["capture", "CapturedGraph", "build_meta_model"]
+__all__ = ["capture", "CapturedGraph", "GraphSpec", "build_meta_model"]

@@ -20,17 +20,14 @@ from .cache import argument_name, cache_argument, cache_tensors, meta_cache, sta
 from .causal_mask import causal_without_mask
 from .dropout import check_training_graph
 from .graph import CapturedGraph
+from .spec import GraphSpec
 
 log = logging.getLogger("fxparallel")
 
-# Example sizes at capture: small primes that no model dimension is likely to equal,
-# so that Dynamo never confuses the batch or sequence with a weight dimension.
-EXAMPLE_BATCH = 3
-EXAMPLE_SEQ = 13
+def _forward_fn(model, spec: GraphSpec, cache=None, unpadded: bool = False):
+    output_names, logits_to_keep = spec.outputs, spec.logits_to_keep
+    labels_shifted = spec.labels_shifted and "labels" in spec.arguments
 
-
-def _forward_fn(model, input_names, output_names, labels_shifted=False, cache=None, logits_to_keep=0,
-                unpadded=False):
     def run(**kwargs):
         if unpadded:  # the mask is as long as the tokens (inputs.py), so the queries are all the keys
             torch._check(kwargs["attention_mask"].shape[-1] == kwargs["input_ids"].shape[-1])
@@ -72,12 +69,11 @@ def _dynamo_message(err: Exception) -> str:
     return " | ".join(keep) + where
 
 
-def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPLE_SEQ),
-            device: str = "meta", labels_shifted: bool = False, cache_length=None,
-            logits_to_keep: int = 0, unpadded: bool = False) -> CapturedGraph:
-    """Capture ``model(**inputs)`` for the given argument names; returns the graph and its bindings.
+def capture(model, spec: GraphSpec, device: str = "meta") -> CapturedGraph:
+    """Capture ``model(**inputs)`` for ``spec`` (``spec.py``: the arguments, example shape and options);
+    returns the graph and its bindings.
 
-    Dimensions of ``shape`` larger than 1 are dynamic; a size of 1 is captured as such
+    Dimensions of ``spec.shape`` larger than 1 are dynamic; a size of 1 is captured as such
     (Dynamo specializes sizes 0 and 1), so decoding with one token gets its own graph.
     ``labels_shifted``: the labels are already shifted by one (context parallelism), so
     they are passed to the model as ``shift_labels`` too and its loss does not shift them.
@@ -87,16 +83,14 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
     positions only (0: all), as ``generate``'s prefill needs. ``unpadded``: the attention mask given holds
     no padding (all ones, checked per call), so attention is plain causal as without one (``causal_mask.py``).
     """
-    output_names = ("loss", "logits") if "labels" in input_names else ("logits",)
     guards_log = logging.getLogger("torch._guards")
     level = guards_log.level
     # Dynamo logs a failed attempt's frames at error level: a retry below is what counts
     guards_log.setLevel(logging.CRITICAL)
     try:
-        return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length,
-                        logits_to_keep, unpadded, (0, 1))
+        return _capture(model, spec, device, (0, 1))
     except CaptureError as err:
-        fixed = _fixed_dim(str(err), shape, cache_length)
+        fixed = _fixed_dim(str(err), spec.shape, spec.cache_length)
         if fixed is None:
             raise
     finally:
@@ -104,9 +98,8 @@ def capture(model, input_names: tuple[str, ...], *, shape=(EXAMPLE_BATCH, EXAMPL
     # the model's code fixes a size (a cache's batch; a loop over the tokens, RWKV / RecurrentGemma / CPM-Ant):
     # Dynamo cannot keep it symbolic, so that size gets a graph of its own
     log.info("%s: its code fixes the %s; capturing for %d", type(model).__name__, ("batch", "sequence length")[fixed],
-             shape[fixed])
-    return _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length, logits_to_keep,
-                    unpadded, tuple(d for d in (0, 1) if d != fixed))
+             spec.shape[fixed])
+    return _capture(model, spec, device, tuple(d for d in (0, 1) if d != fixed))
 
 
 def _fixed_dim(message: str, shape, cache_length):
@@ -121,8 +114,9 @@ def _fixed_dim(message: str, shape, cache_length):
     return None
 
 
-def _capture(model, input_names, output_names, shape, device, labels_shifted, cache_length, logits_to_keep,
-             unpadded: bool, dynamic_dims: tuple) -> CapturedGraph:
+def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGraph:
+    input_names, shape, cache_length = spec.arguments, spec.shape, spec.cache_length
+
     def dynamic(t, dim):
         if dim > 1 or dim in dynamic_dims:
             torch._dynamo.mark_dynamic(t, dim)
@@ -166,9 +160,8 @@ def _capture(model, input_names, output_names, shape, device, labels_shifted, ca
 
         return run_on_meta
 
-    unpadded = unpadded and cache is None and "attention_mask" in input_names
-    fn = _forward_fn(model, input_names, output_names, labels_shifted and "labels" in input_names, cache,
-                     logits_to_keep, unpadded)
+    unpadded = spec.unpadded and cache is None and "attention_mask" in input_names
+    fn = _forward_fn(model, spec, cache, unpadded)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
     # a model with dropout is captured in training mode (its dropout sites with their rates), except for
     # generation, which runs in eval semantics (capture/dropout.py)
@@ -204,7 +197,7 @@ def _capture(model, input_names, output_names, shape, device, labels_shifted, ca
     gm, example_inputs = seen[0]
     if training:
         check_training_graph(gm, type(model).__name__)
-    return _bind(gm, example_inputs, model, example, output_names, set(state))
+    return _bind(gm, example_inputs, model, example, spec.outputs, set(state))
 
 
 class _RunOnMeta(Exception):

@@ -66,7 +66,7 @@ def signature(layer: nn.Module) -> tuple:
     return tuple(parts), tuple(tensors)
 
 
-def capture_layers_once(model: nn.Module, input_names, capture_fn, **capture_kwargs) -> Optional[CapturedGraph]:
+def capture_layers_once(model: nn.Module, spec, capture_fn) -> Optional[CapturedGraph]:
     """The graph of ``model`` captured with ``CAPTURED`` decoder layers and repeated to all of them
     (its ``few_layers`` is the short graph), or None where the layers are not alike or the short
     graph does not repeat (then capture the model whole)."""
@@ -80,7 +80,7 @@ def capture_layers_once(model: nn.Module, input_names, capture_fn, **capture_kwa
     parent = model.get_submodule(".".join(parents)) if parents else model
     parent._modules[leaf] = nn.ModuleList(list(layers)[:CAPTURED])
     try:
-        short = capture_fn(model, input_names, **capture_kwargs)
+        short = capture_fn(model, spec)
     except Exception:  # noqa: BLE001 - e.g. code that counts layers by the config: capture the model whole
         return None
     finally:

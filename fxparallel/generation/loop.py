@@ -100,12 +100,13 @@ def _compiled_steps_cache(model, length: int, batch: int) -> ParallelCache:
     (Inference mode is part of the key: a cache made under it holds inference tensors, which cannot be
     written outside it. A cast of the model drops the kept cache: ``hf_methods.py``.)"""
     key = (length, batch, torch.is_inference_mode_enabled())
-    if model._generation_cache is not None and model._generation_cache[0] == key:
-        cache = model._generation_cache[1]
+    graphs = model._graph_set
+    if graphs.kept_cache is not None and graphs.kept_cache[0] == key:
+        cache = graphs.kept_cache[1]
         cache.reset()
         return cache
     cache = ParallelCache(length)
-    object.__setattr__(model, "_generation_cache", (key, cache))
+    graphs.kept_cache = (key, cache)
     return cache
 
 

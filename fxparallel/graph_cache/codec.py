@@ -19,13 +19,14 @@ import sympy
 import torch
 from torch.fx.graph_module import _forward_from_src
 
-from ..module import LocalGraph
+from ..capture.spec import GraphSpec
+from ..ops.local_graph import LocalGraph
 from ..plan.placement import Placement
 from ..plan.plan import ShardingPlan
 from ..rewrite.layer_units import LayerPieces, new_piece_key
 from .generated_code import check_generated_code
 
-FORMAT = 2
+FORMAT = 3
 
 
 class Uncacheable(Exception):
@@ -194,14 +195,11 @@ def encode(planned: PlannedGraph) -> dict:
             raise Uncacheable("the piece key does not appear once per layer call in the root code")
     return {
         "format": FORMAT,
-        "arguments": list(local.arguments),
+        "spec": local.spec.to_dict(),
         "outputs": list(local.outputs),
         "output_placements": {k: _placement(v) for k, v in local.output_placements.items()},
         "output_sizes": {k: (list(v) if v is not None else None) for k, v in local.output_sizes.items()},
         "state": {k: [list(full), list(loc), str(dtype)] for k, (full, loc, dtype) in local.state.items()},
-        "cache_length": local.cache_length,
-        "logits_to_keep": local.logits_to_keep,
-        "unpadded": local.unpadded,
         "guards": _encode_guards(local.guards),
         "code": _encode_code(local.forward, local.pieces.root if local.pieces is not None else local.code),
         "pieces": pieces,
@@ -226,11 +224,11 @@ def decode(d: dict) -> PlannedGraph:
     if pieces is not None:
         code = pieces.full_code()
     local = LocalGraph(
-        arguments=tuple(d["arguments"]), forward=forward, outputs=tuple(d["outputs"]),
+        spec=GraphSpec.from_dict(d["spec"]), forward=forward, outputs=tuple(d["outputs"]),
         output_placements={k: _parse(v) for k, v in d["output_placements"].items()},
         guards=_decode_guards(d["guards"]), attributes={}, code=code,
         output_sizes={k: (tuple(v) if v is not None else None) for k, v in d["output_sizes"].items()},
         state={k: (tuple(full), tuple(loc), _dtype(dtype)) for k, (full, loc, dtype) in d["state"].items()},
-        cache_length=d["cache_length"], logits_to_keep=d["logits_to_keep"], unpadded=d["unpadded"], pieces=pieces)
+        pieces=pieces)
     plan = ShardingPlan.from_dict(d["plan"]) if d["plan"] is not None else None
     return PlannedGraph(local, {k: _parse(v) for k, v in d["params"].items()}, plan, tuple(d["warnings"]))

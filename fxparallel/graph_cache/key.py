@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-import fxparallel
+from ..version import __version__
 
 # config fields that name where the config came from, not what the model computes
 _PROVENANCE = ("_name_or_path", "transformers_version", "_commit_hash")
@@ -26,7 +26,7 @@ _HIDDEN = ("_attn_implementation", "_experts_implementation")
 @functools.lru_cache(maxsize=None)
 def source_digest() -> str:
     """sha256 of fxparallel's own source: a change to any pass makes every cached graph stale."""
-    root = os.path.dirname(os.path.abspath(fxparallel.__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the fxparallel package
     h = hashlib.sha256()
     for folder, dirs, files in sorted(os.walk(root)):
         dirs.sort()
@@ -43,7 +43,7 @@ def _versions() -> dict:
     import transformers
 
     return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-            "fxparallel": getattr(fxparallel, "__version__", "?"), "fxparallel_source": source_digest()}
+            "fxparallel": __version__, "fxparallel_source": source_digest()}
 
 
 def _config(config) -> dict:
@@ -105,14 +105,10 @@ def model_code_digest(meta) -> str:
     return h.hexdigest()
 
 
-def _group(group) -> Optional[list]:
-    return None if group is None else [group.size, group.rank, group.handle]
-
-
-def graph_key(meta, arguments, group, device, *, shape, fixed, cp, sequence_parallel, skip_passes, cache_length,
-              logits_to_keep, unpadded, dtype, report: bool) -> Optional[dict]:
-    """The key of one graph, or None when it cannot be cached: a model class outside transformers
-    (remote code, or the caller's own class), whose source the key cannot see."""
+def graph_key(meta, spec, group, device, dtype, options, report: bool) -> Optional[dict]:
+    """The key of one graph (``spec``: what it computes, ``options``: how it is planned), or None when it
+    cannot be cached: a model class outside transformers (remote code, or the caller's own class), whose
+    source the key cannot see."""
     cls = type(meta)
     if not cls.__module__.startswith("transformers."):
         return None
@@ -123,16 +119,9 @@ def graph_key(meta, arguments, group, device, *, shape, fixed, cp, sequence_para
         "config": _config(meta.config),
         "dtype": str(dtype),
         "device": str(torch.device(device)),
-        "tp": _group(group),
-        "cp": _group(cp),
-        "arguments": list(arguments),
-        "shape": [int(s) for s in shape],
-        "fixed": {name: repr(p) for name, p in sorted((fixed or {}).items())},
-        "sequence_parallel": bool(sequence_parallel),
-        "skip_passes": sorted(skip_passes),
-        "cache_length": cache_length,
-        "logits_to_keep": logits_to_keep,
-        "unpadded": bool(unpadded),
+        "tp": [group.size, group.rank, group.handle],
+        "graph": spec.to_dict(),
+        "options": options.to_dict(),
         "report": report,
     }
 

@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..capture.dynamo import EXAMPLE_BATCH, EXAMPLE_SEQ
+from ..capture.spec import EXAMPLE_BATCH, EXAMPLE_SEQ
 from ..capture.graph import CapturedGraph
 from .grad_reduction import reduction_point
 from .op_traits import SHAPE_QUERIES, op_name

@@ -1,0 +1,59 @@
+"""What one graph computes, as one frozen object: the capture's input, the graph cache's key and the
+module's identity of its graphs. An option that changes the captured code is a field here, and only here."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+# Example sizes at capture: small primes that no model dimension is likely to equal,
+# so that Dynamo never confuses the batch or sequence with a weight dimension.
+EXAMPLE_BATCH = 3
+EXAMPLE_SEQ = 13
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """``arguments``: the forward's tensor arguments the graph takes (input_ids, attention_mask, ...).
+    ``shape``: the example [batch, sequence] captured; sizes above 1 are dynamic (capture/dynamo.py).
+    ``labels_shifted``: labels arrive shifted by one (context parallelism: the loss takes them as given).
+    ``cache_length``: a generation graph with a static KV cache of that many tokens (capture/cache.py).
+    ``logits_to_keep``: the logits of the last that many positions only (0: all; generate's prefill keeps 1).
+    ``unpadded``: for calls whose attention mask holds no padding (capture/causal_mask.py)."""
+
+    arguments: tuple
+    shape: tuple = (EXAMPLE_BATCH, EXAMPLE_SEQ)
+    labels_shifted: bool = False
+    cache_length: Optional[int] = None
+    logits_to_keep: int = 0
+    unpadded: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "arguments", tuple(self.arguments))
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+
+    @property
+    def outputs(self) -> tuple:
+        return ("loss", "logits") if "labels" in self.arguments else ("logits",)
+
+    @property
+    def identity(self) -> tuple:
+        """What tells two graphs apart apart from the shapes their guards take: a call is served by a graph
+        of the same identity whose guards hold for its shapes."""
+        return (tuple(sorted(self.arguments)), self.labels_shifted, self.cache_length, self.logits_to_keep,
+                self.unpadded)
+
+    def at(self, shape) -> "GraphSpec":
+        return dataclasses.replace(self, shape=tuple(shape))
+
+    def without_labels(self) -> "GraphSpec":
+        return dataclasses.replace(self, arguments=tuple(a for a in self.arguments if a != "labels"))
+
+    def to_dict(self) -> dict:
+        """Plain JSON data (the graph cache's key and entries)."""
+        return {"arguments": list(self.arguments), "shape": list(self.shape), "labels_shifted": self.labels_shifted,
+                "cache_length": self.cache_length, "logits_to_keep": self.logits_to_keep, "unpadded": self.unpadded}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GraphSpec":
+        return cls(**d)

@@ -1,0 +1,70 @@
+"""The graphs of one parallel module, held by one object: looked up per call (a shape seen before costs a
+dictionary lookup), added when the factory captures a new one, compiled per ``CompileConfig``, and dropped
+all together when the module is cast to another dtype (the captured code bakes its dtype in)."""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Optional
+
+import torch
+
+from .capture.spec import GraphSpec
+from .ops.local_graph import LocalGraph
+
+
+class GraphSet:
+    def __init__(self, factory: Callable[[GraphSpec], LocalGraph]):
+        self.factory = factory  # spec -> LocalGraph: captures, plans and rewrites a new graph (api.GraphFactory)
+        self._graphs: list = []
+        self._by_shapes: dict = {}  # (identity, argument names, shapes) -> graph: no guard evaluated per call
+        self._compiled: list = []  # (compile config, graph, compiled code)
+        self.last: Optional[LocalGraph] = None  # the graph of the last call (its output sizes)
+        self.kept_cache = None  # (key, ParallelCache): a compiled generate's cache, reused (generation/loop.py)
+
+    def __iter__(self):
+        return iter(list(self._graphs))
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def add(self, graph: LocalGraph, shapes: Optional[dict] = None) -> None:
+        """Keep ``graph``; ``shapes``: the call's it was captured for (then found without its guards)."""
+        self._graphs.append(graph)
+        if shapes is not None:
+            self._by_shapes[self._key(graph.spec, shapes)] = graph
+
+    @staticmethod
+    def _key(spec: GraphSpec, shapes: dict) -> tuple:
+        names = tuple(sorted(shapes))
+        return spec.identity, names, tuple(shapes[n] for n in names)
+
+    def with_cache_length(self, length: int) -> Optional[LocalGraph]:
+        return next((g for g in self._graphs if g.cache_length == length), None)
+
+    def find(self, spec: GraphSpec, shapes: dict) -> Optional[LocalGraph]:
+        """The graph of ``spec``'s identity whose guards hold for ``shapes`` (argument name -> shape), or None."""
+        key = self._key(spec, shapes)
+        graph = self._by_shapes.get(key)
+        if graph is None:
+            graph = next((g for g in self._graphs if g.spec.identity == spec.identity and g.guards.holds_for(shapes)),
+                         None)
+            if graph is not None:
+                self._by_shapes[key] = graph
+        return graph
+
+    def compiled(self, graph: LocalGraph, compile_config) -> Callable:
+        """``graph``'s code under ``torch.compile`` with ``compile_config``'s options (compiled on its first call).
+        Found by comparing configs (a dataclass), as transformers does: no copy of the options per decode step."""
+        for config, compiled_graph, code in self._compiled:
+            if compiled_graph is graph and config == compile_config:
+                return code
+        code = torch.compile(graph.forward, **compile_config.to_dict())
+        self._compiled.append((copy.deepcopy(compile_config), graph, code))  # (the caller's may change later)
+        return code
+
+    def drop(self, factory: Callable[[GraphSpec], LocalGraph]) -> None:
+        """Forget every graph, its compiled code and the kept cache; new graphs come from ``factory``."""
+        self._graphs.clear()
+        self._by_shapes.clear()
+        self._compiled.clear()
+        self.last, self.kept_cache, self.factory = None, None, factory

@@ -1,0 +1,22 @@
+"""What the parallel module needs to know of the Hugging Face model besides its shards and graphs, read
+once from the meta model by ``parallelize`` (api.py) and handed to the module whole."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    sequence_parallel: bool = False  # sequences of every call must then divide by tp
+    # token ids index this many embedding rows, labels this many logits (None: unchecked)
+    vocab_rows: Optional[int] = None
+    label_classes: Optional[int] = None
+    position_limit: Optional[int] = None  # rows of a learned position table: longest generation
+    takes_position_ids: bool = True  # the model's forward has position_ids (else: positions from its cache)
+    takes_logits_to_keep: bool = False  # the model's forward has logits_to_keep (generate's prefill keeps 1)
+    sliding_window: Optional[int] = None  # smallest sliding attention window: longest generation
+    generation_config: object = None  # the checkpoint's GenerationConfig, as transformers loads it
+    embedding_modules: dict = field(default_factory=dict)  # "input"/"output" -> (module path, class, bias)
+    embedding_weights: tuple = ()  # the nn.Embedding tables' weights
+    dropout_rates: dict = field(default_factory=dict)  # the model's dropout rates above 0: masks in train()
