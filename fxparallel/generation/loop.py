@@ -10,20 +10,136 @@ changes: the next token is chosen from vocab-sharded logits (``select.py``), eve
 same tokens (the arguments are checked equal on every rank first, sampling draws from a generator
 seeded alike on every rank), and two graphs (prefill, decode) are captured per cache length, not
 per token or prompt length.
+
+The call in phases: validate (``_validated``: this rank's checks, the ranks' exchange, the lengths), prepare
+(``_prepared``: transformers' processors and criteria, the sampling generator, the cache), then the loop
+(``_decode``), one ``_step`` (a forward through the graphs, the cache written) and one ``_select`` (the next
+token) per token. transformers' private helpers are called through ``transformers_private.py`` only.
 """
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..errors import InputError
 from ..inputs import ranks_named
+from . import transformers_private as hf_private
 from .cache import ParallelCache, cache_length
 from .select import full_scores, top_k_candidates, vocab_parallel_argmax
 
 SUPPORTED_MODES = ("greedy_search", "sample")
+
+
+@dataclass
+class _Request:
+    """One call's arguments, checked and agreed on by every rank (``_validated``)."""
+    config: Any  # transformers' GenerationConfig: this call's copy, completed (special tokens, max / min length)
+    input_ids: torch.Tensor  # [rows, prompt] on the model's device: a row per sequence returned
+    mask: torch.Tensor  # the attention mask, long, shaped as input_ids
+    logits_processor: Any  # the caller's (None: none given)
+    stopping_criteria: Any  # the caller's (None: none given)
+    tokenizer: Any  # for stop_strings
+
+
+@dataclass
+class _Decoding:
+    """One generation's state (``_prepared``), as the loop advances it."""
+    config: Any
+    processors: Any  # transformers' LogitsProcessorList, the caller's merged in
+    criteria: Any  # transformers' StoppingCriteriaList, the caller's merged in
+    generator: Optional[torch.Generator]  # sampling: seeded alike on every rank; greedy: None
+    compile_config: Any  # the decode steps' (None: eager)
+    cache: ParallelCache
+    full_mask: torch.Tensor  # [rows, cache length]: the prompt's mask, then a 1 for each slot written
+    positions: torch.Tensor  # the prompt's position ids
+    pad: int  # the token appended to the rows that have stopped
+    unfinished: torch.Tensor  # [rows] bool
+    sequences: torch.Tensor  # [rows, tokens so far]: the prompt, then the chosen tokens
+    streamer: Any  # the caller's on tp rank 0 (one rank streams), None elsewhere
+    scores_seen: list = field(default_factory=list)  # output_scores: each step's processed scores
+
+
+def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_config=None, streamer=None,
+             logits_processor=None, stopping_criteria=None, **kwargs):
+    """transformers' generate, greedy search and sampling, on the parallel model (see the module docstring):
+    validate, prepare, then decode."""
+    tokenizer = kwargs.pop("tokenizer", None)  # transformers' argument for stop_strings (pipelines pass it)
+    request = _validated(model, input_ids, attention_mask, generation_config, logits_processor, stopping_criteria,
+                         tokenizer, kwargs)
+    decoding = _prepared(model, request, streamer)
+    _decode(model, decoding)
+    return _result(decoding)
+
+
+# ---- validate: refusals before the seed broadcast, the cache and any forward --------------------------------
+def _validated(model, input_ids, attention_mask, generation_config, logits_processor, stopping_criteria, tokenizer,
+               kwargs) -> _Request:
+    """The call checked on this rank and agreed on by every rank (``_agreed``), its config completed for the
+    prompt (special tokens, max / min length), and the lengths that do not fit refused."""
+    config, input_ids, mask, user_max_length = _agreed(model, input_ids, attention_mask, generation_config,
+                                                       logits_processor, stopping_criteria, kwargs)
+    if (config.num_return_sequences or 1) > 1:  # sampling: each prompt's rows drawn independently, as in transformers
+        input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
+        mask = mask.repeat_interleave(config.num_return_sequences, dim=0)
+    prompt = input_ids.shape[1]
+    hf_private.prepare_special_tokens(model, config, attention_mask is not None, model.device_)
+    _set_lengths(config, prompt, user_max_length)
+    _refuse_no_room(model, config.max_length, prompt)
+    return _Request(config, input_ids, mask, logits_processor, stopping_criteria, tokenizer)
+
+
+def _agreed(model, input_ids, attention_mask, generation_config, logits_processor, stopping_criteria, kwargs):
+    """(config, input_ids, mask, the max_length the caller gave): ``_checked_arguments``, once every rank has
+    compared its arguments. This rank's own checks raise only in the exchange (every rank raises then), so that
+    an argument given to one rank only never leaves the others waiting."""
+    refused, text = None, ""
+    try:
+        config, input_ids, mask, user_max_length = _checked_arguments(model, input_ids, attention_mask,
+                                                                      generation_config, kwargs)
+        # the processors and criteria given are compared by class (their own reprs hold addresses)
+        given = [type(p).__qualname__ for p in (logits_processor or [])] + ["|"] + [
+            type(c).__qualname__ for c in (stopping_criteria or [])]
+        text = _described(config) + str(given) + str(input_ids.tolist()) + str(mask.tolist())
+    except Exception as err:  # noqa: BLE001 - raised in the exchange, after the other ranks have heard of it
+        refused = err
+    _same_on_every_rank(model, "prompts or generation arguments", text, refused)
+    return config, input_ids, mask, user_max_length
+
+
+def _checked_arguments(model, input_ids, attention_mask, generation_config, kwargs):
+    """This rank's generate arguments, checked: (generation config, input_ids and attention mask on the model's
+    device, the max_length the caller gave). Raises what is refused (a mode, an argument, a shape)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        got = (f"shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else
+               type(input_ids).__name__)
+        raise InputError(f"generate needs input_ids of shape [batch, prompt length], got {got}")
+    if model.cp_group is not None:
+        raise InputError("generate is not supported under context parallelism (cp_group): parallelize without it")
+    user_max_length = kwargs.get("max_length")
+    config, model_kwargs = hf_private.prepare_generation_config(model, generation_config, kwargs)
+    mode = config.get_generation_mode()
+    if str(mode.value if hasattr(mode, "value") else mode) not in SUPPORTED_MODES:
+        raise InputError(f"generate: {mode.value} is not supported on the parallel model (num_beams="
+                         f"{config.num_beams}, num_beam_groups={getattr(config, 'num_beam_groups', 1)}, "
+                         f"penalty_alpha={config.penalty_alpha}); greedy search and sampling are")
+    unknown = sorted(k for k in model_kwargs if k not in ("use_cache",))
+    if unknown:
+        raise InputError(f"generate: unsupported arguments {unknown} (the parallel model takes input_ids, "
+                         f"attention_mask and generation options)")
+    if (config.num_return_sequences or 1) > 1 and not config.do_sample:
+        raise InputError(f"generate: num_return_sequences={config.num_return_sequences} with greedy search, which "
+                         f"returns one sequence per prompt (transformers refuses it too): pass do_sample=True to draw "
+                         f"several")
+    device = model.device_
+    input_ids = input_ids.to(device)
+    mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(device).long()
+    if tuple(mask.shape) != tuple(input_ids.shape):
+        raise InputError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has {tuple(input_ids.shape)}")
+    return config, input_ids, mask, user_max_length
 
 
 def _same_on_every_rank(model, what: str, text: str, refused=None) -> None:
@@ -54,12 +170,6 @@ def _same_on_every_rank(model, what: str, text: str, refused=None) -> None:
                          f"rank must call generate with the same prompts and generation arguments")
 
 
-def _cache_field(output_class) -> str:
-    """The field of a transformers output class that holds the KV cache: ``cache`` from transformers 5.24 on
-    (the old name then logs a deprecation warning), ``past_key_values`` before."""
-    return "cache" if "cache" in output_class.__dataclass_fields__ else "past_key_values"
-
-
 def _described(config) -> str:
     """The generation config as text that is the same on every rank for the same arguments (a function in it,
     e.g. a compile backend, by its name: its address differs between processes)."""
@@ -68,27 +178,90 @@ def _described(config) -> str:
     return json.dumps(config.to_dict(), sort_keys=True, default=lambda o: getattr(o, "__qualname__", type(o).__name__))
 
 
-def _vocab_parallel_top_k(processors, sample: bool, config):
-    """k when sampling needs only each rank's top k: the processors are a top-k warper with, at most,
-    temperature and top-p (transformers' sampling defaults); None otherwise (the row is gathered)."""
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
-
-    if not sample or config.output_scores:
-        return None
-    kinds = [type(p) for p in processors]
-    if TopKLogitsWarper not in kinds or any(k not in (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
-                                            for k in kinds):
-        return None
-    if TopPLogitsWarper in kinds and kinds.index(TopPLogitsWarper) < kinds.index(TopKLogitsWarper):
-        return None  # top-p over the whole row first: it needs the whole row
-    return next(p.top_k for p in processors if isinstance(p, TopKLogitsWarper))
+def _set_lengths(config, prompt: int, user_max_length) -> None:
+    """max_length and min_length in tokens, prompt included, as transformers sets them (20 new tokens by
+    default)."""
+    if config.max_new_tokens is not None:
+        config.max_length = prompt + config.max_new_tokens
+    elif user_max_length is None and config.max_length is None:
+        config.max_length = prompt + 20
+    if config.min_new_tokens is not None:
+        config.min_length = prompt + config.min_new_tokens
 
 
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    """transformers' position ids for left padding: the count of real tokens before each one."""
-    positions = mask.long().cumsum(-1) - 1
-    return positions.masked_fill(mask == 0, 1)
+def _refuse_no_room(model, max_length: int, prompt: int) -> None:
+    """Refuse a max_length with no room after the prompt, or past the model's sliding window or learned
+    positions (the graphs neither roll a cache nor have positions beyond)."""
+    if max_length <= prompt:
+        raise InputError(f"generate: max_length {max_length} leaves no room after the prompt of {prompt} "
+                         f"tokens: raise max_new_tokens / max_length")
+    window = model.sliding_window
+    if window is not None and max_length > window:
+        if prompt >= window:  # no max_new_tokens helps: the prompt must be shorter
+            raise InputError(f"generate: the prompt alone fills the model's sliding attention window: {prompt} "
+                             f"tokens, window {window} tokens, beyond which its cache rolls, and the parallel model's "
+                             f"graphs do not roll it yet, so not one token can be generated; shorten the prompt to "
+                             f"at most {window - 1} tokens (room for {window} tokens in all, prompt included), or "
+                             f"generate with the single-device transformers model, whose cache rolls")
+        raise InputError(f"generate: the prompt ({prompt}) plus new tokens ({max_length} in all) exceed the "
+                         f"model's sliding attention window of {window} tokens, beyond which its cache rolls; the "
+                         f"parallel model's graphs do not roll it yet: lower max_new_tokens to at most "
+                         f"{window - prompt}")
+    limit = model.position_limit
+    if limit is not None and max_length > limit:
+        if prompt >= limit:
+            raise InputError(f"generate: the prompt alone fills the model's learned positions: {prompt} tokens, "
+                             f"{limit} positions (max_position_embeddings), so not one token can be generated; "
+                             f"shorten the prompt to at most {limit - 1} tokens (the model has no position for "
+                             f"more, on one device either)")
+        raise InputError(f"generate: the prompt ({prompt}) plus new tokens reach position {max_length - 1}, "
+                         f"beyond the model's {limit} learned positions (max_position_embeddings): lower "
+                         f"max_new_tokens to at most {limit - prompt}")
+
+
+# ---- prepare ------------------------------------------------------------------------------------------------
+def _prepared(model, request: _Request, streamer) -> _Decoding:
+    """transformers' logits processors and stopping criteria, the sampling generator, the cache and its mask."""
+    from transformers.generation import LogitsProcessorList, StoppingCriteriaList
+
+    config, input_ids, mask = request.config, request.input_ids, request.mask
+    device = model.device_
+    batch, prompt = input_ids.shape
+    processors = hf_private.logits_processors(model, config, prompt, device,
+                                              request.logits_processor or LogitsProcessorList())
+    criteria = hf_private.stopping_criteria(model, config, request.stopping_criteria or StoppingCriteriaList(),
+                                            request.tokenizer)
+    generator = _shared_generator(model) if config.do_sample else None
+    compile_config, cache = _steps_cache(model, config, batch)
+    # the mask spans the cache: slots not written yet are masked, as transformers masks a static cache's
+    # (a causal mask hides them anyway; an encoder used as a decoder, RoBERTa-style, would attend to them)
+    full_mask = torch.cat([mask, mask.new_zeros(batch, cache.length - prompt)], dim=1)
+    return _Decoding(config=config, processors=processors, criteria=criteria, generator=generator,
+                     compile_config=compile_config, cache=cache, full_mask=full_mask, positions=_positions(mask),
+                     pad=config.pad_token_id if config.pad_token_id is not None else 0,
+                     unfinished=torch.ones(batch, dtype=torch.bool, device=device), sequences=input_ids,
+                     streamer=streamer if model.tp_group.rank == 0 else None)
+
+
+def _shared_generator(model) -> torch.Generator:
+    """Sampling's generator, seeded alike on every rank (rank 0's seed, broadcast): the same draws everywhere,
+    without the caller seeding anything."""
+    device = model.device_
+    seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=device)  # the group's device (NCCL: CUDA)
+    if model.tp_group.process_group is not None and model.tp_group.size > 1:
+        dist.broadcast(seed, src=dist.get_global_rank(model.tp_group.process_group, 0),
+                       group=model.tp_group.process_group)
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+def _steps_cache(model, config, batch: int):
+    """(the decode steps' compile_config, the generation's cache). The decode steps (one token per row: the same
+    shapes every step) run compiled where the caller asks (``compile_config``), as transformers compiles its
+    decode forward; the prefill stays eager."""
+    compile_config = None if config.disable_compile else config.compile_config
+    length = cache_length(config.max_length)
+    cache = ParallelCache(length) if compile_config is None else _compiled_steps_cache(model, length, batch)
+    return compile_config, cache
 
 
 def _compiled_steps_cache(model, length: int, batch: int) -> ParallelCache:
@@ -110,169 +283,117 @@ def _compiled_steps_cache(model, length: int, batch: int) -> ParallelCache:
     return cache
 
 
-def _checked_arguments(model, input_ids, attention_mask, generation_config, kwargs):
-    """This rank's generate arguments, checked: (generation config, input_ids and attention mask on the model's
-    device, the max_length the caller gave). Raises what is refused (a mode, an argument, a shape)."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        got = (f"shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else
-               type(input_ids).__name__)
-        raise InputError(f"generate needs input_ids of shape [batch, prompt length], got {got}")
-    if model.cp_group is not None:
-        raise InputError("generate is not supported under context parallelism (cp_group): parallelize without it")
-    user_max_length = kwargs.get("max_length")
-    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
-    mode = config.get_generation_mode()
-    if str(mode.value if hasattr(mode, "value") else mode) not in SUPPORTED_MODES:
-        raise InputError(f"generate: {mode.value} is not supported on the parallel model (num_beams="
-                         f"{config.num_beams}, num_beam_groups={getattr(config, 'num_beam_groups', 1)}, "
-                         f"penalty_alpha={config.penalty_alpha}); greedy search and sampling are")
-    unknown = sorted(k for k in model_kwargs if k not in ("use_cache",))
-    if unknown:
-        raise InputError(f"generate: unsupported arguments {unknown} (the parallel model takes input_ids, "
-                         f"attention_mask and generation options)")
-    if (config.num_return_sequences or 1) > 1 and not config.do_sample:
-        raise InputError(f"generate: num_return_sequences={config.num_return_sequences} with greedy search, which "
-                         f"returns one sequence per prompt (transformers refuses it too): pass do_sample=True to draw "
-                         f"several")
-    device = model.device_
-    input_ids = input_ids.to(device)
-    mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).to(device).long()
-    if tuple(mask.shape) != tuple(input_ids.shape):
-        raise InputError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has {tuple(input_ids.shape)}")
-    return config, input_ids, mask, user_max_length
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """transformers' position ids for left padding: the count of real tokens before each one."""
+    positions = mask.long().cumsum(-1) - 1
+    return positions.masked_fill(mask == 0, 1)
 
 
-def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_config=None, streamer=None,
-             logits_processor=None, stopping_criteria=None, **kwargs):
-    from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorList, StoppingCriteriaList
-
-    # this rank's own checks: an error is raised only after the ranks have compared their arguments (every rank
-    # raises then), so that an argument given to one rank only never leaves the others waiting
-    refused, text = None, ""
-    tokenizer = kwargs.pop("tokenizer", None)  # transformers' argument for stop_strings (pipelines pass it)
-    try:
-        config, input_ids, mask, user_max_length = _checked_arguments(model, input_ids, attention_mask,
-                                                                      generation_config, kwargs)
-        # the processors and criteria given are compared by class (their own reprs hold addresses)
-        given = [type(p).__qualname__ for p in (logits_processor or [])] + ["|"] + [
-            type(c).__qualname__ for c in (stopping_criteria or [])]
-        text = _described(config) + str(given) + str(input_ids.tolist()) + str(mask.tolist())
-    except Exception as err:  # noqa: BLE001 - raised in the exchange, after the other ranks have heard of it
-        refused = err
-    _same_on_every_rank(model, "prompts or generation arguments", text, refused)
-    device = model.device_
-    if (config.num_return_sequences or 1) > 1:  # sampling: each prompt's rows drawn independently, as in transformers
-        input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
-        mask = mask.repeat_interleave(config.num_return_sequences, dim=0)
-    batch, prompt = input_ids.shape
-    model._prepare_special_tokens(config, attention_mask is not None, device=device)
-    if config.max_new_tokens is not None:
-        config.max_length = prompt + config.max_new_tokens
-    elif user_max_length is None and config.max_length is None:
-        config.max_length = prompt + 20
-    if config.min_new_tokens is not None:
-        config.min_length = prompt + config.min_new_tokens
-    if config.max_length <= prompt:
-        raise InputError(f"generate: max_length {config.max_length} leaves no room after the prompt of {prompt} "
-                         f"tokens: raise max_new_tokens / max_length")
-    window = model.sliding_window
-    if window is not None and config.max_length > window:
-        if prompt >= window:  # no max_new_tokens helps: the prompt must be shorter
-            raise InputError(f"generate: the prompt alone fills the model's sliding attention window: {prompt} "
-                             f"tokens, window {window} tokens, beyond which its cache rolls, and the parallel model's "
-                             f"graphs do not roll it yet, so not one token can be generated; shorten the prompt to "
-                             f"at most {window - 1} tokens (room for {window} tokens in all, prompt included), or "
-                             f"generate with the single-device transformers model, whose cache rolls")
-        raise InputError(f"generate: the prompt ({prompt}) plus new tokens ({config.max_length} in all) exceed the "
-                         f"model's sliding attention window of {window} tokens, beyond which its cache rolls; the "
-                         f"parallel model's graphs do not roll it yet: lower max_new_tokens to at most "
-                         f"{window - prompt}")
-    limit = model.position_limit
-    if limit is not None and config.max_length > limit:
-        if prompt >= limit:
-            raise InputError(f"generate: the prompt alone fills the model's learned positions: {prompt} tokens, "
-                             f"{limit} positions (max_position_embeddings), so not one token can be generated; "
-                             f"shorten the prompt to at most {limit - 1} tokens (the model has no position for "
-                             f"more, on one device either)")
-        raise InputError(f"generate: the prompt ({prompt}) plus new tokens reach position {config.max_length - 1}, "
-                         f"beyond the model's {limit} learned positions (max_position_embeddings): lower "
-                         f"max_new_tokens to at most {limit - prompt}")
-
-    processors = model._get_logits_processor(config, input_ids_seq_length=prompt, device=device,
-                                             logits_processor=logits_processor or LogitsProcessorList(),
-                                             model_kwargs={})
-    criteria = model._get_stopping_criteria(config, stopping_criteria or StoppingCriteriaList(), tokenizer=tokenizer)
-    sample = config.do_sample
-    generator = None
-    if sample:  # one seed for every rank: the same draws everywhere
-        seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=device)  # the group's device (NCCL: CUDA)
-        if model.tp_group.process_group is not None and model.tp_group.size > 1:
-            dist.broadcast(seed, src=dist.get_global_rank(model.tp_group.process_group, 0),
-                           group=model.tp_group.process_group)
-        generator = torch.Generator(device=device).manual_seed(int(seed))
-
-    # decode steps (one token per row: the same shapes every step) run compiled where the caller asks
-    # (``compile_config``), as transformers compiles its decode forward; the prefill stays eager
-    compile_config = None if config.disable_compile else config.compile_config
-    length = cache_length(config.max_length)
-    cache = ParallelCache(length) if compile_config is None else _compiled_steps_cache(model, length, batch)
-    # the mask spans the cache: slots not written yet are masked, as transformers masks a static cache's
-    # (a causal mask hides them anyway; an encoder used as a decoder, RoBERTa-style, would attend to them)
-    full_mask = torch.cat([mask, mask.new_zeros(batch, cache.length - prompt)], dim=1)
-    positions = _positions(mask)
-    pad = config.pad_token_id if config.pad_token_id is not None else 0
-    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-    sequences, scores_seen = input_ids, []
-    first_rank = model.tp_group.rank == 0
-    if streamer is not None and first_rank:
-        streamer.put(input_ids.cpu())
-    step_ids, step_positions = input_ids, positions
+# ---- the loop: a step and a selection per token -------------------------------------------------------------
+def _decode(model, decoding: _Decoding) -> None:
+    """The prompt's step (prefill), then one step per token, each followed by the selection of the next token,
+    until the stopping criteria have stopped every row."""
+    if decoding.streamer is not None:
+        decoding.streamer.put(decoding.sequences.cpu())
+    step_ids, step_positions = decoding.sequences, decoding.positions
     with torch.no_grad():
         while True:
-            # a model without position_ids (BART's decoder, BLOOM's ALiBi) counts positions in its cache, as in
-            # transformers' generate
-            given = {"position_ids": step_positions} if model.takes_position_ids else {}
-            prefill = step_ids.shape[1] > 1
-            if prefill and model.takes_logits_to_keep:  # the last position's logits only, as transformers' prefill
-                given["logits_to_keep"] = 1
-            out = model.forward(input_ids=step_ids, attention_mask=full_mask, past_key_values=cache, use_cache=True,
-                                gather_logits=False, check_inputs=False,
-                                compile_config=None if prefill else compile_config, **given)
-            local = out.local_logits if out.local_logits is not None else out.logits
-            # a copy: under CUDA graphs the logits are the graph's output buffer, which the next step overwrites
-            # (and output_scores keeps them)
-            local = local[:, -1, :].to(torch.float32, copy=True)
-            start = out.vocab_range[0] if out.vocab_range is not None else 0
-            top_k = _vocab_parallel_top_k(processors, sample, config)
-            if top_k is not None:
-                scores, ids = top_k_candidates(local, start, top_k, model.tp_group)
-                probs = torch.softmax(processors(sequences, scores), dim=-1)
-                chosen = ids.gather(1, torch.multinomial(probs, 1, generator=generator)).squeeze(1)
-            elif len(processors) or sample or config.output_scores:
-                sizes = model.output_sizes("logits")
-                scores = processors(sequences, full_scores(local, sizes, model.tp_group))
-                if config.output_scores:
-                    scores_seen.append(scores)
-                if sample:
-                    probs = torch.softmax(scores, dim=-1)
-                    chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-                else:
-                    chosen = scores.argmax(dim=-1)
-            else:
-                chosen = vocab_parallel_argmax(local, start, model.tp_group)
-            chosen = torch.where(unfinished, chosen, torch.full_like(chosen, pad))
-            sequences = torch.cat([sequences, chosen[:, None]], dim=1)
-            if streamer is not None and first_rank:
-                streamer.put(chosen.cpu())
-            unfinished &= ~criteria(sequences, None)
-            if not bool(unfinished.any()):
+            local, start = _step(model, decoding, step_ids, step_positions)
+            chosen = _appended(decoding, _select(model, decoding, local, start))
+            if not bool(decoding.unfinished.any()):
                 break
             step_ids = chosen[:, None]
-            full_mask[:, sequences.shape[1] - 1] = 1  # the slot the next step writes: the chosen token's
+            # the slot the next step writes: the chosen token's
+            decoding.full_mask[:, decoding.sequences.shape[1] - 1] = 1
             step_positions = step_positions[:, -1:] + 1
-    if streamer is not None and first_rank:
-        streamer.end()
+    if decoding.streamer is not None:
+        decoding.streamer.end()
+
+
+def _step(model, decoding: _Decoding, step_ids: torch.Tensor, step_positions: torch.Tensor):
+    """One forward through the captured graphs, writing the cache: (this rank's vocabulary slice of the last
+    position's logits [rows, local vocab], float32, the first vocabulary id of the slice)."""
+    # a model without position_ids (BART's decoder, BLOOM's ALiBi) counts positions in its cache, as in
+    # transformers' generate
+    given = {"position_ids": step_positions} if model.takes_position_ids else {}
+    prefill = step_ids.shape[1] > 1
+    if prefill and model.takes_logits_to_keep:  # the last position's logits only, as transformers' prefill
+        given["logits_to_keep"] = 1
+    out = model.forward(input_ids=step_ids, attention_mask=decoding.full_mask, past_key_values=decoding.cache,
+                        use_cache=True, gather_logits=False, check_inputs=False,
+                        compile_config=None if prefill else decoding.compile_config, **given)
+    local = out.local_logits if out.local_logits is not None else out.logits
+    # a copy: under CUDA graphs the logits are the graph's output buffer, which the next step overwrites
+    # (and output_scores keeps them)
+    local = local[:, -1, :].to(torch.float32, copy=True)
+    start = out.vocab_range[0] if out.vocab_range is not None else 0
+    return local, start
+
+
+def _select(model, decoding: _Decoding, local: torch.Tensor, start: int) -> torch.Tensor:
+    """Each row's next token ([rows] global ids) from the vocab-sharded logits: from each rank's top k where
+    sampling needs no more, from the whole row where transformers' processors, sampling or output_scores need it
+    (output_scores: the processed scores kept), else greedy without a gather."""
+    processors, sequences, config = decoding.processors, decoding.sequences, decoding.config
+    sample = config.do_sample
+    top_k = _vocab_parallel_top_k(processors, sample, config)
+    if top_k is not None:
+        scores, ids = top_k_candidates(local, start, top_k, model.tp_group)
+        probs = torch.softmax(processors(sequences, scores), dim=-1)
+        return ids.gather(1, torch.multinomial(probs, 1, generator=decoding.generator)).squeeze(1)
+    if len(processors) or sample or config.output_scores:
+        sizes = model.output_sizes("logits")
+        scores = processors(sequences, full_scores(local, sizes, model.tp_group))
+        if config.output_scores:
+            decoding.scores_seen.append(scores)
+        if sample:
+            probs = torch.softmax(scores, dim=-1)
+            return torch.multinomial(probs, 1, generator=decoding.generator).squeeze(1)
+        return scores.argmax(dim=-1)
+    return vocab_parallel_argmax(local, start, model.tp_group)
+
+
+def _vocab_parallel_top_k(processors, sample: bool, config):
+    """k when sampling needs only each rank's top k: the processors are a top-k warper with, at most,
+    temperature and top-p (transformers' sampling defaults); None otherwise (the row is gathered)."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    if not sample or config.output_scores:
+        return None
+    kinds = [type(p) for p in processors]
+    if TopKLogitsWarper not in kinds or any(k not in (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+                                            for k in kinds):
+        return None
+    if TopPLogitsWarper in kinds and kinds.index(TopPLogitsWarper) < kinds.index(TopKLogitsWarper):
+        return None  # top-p over the whole row first: it needs the whole row
+    return next(p.top_k for p in processors if isinstance(p, TopKLogitsWarper))
+
+
+def _appended(decoding: _Decoding, chosen: torch.Tensor) -> torch.Tensor:
+    """The chosen tokens appended to the sequences (the pad token in rows that had stopped) and streamed, and
+    the rows the stopping criteria stop now marked finished; returns the tokens appended."""
+    chosen = torch.where(decoding.unfinished, chosen, torch.full_like(chosen, decoding.pad))
+    decoding.sequences = torch.cat([decoding.sequences, chosen[:, None]], dim=1)
+    if decoding.streamer is not None:
+        decoding.streamer.put(chosen.cpu())
+    decoding.unfinished &= ~decoding.criteria(decoding.sequences, None)
+    return chosen
+
+
+def _result(decoding: _Decoding):
+    """The sequences, or transformers' output class (return_dict_in_generate) with the scores and the cache."""
+    from transformers.generation import GenerateDecoderOnlyOutput
+
+    config = decoding.config
     if config.return_dict_in_generate:
-        return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(scores_seen) if config.output_scores
-                                         else None, **{_cache_field(GenerateDecoderOnlyOutput): cache})
-    return sequences
+        return GenerateDecoderOnlyOutput(sequences=decoding.sequences, scores=tuple(decoding.scores_seen)
+                                         if config.output_scores else None,
+                                         **{_cache_field(GenerateDecoderOnlyOutput): decoding.cache})
+    return decoding.sequences
+
+
+def _cache_field(output_class) -> str:
+    """The field of a transformers output class that holds the KV cache: ``cache`` from transformers 5.24 on
+    (the old name then logs a deprecation warning), ``past_key_values`` before."""
+    return "cache" if "cache" in output_class.__dataclass_fields__ else "past_key_values"
