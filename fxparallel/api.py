@@ -46,7 +46,8 @@ from .plan.solver import check_layer_symmetry, solve
 from .plan.validate import check_splittable
 from .plan_agreement import check_plans_agree
 from .report import build_plan
-from .rewrite import PassContext, context_parallel, context_parallel_checks, run_passes
+from .ops.context_parallel_attention import resolve_cp_group
+from .rewrite import PassContext, context_parallel_checks, run_passes
 
 log = logging.getLogger("fxparallel")
 
@@ -338,7 +339,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     ``tp_group``: ProcessGroup or 1-D DeviceMesh.
     ``cp_group``: optional context-parallel ProcessGroup or 1-D DeviceMesh (size > 1: each
     rank then takes its load-balanced chunks of every sequence and labels already
-    shifted; see ``fxparallel/rewrite/context_parallel.py``).
+    shifted; see ``fxparallel/ops/context_parallel_attention.py``).
     Returns an nn.Module holding this rank's shards under the Hugging Face names,
     whose forward matches the single-device model; ``.plan`` is the ShardingPlan.
     ``sequence_parallel``: keep activations outside attention and MLP sharded along the
@@ -355,7 +356,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     timings = {}
     t0 = time.perf_counter()
     group = resolve_tp_group(tp_group)
-    cp = context_parallel.resolve_cp_group(cp_group)
+    cp = resolve_cp_group(cp_group)
     if cp is not None and sequence_parallel and group.size > 1:
         raise NotImplementedError("sequence_parallel together with context parallelism (cp_group) is not supported: "
                                   "use one of them")

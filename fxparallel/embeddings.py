@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rewrite import collectives
+from .ops import collectives
 
 
 class ShardView(nn.Module):

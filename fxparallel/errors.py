@@ -33,5 +33,9 @@ class ArgumentError(FxParallelError, ValueError):
     """An argument has a value fxparallel does not accept (e.g. an unknown dtype)."""
 
 
+class ContextParallelError(FxParallelError):
+    """The model or the input cannot run with context parallelism."""
+
+
 class RankTimeoutError(GroupError, TimeoutError):
     """A rank of the group did not reach an agreement point within the wait (FXPARALLEL_AGREE_TIMEOUT)."""

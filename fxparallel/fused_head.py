@@ -113,7 +113,7 @@ def fused_forward(model, head: FusedHead, input_ids=None, labels=None, shift_lab
 def _per_token(z: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, start: int, model, outputs) -> dict:
     """TRL's per-token fields from this rank's logits ``z`` (vocabulary ``start`` .. ``start + z.shape[-1]``),
     zero where ``mask`` is False; each cross-rank combination one all-reduce over the tp group."""
-    from .rewrite import collectives
+    from .ops import collectives
 
     group = model.tp_group
     handle, tp = group.handle, group.size

@@ -19,7 +19,7 @@
   its own error; the others raise one naming that rank. No refusal is raised before the exchange,
   so an argument given to one rank only never leaves the others waiting in a collective.
 * Dropout (a training-mode call of a model with dropout): every tp rank draws the same logical
-  masks (``rewrite/dropout.py``), which holds only if their random generators are in the same
+  masks (``ops/dropout_kernels.py``), which holds only if their random generators are in the same
   state; a digest of the generator state rides in the fingerprint, so ranks seeded differently
   are an error instead of masks that silently disagree.
 * Padding: whether the attention mask holds any, read in the same exchange. A call without a

@@ -31,9 +31,9 @@ from .hf_methods import HuggingFaceMethods, refuse_arguments, refuse_inherited
 from .inputs import ARGUMENTS, check_arguments, options_code
 from .items_in_batch import check_items_in_batch, loss_over_items
 from .model_facts import ModelFacts
-from .rewrite import collectives, context_parallel
+from .ops import collectives, context_parallel_attention
 from .ops.local_graph import LocalGraph
-from .rewrite.layer_units import install_layer_units
+from .ops.layer_units import install_layer_units
 
 log = logging.getLogger("fxparallel")
 
@@ -79,7 +79,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
         """``factory``: captures new graphs (api.GraphFactory, from its meta model; None: a module of weights
         only); ``facts``: what the module needs to know of the model (model_facts.py); ``first_graph``: the
         training graph, planned with ``plan``; ``cp_group``: inputs are then this rank's chunks of each sequence
-        (runtime/context_parallel.py)."""
+        (runtime/context_parallel_batches.py)."""
         nn.Module.__init__(self)  # not PreTrainedModel's: there is no single-device model behind this one
         self.config = config
         self.plan = plan
@@ -102,7 +102,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
         self.register_state_dict_post_hook(describe_state_dict)
         dcp_optimizer.track(self)  # optimizer.state_dict() to DCP as well (dcp_optimizer.py)
         # eval mode, as transformers' from_pretrained: the model's dropout applies after model.train()
-        # (every graph reads self.training per call: rewrite/dropout.py)
+        # (every graph reads self.training per call: ops/dropout_kernels.py)
         self.eval()
         if factory is not None:
             self.set_buffers(factory.meta.fxparallel_buffers)
@@ -221,7 +221,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
                 logits_to_keep=0, num_items_in_batch=None, fused_lm_head=False, shift_labels=None, **unsupported):
         """The model's forward on this rank's shards: same arguments and outputs as the Hugging Face model
         (see the README's "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
-        earlier call) runs with a static KV cache sharded by heads (``generation/cache.py``) and returns
+        earlier call) runs with a static KV cache sharded by heads (``generation/parallel_cache.py``) and returns
         it as ``past_key_values``; ``check_inputs=False`` skips the per-call checks (``inputs.py``), and with
         them the reading of an attention mask that could show it holds no padding (the graph then applies it)
         and the exchange that raises one rank's refusal on every rank (a refusal is then raised at once, on
@@ -275,7 +275,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
                                 f"{tuple(input_ids.shape)} does not divide by the tp size {self.tp_group.size}; "
                                 f"pad the batch to a multiple of {self.tp_group.size}")
         if self.cp_group is not None:
-            args = context_parallel.prepare_arguments(args, self.cp_group, self.plan.model_type)
+            args = context_parallel_attention.prepare_arguments(args, self.cp_group, self.plan.model_type)
         graph = self._graph_for(args, cache, logits_to_keep, unpadded)
         if cache is not None:
             if not cache.allocated:
@@ -319,7 +319,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
 
     def _cache_for(self, past_key_values, use_cache, input_ids, attention_mask):
         """The KV cache of this call: the one given, a new one (``use_cache=True``), or None."""
-        from .generation.cache import ParallelCache, cache_length
+        from .generation.parallel_cache import ParallelCache, cache_length
 
         if past_key_values is not None:
             if not isinstance(past_key_values, ParallelCache):
@@ -340,7 +340,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
         """A static KV cache of ``length`` tokens for ``forward(..., past_key_values=cache)``; the attention
         mask of every call with it must then span the whole cache ([batch, length]: 1 for tokens to attend
         to, positions not yet written included)."""
-        from .generation.cache import ParallelCache
+        from .generation.parallel_cache import ParallelCache
 
         return ParallelCache(length)
 

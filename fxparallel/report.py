@@ -12,7 +12,7 @@ from .plan.placement import R, Placement
 from .plan.plan import UNUSED, CollectivePlan, ParamPlan, ShardingPlan
 from .plan.rules.base import bytes_per_token
 from .plan.solver import layer_pattern
-from .rewrite import collectives
+from .ops import collectives
 from .rewrite.functional import vocab_parallel_cross_entropy
 from .rewrite.passes import PassContext
 

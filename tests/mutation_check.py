@@ -40,10 +40,10 @@ FAULTS = (
           "state = state_dict_views(model, optimizer, mesh, False, write_backs)",
           ("tests/test_runtime.py", "-k", "checkpoint_loads or resume_gives")),
     # each reduced-precision case alone must catch it (its bounds are relative to the values)
-    Fault("copy_to_tp's backward all-reduce dropped (bfloat16)", "fxparallel/rewrite/collectives.py",
+    Fault("copy_to_tp's backward all-reduce dropped (bfloat16)", "fxparallel/ops/collectives.py",
           '_CopyToTP = _gradient_only(_all_reduce, "_CopyToTP")', '_CopyToTP = _gradient_only(lambda grad, *args: grad, "_CopyToTP")',
           ("tests/test_reduced_precision.py", "-k", "bfloat16")),
-    Fault("copy_to_tp's backward all-reduce dropped (float16)", "fxparallel/rewrite/collectives.py",
+    Fault("copy_to_tp's backward all-reduce dropped (float16)", "fxparallel/ops/collectives.py",
           '_CopyToTP = _gradient_only(_all_reduce, "_CopyToTP")', '_CopyToTP = _gradient_only(lambda grad, *args: grad, "_CopyToTP")',
           ("tests/test_reduced_precision.py", "-k", "float16 and not bfloat16")),
     Fault("each rank loads its neighbour's shard", "fxparallel/load/weights.py",

@@ -1,4 +1,4 @@
-"""Every collective of ``rewrite/collectives.py`` under ``torch.compile(fullgraph=True)`` on 2 real gloo ranks.
+"""Every collective of ``ops/collectives.py`` under ``torch.compile(fullgraph=True)`` on 2 real gloo ranks.
 
 Under compile the ops run functional collectives (one buffer along dim 0, ``funcol``), which Dynamo traces:
 ``fullgraph=True`` turns any graph break (the list-form ``dist.reduce_scatter`` of the sequence ops
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from fxparallel.rewrite import collectives as c
+from fxparallel.ops import collectives as c
 
 TOL = 1e-5
 

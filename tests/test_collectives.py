@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import fxparallel
-from fxparallel.rewrite import collectives
+from fxparallel.ops import collectives
 from fxparallel.rewrite.functional import vocab_parallel_cross_entropy
 from models import tiny_config
 

@@ -245,7 +245,7 @@ def test_batch_for_a_cp_rank_has_shifted_labels_and_global_positions():
 
 
 def test_sequence_not_divisible_by_two_cp_is_refused():
-    from fxparallel.rewrite.context_parallel import ContextParallelError
+    from fxparallel.errors import ContextParallelError
     from fxparallel.runtime import split_for_context_parallel
 
     ids = torch.zeros(2, 12, dtype=torch.long)
@@ -273,7 +273,7 @@ def _captured(config, labels_shifted=True):
 def test_graphs_context_parallelism_would_get_wrong_are_refused():
     from models import tiny_config
 
-    from fxparallel.rewrite.context_parallel import ContextParallelError
+    from fxparallel.errors import ContextParallelError
     from fxparallel.rewrite.context_parallel_checks import check_graph
 
     config = tiny_config("llama", num_hidden_layers=1)
@@ -290,7 +290,9 @@ def test_attention_gathers_kv_heads_not_their_repeats():
     from models import tiny_config
 
     from fxparallel.group import fake_group
-    from fxparallel.rewrite.context_parallel import SDPA, apply_context_parallel, context_parallel_attention
+    from fxparallel.ops.context_parallel_attention import context_parallel_attention
+    from fxparallel.rewrite.context_parallel import apply_context_parallel
+    from fxparallel.rewrite.fx_nodes import SDPA
 
     graph = _captured(tiny_config("llama", num_hidden_layers=1)).gm.graph
     assert apply_context_parallel(graph, fake_group(2)) == 1
@@ -331,7 +333,7 @@ class _Toy(torch.nn.Module):
     ("eager scores", r"matmul \(matmul\) multiplies two activations"),
 ])
 def test_sequence_mixing_outside_causal_sdpa_is_refused(variant, message):
-    from fxparallel.rewrite.context_parallel import ContextParallelError
+    from fxparallel.errors import ContextParallelError
     from fxparallel.rewrite.context_parallel_checks import check_graph
 
     gm = torch.fx.symbolic_trace(_Toy(variant))

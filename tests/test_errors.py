@@ -95,7 +95,7 @@ def test_a_model_that_copies_its_cache_layers_as_it_runs_is_refused_generation()
     """Dory's recurrent loops append deep copies of their cache layers on the first call (given the cache
     by its 5.24 keyword, ``cache``: under the old one it built a cache of its own and decoded without the
     prompt's keys, silently): a graph captured once cannot follow that, so use_cache is refused by name."""
-    from fxparallel.capture.cache import meta_cache
+    from fxparallel.capture.static_cache import meta_cache
 
     with pytest.raises(CaptureError, match=r"DoryForCausalLM cannot fill a static cache on the meta device "
                                            r"\(RuntimeError: .*generate and use_cache are not supported"):
@@ -105,7 +105,7 @@ def test_a_model_that_copies_its_cache_layers_as_it_runs_is_refused_generation()
 def test_a_model_whose_layer_types_have_no_static_cache_is_refused_generation():
     """DeepSeek-V4's compressed-attention layers have no static cache layer in transformers (its generate
     uses a dynamic cache): refused by name before any capture, not a KeyError inside transformers."""
-    from fxparallel.capture.cache import meta_cache
+    from fxparallel.capture.static_cache import meta_cache
 
     with pytest.raises(CaptureError, match=r"DeepseekV4ForCausalLM has layers of type \['compressed_sparse_attention', "
                                            r"'heavily_compressed_attention'\], for which transformers has no static"):
@@ -120,7 +120,7 @@ def test_a_model_whose_layer_types_have_no_static_cache_is_refused_generation():
 def test_a_model_whose_forward_takes_no_kv_cache_is_refused_generation(model_type, message):
     """GPT-1 recomputes the whole prefix per token in transformers; RWKV carries a recurrent state of its own:
     neither has a KV cache for the generation graphs to shard, so both are refused by name."""
-    from fxparallel.capture.cache import meta_cache
+    from fxparallel.capture.static_cache import meta_cache
 
     with pytest.raises(CaptureError, match=message):
         meta_cache(_sweep_meta_model(model_type), 1, 8)
@@ -142,7 +142,7 @@ def _sweep_meta_model(model_type: str):
 def test_a_model_that_adds_cache_layers_as_it_runs_is_refused_generation():
     """The same for any model whose forward adds layers to the cache it is given (the captured graphs hold
     the layers they saw)."""
-    from fxparallel.capture.cache import meta_cache
+    from fxparallel.capture.static_cache import meta_cache
 
     class Appends(torch.nn.Module):
         config = tiny_config("llama", num_hidden_layers=2)

@@ -42,7 +42,7 @@ def _probe(model):
     """After each layer's FSDP pre-forward: the layers whose parameters are not sharded DTensors."""
     from torch.distributed.tensor import DTensor
 
-    from fxparallel.rewrite.layer_units import LayerUnit
+    from fxparallel.ops.layer_units import LayerUnit
 
     layers = {name: m for name, m in model.named_modules() if isinstance(m, LayerUnit)}
     seen = []
@@ -318,7 +318,7 @@ def test_unsplit_later_graph_is_refused_on_layer_units(world2):
 # ---- the splitter on its own -------------------------------------------------------------
 def test_layer_container_is_found_from_names():
     from fxparallel.capture.graph import layer_container
-    from fxparallel.rewrite.layer_units import layer_of
+    from fxparallel.ops.layer_units import layer_of
 
     llama = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight",
              "model.norm.weight"]
@@ -338,7 +338,7 @@ def test_layer_units_are_the_layers_the_forward_runs():
     from torch import nn
 
     from fxparallel.plan.plan import UNUSED, ParamPlan
-    from fxparallel.rewrite.layer_units import install_layer_units
+    from fxparallel.ops.layer_units import install_layer_units
 
     vision = [ParamPlan(f"model.vision_tower.layers.{i}.fc.weight", (4, 4), "R", UNUSED) for i in range(4)]
     text = [ParamPlan(f"model.language_model.layers.{i}.mlp.up_proj.weight", (4, 4), "S(0)", "column")
@@ -350,7 +350,7 @@ def test_layer_units_are_the_layers_the_forward_runs():
 def test_interleaved_layers_keep_the_graph_whole(caplog):
     import torch.fx as fx
 
-    from fxparallel.rewrite.layer_units import SplitError, generate_layered_forward, split_by_layer
+    from fxparallel.rewrite.split_by_layer import SplitError, generate_layered_forward, split_by_layer
 
     g = fx.Graph()
     x = g.placeholder("x")
@@ -384,7 +384,7 @@ def _graph_with_hoisted_weight_op(grad_switch: bool):
 
 
 def test_weight_computations_run_in_their_layer():
-    from fxparallel.rewrite.layer_units import split_by_layer
+    from fxparallel.rewrite.split_by_layer import split_by_layer
 
     root, pieces, _ = split_by_layer(_graph_with_hoisted_weight_op(False), "layers")
     assert [n.target for n in pieces["layers.0"].nodes if n.op == "get_attr"] == ["w"]  # read from the layer
@@ -394,7 +394,7 @@ def test_weight_computations_run_in_their_layer():
 
 
 def test_weight_computation_is_not_moved_across_a_grad_mode_switch():
-    from fxparallel.rewrite.layer_units import SplitError, split_by_layer
+    from fxparallel.rewrite.split_by_layer import SplitError, split_by_layer
 
     with pytest.raises(SplitError, match="relu would move into another grad-mode/autocast state"):
         split_by_layer(_graph_with_hoisted_weight_op(True), "layers")
@@ -404,7 +404,7 @@ def test_a_weight_shared_by_two_layers_rules_out_layer_units():
     from torch import nn
 
     from fxparallel.plan.plan import ParamPlan
-    from fxparallel.rewrite.layer_units import LayerUnit, install_layer_units
+    from fxparallel.ops.layer_units import LayerUnit, install_layer_units
 
     root = nn.Module()
     params = [ParamPlan("model.layers.0.w", (4,), "R", "replicated", aliases=("model.layers.1.w",)),

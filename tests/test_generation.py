@@ -70,7 +70,7 @@ def _llama(rank, tp, path):
                   and g.guards.static_sizes.get(("input_ids", 1)) == 1)
     out["decode collectives"] = (decode.code.count("collectives_all_reduce("), decode.code.count("collectives_all_gather("))
     # without autograd recording, the collectives run without their autograd.Function (its dispatch only costs)
-    from fxparallel.rewrite import collectives
+    from fxparallel.ops import collectives
 
     recorded, apply = [], collectives._AllReduce.apply
     collectives._AllReduce.apply = lambda *a: recorded.append(1) or apply(*a)

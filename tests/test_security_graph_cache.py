@@ -168,7 +168,7 @@ def test_entries_of_another_user_never_run(cache_dir, tmp_path, caplog):  # noqa
 @pytest.mark.parametrize("edit, message", [
     (lambda e: e["code"]["globals"].update(os=["module", "os"]), "module os is not on the graph cache's allow-list"),
     (lambda e: e["code"]["globals"].update(
-        f=["object", "fxparallel.rewrite.collectives", "all_reduce.__globals__"]), "not on the graph cache's allow-list"),
+        f=["object", "fxparallel.ops.collectives", "all_reduce.__globals__"]), "not on the graph cache's allow-list"),
     (lambda e: e["code"].update(src=e["code"]["src"].replace("def forward", "import os\ndef forward", 1)),
      "the keyword import"),
     (lambda e: e["code"].update(src=e["code"]["src"] + "\nx = torch.load('f')\n"), "not a single function named forward"),

@@ -251,7 +251,7 @@ LATE_BY = 9  # seconds rank 1 sleeps before its first agreement point of paralle
 def _late_rank(rank, world_size, checkpoint):
     import torch.distributed as dist
 
-    from fxparallel.load import checkpoint as checkpoint_module
+    from fxparallel.load import checkpoint_files as checkpoint_module
     from fxparallel.load import coordinate
 
     group = dist.group.WORLD

@@ -16,9 +16,9 @@ import torch
 import torch._dynamo
 
 from ..errors import CaptureError
-from .cache import argument_name, cache_argument, cache_tensors, meta_cache, state_not_carried
+from .static_cache import argument_name, cache_argument, cache_tensors, meta_cache, state_not_carried
 from .causal_mask import causal_without_mask
-from .dropout import check_training_graph
+from .dropout_sites import check_training_graph
 from .graph import CapturedGraph
 from .spec import GraphSpec
 
@@ -164,7 +164,7 @@ def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGra
     fn = _forward_fn(model, spec, cache, unpadded)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
     # a model with dropout is captured in training mode (its dropout sites with their rates), except for
-    # generation, which runs in eval semantics (capture/dropout.py)
+    # generation, which runs in eval semantics (capture/dropout_sites.py)
     training = cache is None and bool(getattr(model, "fxparallel_dropout", None))
     # Models build small constants with torch.tensor(..., device=x.device); on the meta device
     # those are meta tensors, which the fake-tensor mode must accept as inputs.
@@ -218,7 +218,7 @@ def _source_name(source) -> str:
 
 def _argument_of_source(source_name: str, example: dict):
     """The argument a Dynamo source reads: ``L['kwargs']['input_ids']`` -> input_ids; a cache tensor,
-    ``L['cache'].layers[3].keys`` -> past_3_keys (capture/cache.py)."""
+    ``L['cache'].layers[3].keys`` -> past_3_keys (capture/static_cache.py)."""
     found = re.search(r"\['(\w+)'\]$", source_name)
     if found and found.group(1) in example:
         return found.group(1)

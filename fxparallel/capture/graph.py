@@ -25,7 +25,7 @@ class CapturedGraph:
     # (argument, dim) -> the size captured as a constant; (argument, "ndim") -> its number of dims
     static_sizes: dict = field(default_factory=dict)
     # placeholder name -> argument name, for the KV cache tensors among the inputs: state the solver
-    # places like a parameter and the graph writes in place (capture/cache.py)
+    # places like a parameter and the graph writes in place (capture/static_cache.py)
     state: dict = field(default_factory=dict)
     # the graph of the first few decoder layers this one repeats (capture/repeat_layers.py): solved first
     few_layers: Optional["CapturedGraph"] = None

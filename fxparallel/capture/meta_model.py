@@ -11,7 +11,7 @@ import contextlib
 import torch
 from torch import nn
 
-from .dropout import dropout_rates
+from .dropout_sites import dropout_rates
 from .names import check_model_names
 
 
@@ -64,5 +64,5 @@ def build_meta_model(config, *, dtype: torch.dtype, trust_remote_code: bool = Fa
             values[full] = buf
             module._buffers[name] = buf.to("meta")
     model.fxparallel_buffers = values
-    model.fxparallel_dropout = dropout_rates(model)  # capture/dropout.py: captured in training mode if any
+    model.fxparallel_dropout = dropout_rates(model)  # capture/dropout_sites.py: captured in training mode if any
     return model.eval()

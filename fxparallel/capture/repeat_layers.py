@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .cache import argument_name
+from .static_cache import argument_name
 from .graph import CapturedGraph, layer_container, module_path
 
 log = logging.getLogger("fxparallel")

@@ -17,7 +17,7 @@ class GraphSpec:
     """``arguments``: the forward's tensor arguments the graph takes (input_ids, attention_mask, ...).
     ``shape``: the example [batch, sequence] captured; sizes above 1 are dynamic (capture/dynamo.py).
     ``labels_shifted``: labels arrive shifted by one (context parallelism: the loss takes them as given).
-    ``cache_length``: a generation graph with a static KV cache of that many tokens (capture/cache.py).
+    ``cache_length``: a generation graph with a static KV cache of that many tokens (capture/static_cache.py).
     ``logits_to_keep``: the logits of the last that many positions only (0: all; generate's prefill keeps 1).
     ``unpadded``: for calls whose attention mask holds no padding (capture/causal_mask.py)."""
 

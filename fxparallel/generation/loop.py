@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..errors import InputError
 from ..inputs import ranks_named
 from . import transformers_private as hf_private
-from .cache import ParallelCache, cache_length
+from .parallel_cache import ParallelCache, cache_length
 from .select import full_scores, top_k_candidates, vocab_parallel_argmax
 
 SUPPORTED_MODES = ("greedy_search", "sample")

@@ -32,7 +32,7 @@ def full_scores(local: torch.Tensor, sizes, group) -> torch.Tensor:
     """The whole row of each sequence's scores ([batch, vocab]) from each rank's slice."""
     if group is None or group.process_group is None or group.size == 1:
         return local
-    from ..rewrite import collectives
+    from ..ops import collectives
 
     uneven = (tuple(sizes),) if sizes and len(set(sizes)) > 1 else None
     return collectives.all_gather(local.contiguous(), local.dim() - 1, group.handle, None, uneven)

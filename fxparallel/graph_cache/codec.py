@@ -23,7 +23,7 @@ from ..capture.spec import GraphSpec
 from ..ops.local_graph import LocalGraph
 from ..plan.placement import Placement
 from ..plan.plan import ShardingPlan
-from ..rewrite.layer_units import LayerPieces, new_piece_key
+from ..ops.layer_units import LayerPieces, new_piece_key
 from .generated_code import check_generated_code
 
 FORMAT = 3

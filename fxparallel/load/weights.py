@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import CheckpointError
-from .checkpoint import CheckpointFiles
+from .checkpoint_files import CheckpointFiles
 from .conversion import ConversionError, Stored, find_conversions
 from .coordinate import agree, first_on_node, heartbeat
 from .dequantize import bounds

@@ -14,7 +14,7 @@ is how a fused weight is split by head without any gather. A segment may be held
 *whole* by every rank (``S(0)[64,8R,8R]``): the single key and value head of
 multi-query attention (GPT-BigCode), which every rank's query heads need. Its
 value is replicated; its gradient is partial (each rank's query heads contribute
-their part), summed where it meets a weight (``rewrite/collectives.py``).
+their part), summed where it meets a weight (``ops/collectives.py``).
 
 A shard may be *blocked*: dimension ``d`` merges a replicated outer factor with a
 sharded inner one of ``block`` elements, as when batch and heads are flattened

@@ -12,7 +12,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..plan.op_traits import ACTIVATION_PRODUCTS, SEQUENCE_MIXING, op_name
-from .context_parallel import SDPA, ContextParallelError, _arg
+from ..errors import ContextParallelError
+from .fx_nodes import SDPA, node_arg
 
 
 def check_config(config) -> None:
@@ -72,15 +73,15 @@ def check_graph(captured, kind: str) -> None:
                                    "global ones under context parallelism")
     tokens = _depends_on(graph, {by_argument["input_ids"]})
     positioned = _depends_on(graph, {positions})
-    for node in sdpa:  # attention dropout is supported: rewrite/dropout.py
-        if _arg(node, 0, "query") not in positioned:
+    for node in sdpa:  # attention dropout is supported: ops/dropout_kernels.py
+        if node_arg(node, 0, "query") not in positioned:
             raise ContextParallelError(f"{kind}: the queries of {node.name} do not depend on position_ids (no rotary "
                                        "or learned positions?), so context parallelism cannot place them")
-        mask = _arg(node, 3, "attn_mask")
+        mask = node_arg(node, 3, "attn_mask")
         if isinstance(mask, fx.Node) and mask in tokens:
             raise ContextParallelError(f"{kind}: the mask of {node.name} depends on the tokens (a bias such as "
                                        "ALiBi or a padding mask); only plain causal attention is supported")
-        if mask is None and not _arg(node, 5, "is_causal", False):
+        if mask is None and not node_arg(node, 5, "is_causal", False):
             raise ContextParallelError(f"{kind}: attention {node.name} is not causal")
     for node in graph.nodes:
         name = _op_name(node)
@@ -104,7 +105,7 @@ def _check_labels_unshifted(graph: fx.Graph, labels: fx.Node, kind: str) -> None
         raise ContextParallelError(f"{kind}: the loss is not a cross_entropy of the labels; context parallelism "
                                    "cannot check that labels are used unshifted")
     for loss in losses:
-        node = _arg(loss, 1, "target")
+        node = node_arg(loss, 1, "target")
         while isinstance(node, fx.Node) and node is not labels:
             if node.op != "call_method" or node.target not in _LABEL_VIEWS:
                 raise ContextParallelError(

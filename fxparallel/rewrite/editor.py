@@ -11,7 +11,7 @@ from ..errors import ShardingError
 from ..group import TPGroup
 from ..plan.layout import ShardLayout
 from ..plan.placement import Placement
-from . import collectives
+from ..ops import collectives
 
 
 class GraphEditor:

@@ -12,7 +12,7 @@ from ..plan.grad_reduction import reduction_point
 from ..plan.placement import Placement
 from ..plan.rules.base import requires_grad
 from ..plan.solver import GraphPlan
-from . import collectives
+from ..ops import collectives
 
 
 def _hoist_reductions(sharded_consumers: dict, passed_up: set) -> dict:

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from ..plan.placement import Placement
 from ..plan.rules.base import LocalOp, arg
-from .dropout import attention_with_dropout, dropout_on_shards
+from .dropout_masks import attention_with_dropout, dropout_on_shards
 from .editor import GraphEditor
 from .functional import vocab_parallel_cross_entropy as _vocab_ce
 from .functional import vocab_parallel_embedding as _vocab_embedding

@@ -7,12 +7,12 @@ the report reads only names and the final graph after it).
 
     outputs              placement and per-rank sizes of each graph output, and the KV cache layout
     redistribute         collectives and local slices between placements; nodes made local
-    dropout_sites        dropouts left replicated take the same form as the sharded ones (rewrite/dropout.py)
+    dropout_sites        dropouts left replicated take the same form as the sharded ones (rewrite/dropout_masks.py)
     gradient_reductions  copy_to_tp on replicated values used on shards
     sequence_parallel    all-reduces -> reduce-scatter / all-gather along the sequence (opt-in)
     context_parallel     sdpa -> attention over the cp group's chunks (with a cp group)
     bind                 parameters, buffers and sizes bound; the graph becomes runnable
-    dropout_mode         every dropout site reads the module's ``training`` flag (rewrite/dropout.py)
+    dropout_mode         every dropout site reads the module's ``training`` flag (rewrite/dropout_masks.py)
     split_by_layer       one piece of code per decoder layer (FSDP units), root code calls them
 
 Skip a pass by name (``run_passes(ctx, skip=...)``); add one by adding a row to ``PASSES``.
@@ -33,10 +33,10 @@ from ..plan.placement import Placement
 from ..plan.solver import GraphPlan
 from .bind import bind_inputs
 from .context_parallel import apply_context_parallel
-from .dropout import bind_training_flag, cut_sequence_chunks, replicated_sites
+from .dropout_masks import bind_training_flag, cut_sequence_chunks, replicated_sites
 from .editor import GraphEditor
 from .gradient_reductions import insert_gradient_reductions
-from .layer_units import generate_layered_forward
+from .split_by_layer import generate_layered_forward
 from .redistribute import insert_redistributions
 from .sequence_parallel import SequenceParallelReport, apply_sequence_parallel
 

@@ -15,7 +15,7 @@ from ..errors import ShardingError
 from ..plan.layout import uneven_split
 from ..plan.placement import R, Placement, is_sharded
 from ..plan.solver import GraphPlan, describe
-from . import collectives
+from ..ops import collectives
 from .editor import GraphEditor
 from .local_ops import apply_local_op
 

@@ -12,7 +12,7 @@ Here:
   named in ``plan/op_traits.py``:
   elementwise with operands that do not vary along the sequence, reductions and norms
   over other dims, dropout (its mask: this rank's tokens of the logical one,
-  ``rewrite/dropout.py``) and slices, views that keep or merge batch and sequence);
+  ``ops/dropout_kernels.py``) and slices, views that keep or merge batch and sequence);
 * where it reaches a ``copy_to_tp``, that op becomes ``gather_seq_to_tp`` (all-gather
   forward, reduce-scatter backward: the reduce-scatter replaces the all-reduce);
 * ``x.size()`` of a shard is the full size (computed, no communication), so the graph's
@@ -41,8 +41,10 @@ from ..errors import ShardingError
 from ..plan import op_traits
 from ..plan.op_traits import op_name
 from ..plan.rules.base import arg, norm_dim, requires_grad
-from . import collectives
-from .dropout import add_cut, logical_dropout
+from ..ops import collectives
+from ..ops.dropout_kernels import logical_dropout
+from .dropout_masks import add_cut
+from .fx_nodes import same_size
 from .gradient_reductions import insert_copy_to_tp
 
 
@@ -72,17 +74,6 @@ def _value(node):
     return v if isinstance(v, torch.Tensor) else None
 
 
-def _expr(size):
-    return size.node.expr if isinstance(size, torch.SymInt) else size
-
-
-def _same(a, b) -> bool:
-    try:
-        return bool(_expr(a) == _expr(b))
-    except TypeError:
-        return False
-
-
 class _Pass:
     def __init__(self, graph: fx.Graph, captured, group):
         self.graph, self.group, self.tp = graph, group, group.size
@@ -105,17 +96,17 @@ class _Pass:
 
     # ---- where the tokens are ----------------------------------------------------------------
     def _is_seq(self, size) -> bool:
-        return _same(size, self.seq)
+        return same_size(size, self.seq)
 
     def _is_flat(self, size) -> bool:
-        return self.batch is not None and _same(size, self.batch * self.seq)
+        return self.batch is not None and same_size(size, self.batch * self.seq)
 
     def _tok(self, dim: int, flat: bool) -> TokenDim:
         """With a batch of 1, batch x sequence is the sequence: keep one spelling."""
         return TokenDim(dim, flat and self.batch != 1)
 
     def _is_batch(self, size) -> bool:
-        return self.batch is not None and _same(size, self.batch)
+        return self.batch is not None and same_size(size, self.batch)
 
     def seed_dim(self, node) -> Optional[TokenDim]:
         v = _value(node)
@@ -181,7 +172,7 @@ class _Pass:
             if other in dims or v is None:
                 continue
             pos = v.dim() - (out.dim() - t.dim)
-            if 0 <= pos < v.dim() and not _same(v.shape[pos], 1):
+            if 0 <= pos < v.dim() and not same_size(v.shape[pos], 1):
                 return f"operand {other.name} varies along the sequence"
         return self._checked(node, t, "elementwise")
 
@@ -380,7 +371,7 @@ class _Pass:
 
 
 def _same_dims(a, b) -> bool:
-    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
 
 
 def _where(node) -> str:

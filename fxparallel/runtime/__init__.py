@@ -10,14 +10,14 @@ normalization, clipping, distributed checkpoints, consolidated export, data.
 
 Context parallelism (cp > 1): ``train_step`` gives each cp rank its load-balanced chunks of the
 dp rank's rows (chunks i and 2cp-1-i of 2cp; labels shifted first, global position_ids); the
-model's attention spans the cp group exactly (``fxparallel/rewrite/context_parallel.py``). The
+model's attention spans the cp group exactly (``fxparallel/ops/context_parallel_attention.py``). The
 sequence length must divide by 2*cp; padding masks, packed sequences and non-causal or
 sliding-window attention are refused.
 """
 from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from .clip import clip_grad_norm_, global_grad_norm
 from .compile import compile_layers
-from .context_parallel import shift_labels, split_for_context_parallel, split_sequence, unsplit_sequence
+from .context_parallel_batches import shift_labels, split_for_context_parallel, split_sequence, unsplit_sequence
 from .data import StepBatches, dataset_token_stream, pack_tokens, synthetic_token_stream
 from .export import export_pretrained, gather_full_state_dict
 from .fsdp import apply_data_parallel

@@ -1,7 +1,7 @@
 """Activation checkpointing: recompute decoder layers in the backward pass instead of keeping
 their activations.
 
-Each decoder layer is a module the graphs call (``rewrite/layer_units.py``), so checkpointing
+Each decoder layer is a module the graphs call (``ops/layer_units.py``), so checkpointing
 one is ``torch.utils.checkpoint`` (non-reentrant) around that module's piece, inside its
 ``forward``: FSDP's hooks sit outside it on ``__call__``, as with torchtitan's wrapping, so the
 layer's parameters are all-gathered again for the recomputation by FSDP's pre-backward hook.
@@ -22,7 +22,7 @@ Modes:
   a layer's forward all-reduces again (those the backward needs), for one more kept tensor of
   the hidden size per all-reduce (at TP=2, 1024 tokens: 0.67 of the bytes kept without
   checkpointing instead of 0.56). Inside a selective region the all-reduce is the functional
-  op, whose output is a new tensor that can be kept (``rewrite/collectives.py``,
+  op, whose output is a new tensor that can be kept (``ops/collectives.py``,
   ``in_selective_checkpointing``); the in-place ``dist.all_reduce`` could not be.
   ``benchmarks/activation_checkpointing.py`` measures both modes against keeping everything.
 
@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..rewrite.collectives import FUNCTIONAL_ALL_REDUCE
+from ..ops.collectives import FUNCTIONAL_ALL_REDUCE
 
 MODES = ("full", "selective")
 

@@ -1,6 +1,6 @@
 """Compile each decoder layer with ``torch.compile``, as torchtitan compiles each block.
 
-The layers are the modules the graphs call (``rewrite/layer_units.py``); what is compiled is the
+The layers are the modules the graphs call (``ops/layer_units.py``); what is compiled is the
 code a layer runs (its piece of the executing graph, inside activation checkpointing when that is
 on), so FSDP's hooks stay eager around it and parameter names are unchanged. The decoder layers of
 a model are identical code, so Dynamo compiles one and reuses it (one recompile per graph: prefill,

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..plan.layout import chunked
-from ..rewrite.collectives import gather_full, gather_parts
+from ..ops.collectives import gather_full, gather_parts
 
 
 def tp_placement(plan_param):

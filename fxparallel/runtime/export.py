@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import ArgumentError, CheckpointError
-from ..rewrite.collectives import gather_full_to, gather_parts_to
+from ..ops.collectives import gather_full_to, gather_parts_to
 from .dtensor import full_tensor, local_part, tp_of
 from .fsdp import reshard
 

@@ -6,7 +6,7 @@ ranks of its tp position along dim 0). Every rank of a dp x cp group holds the s
 TP position, so the shards FSDP splits have the same shape on all of them.
 
 FSDP units: one per decoder layer, plus the root. ``parallelize`` splits each local
-graph by decoder layer (``rewrite/layer_units.py``): the root code calls the module at
+graph by decoder layer (``ops/layer_units.py``): the root code calls the module at
 ``model.layers.{i}`` and that module runs its layer's piece, reading its parameters from
 itself. ``fully_shard`` goes on each module ``model.fsdp_units()`` lists, then on the root
 (embeddings, tied head, final norm). So a layer's parameters are all-gathered in its

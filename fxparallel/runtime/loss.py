@@ -16,7 +16,7 @@ Tensor-parallel ranks of one dp group see the same batch, so they agree on both
 counts; the global count is summed over dp x cp only.
 
 Context parallelism: labels are shifted before the sequence is split
-(``runtime/context_parallel.py``), so every position of a chunk counts
+(``runtime/context_parallel_batches.py``), so every position of a chunk counts
 (``shifted=True``: ``labels != -100``); the cp ranks' counts add up to the row's.
 """
 from __future__ import annotations

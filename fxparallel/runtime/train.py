@@ -1,6 +1,6 @@
 """One training step over the mesh: global-token loss, backward, clipping, optimizer step.
 
-With cp > 1 the step first keeps this cp rank's chunks of the batch (``runtime/context_parallel.py``):
+With cp > 1 the step first keeps this cp rank's chunks of the batch (``runtime/context_parallel_batches.py``):
 the loss is still the mean over every label token of the global batch.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .clip import clip_grad_norm_, global_grad_norm
-from .context_parallel import split_for_context_parallel
+from .context_parallel_batches import split_for_context_parallel
 from .loss import global_label_count, scaled_loss
 
 

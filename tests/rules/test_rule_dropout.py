@@ -1,5 +1,6 @@
-"""plan/rules/dropout.py and rewrite/dropout.py: a training-mode dropout runs where its input is and
-takes its part of one logical mask; the parts of every rank make up the one-device mask exactly."""
+"""plan/rules/dropout.py, rewrite/dropout_masks.py and ops/dropout_kernels.py: a training-mode dropout runs
+where its input is and takes its part of one logical mask; the parts of every rank make up the one-device
+mask exactly."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +10,8 @@ from fxparallel.group import fake_group
 from fxparallel.plan.layout import ShardLayout
 from fxparallel.plan.placement import R, S, Placement
 from fxparallel.plan.rules.base import LocalOp
-from fxparallel.rewrite.dropout import (attention_dropout, chunked_attention_dropout, keep_mask, logical_dropout,
-                                        tp_cuts)
+from fxparallel.ops.dropout_kernels import attention_dropout, chunked_attention_dropout, keep_mask, logical_dropout
+from fxparallel.rewrite.dropout_masks import tp_cuts
 from fxparallel.rewrite.editor import GraphEditor
 from fxparallel.rewrite.local_ops import apply_local_op
 

@@ -10,7 +10,7 @@ from fxparallel.group import fake_group
 from fxparallel.plan.layout import ShardLayout
 from fxparallel.plan.placement import R, S
 from fxparallel.plan.solver import solve
-from fxparallel.rewrite import collectives
+from fxparallel.ops import collectives
 from fxparallel.rewrite.editor import GraphEditor
 from fxparallel.rewrite.redistribute import insert_redistributions
 

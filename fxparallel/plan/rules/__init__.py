@@ -12,7 +12,7 @@ vmap (torch.vmap traced inline: the batch dims it hides and restores). ``partial
 partial sum through ops linear in it; ``base.rule_for`` offers them before the op's own rule.
 Rules are registered by canonical op name; the spellings and traits of ops: ``../op_traits.py``.
 """
-from . import (attention, cache, conv, custom_autograd, dropout, elementwise, embedding, experts,  # noqa: F401
+from . import (attention, cache_writes, conv, custom_autograd, dropout, elementwise, embedding, experts,  # noqa: F401
                indexing, linear, loss, multi_output, norms, partial, reductions, views, vmap)  # (each registers its rules)
 from .base import RuleContext, Strategy, register, rule_for, tensor_inputs
 

@@ -3,7 +3,7 @@
 A dropout captured in training mode (``F.dropout(x, p, training=True)``, p > 0) runs where
 its input is (replicated, or sharded along any dim, segments included) and names the local
 op ``dropout_on_shards``: the rewrite draws the full logical mask on every rank and keeps this
-rank's slice (``rewrite/dropout.py``), so the mask does not depend on the layout. A blocked shard
+rank's slice (``ops/dropout_kernels.py``), so the mask does not depend on the layout. A blocked shard
 (batch x heads flattened, as XGLM's attention weights) keeps its heads of every row. Whole-segment
 shards, and shards of a dim without a fixed size (the batch), have no known slice of that mask:
 they are gathered first.
@@ -14,7 +14,7 @@ and names ``attention_with_dropout``: its heads' part of the logical attention m
 """
 from __future__ import annotations
 
-from ...capture.dropout import is_identity_dropout
+from ...capture.dropout_sites import is_identity_dropout
 from ..placement import Placement
 from .attention import _sdpa
 from .base import LocalOp, Strategy, arg, register

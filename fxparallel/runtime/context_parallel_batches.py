@@ -3,7 +3,7 @@
 Every cp rank of a dp group gets the same rows (``StepBatches`` depends on the dp
 rank only) and keeps its load-balanced chunks of the sequence dimension: with S
 tokens cut into 2*cp chunks, cp rank i keeps chunks i and 2*cp-1-i
-(``fxparallel.rewrite.context_parallel.chunks_of``). Labels are shifted BEFORE the
+(``fxparallel.ops.context_parallel_attention.chunks_of``). Labels are shifted BEFORE the
 split (label t = token t+1, the last one -100): a chunk's loss cannot look at the
 next chunk's first token, so the model takes them shifted (see the rewrite module).
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..rewrite.context_parallel import ContextParallelError, chunks_of
+from ..errors import ContextParallelError
+from ..ops.context_parallel_attention import chunks_of
 
 IGNORE_INDEX = -100
 

@@ -1,6 +1,6 @@
 """Writing into a KV cache: ``cache.index_copy_(dim, positions, new)`` (transformers' StaticCache).
 
-The cache is state the solver places like a parameter (``capture/cache.py``): written with the
+The cache is state the solver places like a parameter (``capture/static_cache.py``): written with the
 new keys / values of a sharded attention, it is sharded the same way (each rank caches its own
 kv heads); written with replicated ones (more ranks than kv heads), it is replicated. Positions
 index the sequence dim, which is never the sharded one."""

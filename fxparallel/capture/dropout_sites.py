@@ -4,7 +4,7 @@ A model with a dropout rate above 0 anywhere is captured in training mode
 (``api.plan_graph``), so that its graph holds every dropout site with its rate
 (``F.dropout(x, p, training=True)``, ``scaled_dot_product_attention(..., dropout_p=p)``);
 the rewrite makes each site depend on the parallel module's ``training`` flag at call
-time (``rewrite/dropout.py``), so one graph serves ``train()`` and ``eval()``. A model
+time (``ops/dropout_kernels.py``), so one graph serves ``train()`` and ``eval()``. A model
 without dropout is captured in eval mode exactly as before: its graph does not change.
 
 Random numbers other than those dropout spellings (``torch.rand_like``, ``bernoulli_``,

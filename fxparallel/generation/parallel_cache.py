@@ -1,5 +1,5 @@
 """``ParallelCache``: this rank's part of a static KV cache, as the graphs captured with a cache
-(``capture/cache.py``) read and write it.
+(``capture/static_cache.py``) read and write it.
 
 Each cache tensor of the captured model is placed by the solver like a parameter: split by kv
 heads where attention is (each rank holds 1/TP of the cache, uneven head splits as in the
