@@ -24,7 +24,7 @@ from typing import Union
 import torch
 import torch.distributed as dist
 
-from .capture import build_meta_model, capture
+from .capture import adapters, build_meta_model, capture
 from .capture.derive import without_labels
 from .capture.repeat_layers import capture_layers_once
 from .capture.spec import EXAMPLE_BATCH, EXAMPLE_SEQ, GraphSpec
@@ -34,6 +34,7 @@ from .errors import GroupError
 from .group import TPGroup, choose_device, fake_group, resolve_tp_group, shared_devices, uses_nccl
 from .load import (initialize, load_from_files, load_from_state_dict, resolve_checkpoint,
                    resolve_source)
+from .load.adapter_weights import load_adapter_weights, without_adapters
 from .load.coordinate import exchange
 from .load.dtype import resolve_dtype
 from .model_facts import ModelFacts
@@ -144,10 +145,13 @@ def _for_device(config, device: torch.device):
 
 
 def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
-    """The meta model of ``source``, after checking it can be split over ``tp`` ranks."""
+    """The meta model of ``source`` (with its LoRA adapter's layers: capture/adapters.py), after checking it
+    can be split over ``tp`` ranks."""
     meta = build_meta_model(source.config, dtype=dtype, trust_remote_code=trust_remote_code,
                             model_class=source.model_class)
     check_splittable(source.config, tp, meta)
+    if source.adapter is not None:
+        meta = adapters.inject(meta, source.adapter.config, source.adapter.name)
     return meta
 
 
@@ -308,7 +312,8 @@ def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
         generation_config=_generation_config(source, meta.config), embedding_modules=embedding_modules(meta),
         embedding_weights=tuple(f"{path}.weight" for path, m in meta.named_modules()
                                 if isinstance(m, torch.nn.Embedding)),
-        dropout_rates=dict(getattr(meta, "fxparallel_dropout", {})))
+        dropout_rates=dict(getattr(meta, "fxparallel_dropout", {})),
+        peft_config=dict(getattr(meta, "peft_config", None) or {}))
 
 
 def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, revision=None,
@@ -330,10 +335,13 @@ def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, t
 def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, device=None,
                 revision=None, cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
                 seed: int = 0, cp_group=None, sequence_parallel: bool = False,
-                skip_passes=(), plan=None) -> ParallelCausalLM:
+                skip_passes=(), plan=None, is_trainable: bool = False) -> ParallelCausalLM:
     """Make a Hugging Face causal LM tensor-parallel over ``tp_group``.
 
-    ``model``: hub id, local directory, PretrainedConfig or PreTrainedModel.
+    ``model``: hub id, local directory, PretrainedConfig or PreTrainedModel; or a PEFT LoRA adapter's
+    directory or hub id (the base model from its ``base_model_name_or_path``; ``capture/adapters.py``): the
+    base model is then frozen, and the adapter takes gradients with ``is_trainable=True`` (PEFT's
+    ``PeftModel.from_pretrained`` argument; it is loaded for inference otherwise).
     ``dtype``: as transformers takes it (a torch.dtype, "bfloat16", "auto"; default: the
     checkpoint's); ``torch_dtype`` is its deprecated alias.
     ``tp_group``: ProcessGroup or 1-D DeviceMesh.
@@ -361,7 +369,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
         raise NotImplementedError("sequence_parallel together with context parallelism (cp_group) is not supported: "
                                   "use one of them")
     source = resolve_source(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
-                            token=token, trust_remote_code=trust_remote_code)
+                            token=token, trust_remote_code=trust_remote_code, is_trainable=is_trainable)
     dtype = resolve_dtype(dtype, torch_dtype, config=source.config)
     device = _choose_device(group, device, cp)
     source.config = _for_device(source.config, device)
@@ -394,12 +402,16 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     check_plans_agree(sharding, (("tp_group", group), ("cp_group", cp)))
     timings["plan agreement"] = time.perf_counter() - t
     t = time.perf_counter()
+    base = without_adapters(sharding)  # the base model's parameters (all of them without an adapter)
     if files is not None:
-        module.bytes_read = load_from_files(module, sharding, files, group.rank, group.size, meta_model=meta)
+        module.bytes_read = load_from_files(module, base, files, group.rank, group.size, meta_model=meta)
     elif source.state_dict is not None:
-        load_from_state_dict(module, sharding, source.state_dict, group.rank, group.size)
+        load_from_state_dict(module, base, source.state_dict, group.rank, group.size)
     else:
-        initialize(module, sharding, source.config, group.rank, group.size, seed, dtype, source.model_class)
+        initialize(module, base, source.config, group.rank, group.size, seed, dtype, source.model_class)
+    if source.adapter is not None:
+        module.bytes_read = getattr(module, "bytes_read", 0) + load_adapter_weights(
+            module, sharding, source.adapter, group.rank, group.size)
     timings["load"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - t0
     module.timings = timings

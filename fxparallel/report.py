@@ -6,6 +6,7 @@ from collections import OrderedDict
 
 import torch
 
+from .capture import adapters
 from .capture.graph import module_path
 from .plan.layout import uneven_split
 from .plan.placement import R, Placement
@@ -85,7 +86,8 @@ def build_plan(model, ctx: PassContext, dtype: torch.dtype, tokens: int) -> Shar
     """The report of one rewritten graph (``ctx`` after every pass) of ``model`` (the meta model)."""
     captured, gplan, tp = ctx.captured, ctx.gplan, ctx.group.size
     aliases = OrderedDict()
-    for name, p in model.named_parameters(remove_duplicate=False):
+    named = dict(adapters.named_parameters(model))  # Hugging Face names, where an adapter wraps a layer
+    for name, p in named.items():
         aliases.setdefault(id(p), []).append(name)
     # the passed values are nodes of the captured graph; bind erased the placeholders, their names stay
     reduced_names = {captured.params.get(v.name) for v in ctx.reduced if v.op == "placeholder"}
@@ -95,7 +97,7 @@ def build_plan(model, ctx: PassContext, dtype: torch.dtype, tokens: int) -> Shar
     for names in aliases.values():
         canonical = names[0]
         others = tuple(n for n in names if n != canonical)
-        shape = tuple(dict(model.named_parameters(remove_duplicate=False))[canonical].shape)
+        shape = tuple(named[canonical].shape)
         if canonical not in gplan.params:
             placement, reason = R, UNUSED
         else:

@@ -19,6 +19,7 @@ from ..errors import CaptureError
 from .static_cache import argument_name, cache_argument, cache_tensors, meta_cache, state_not_carried
 from .causal_mask import causal_without_mask
 from .dropout_sites import check_training_graph
+from .adapters import hf_name
 from .graph import CapturedGraph
 from .spec import GraphSpec
 
@@ -247,8 +248,8 @@ def _add_replaced_symbols(env, example, symbol_sources) -> None:
 def _bind(gm, example_inputs, model, example, output_names, state_names=frozenset()) -> CapturedGraph:
     param_names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        param_names.setdefault(id(p), name)
-    buffer_names = {id(b): name for name, b in model.named_buffers(remove_duplicate=False)}
+        param_names.setdefault(id(p), hf_name(name))  # an adapter's base layer: the base model's name
+    buffer_names = {id(b): hf_name(name) for name, b in model.named_buffers(remove_duplicate=False)}
     input_ids = {id(t): name for name, t in example.items()}
 
     params, buffers, inputs, sym_placeholders = {}, {}, {}, {}

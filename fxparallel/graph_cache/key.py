@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ..capture.adapters import adapters_of
 from ..version import __version__
 
 # config fields that name where the config came from, not what the model computes
@@ -117,6 +118,7 @@ def graph_key(meta, spec, group, device, dtype, options, report: bool) -> Option
         "model_class": f"{cls.__module__}.{cls.__qualname__}",
         "model_code": model_code_digest(meta),
         "config": _config(meta.config),
+        "adapters": adapters_of(meta),
         "dtype": str(dtype),
         "device": str(torch.device(device)),
         "tp": [group.size, group.rank, group.handle],

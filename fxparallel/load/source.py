@@ -28,6 +28,7 @@ class ModelSource:
     state_dict: Optional[dict] = None  # weights of a given in-memory model
     model_class: Optional[type] = None
     hub_kwargs: dict = field(default_factory=dict)
+    adapter: Optional[object] = None  # a LoRA adapter on the model (load/adapter_files.AdapterSource)
 
 
 def causal_lm_class(config, where: str, trust_remote_code: bool) -> Optional[type]:
@@ -126,7 +127,7 @@ def _invalid_loaded_config(name: str, hub_kwargs: dict, err: Exception) -> Confi
 
 
 def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=None, token=None,
-                   trust_remote_code=False) -> ModelSource:
+                   trust_remote_code=False, is_trainable: bool = False) -> ModelSource:
     from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
     hub_kwargs = {k: v for k, v in dict(revision=revision, cache_dir=cache_dir, token=token).items() if v is not None}
@@ -148,13 +149,34 @@ def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=Non
         except StrictDataclassError as err:
             raise _invalid_loaded_config(name, hub_kwargs, err) from err
         except (OSError, ValueError) as err:
-            raise CheckpointError(_config_error(name, hub_kwargs, err)) from err
+            adapter = _adapter_source(name, hub_kwargs, is_trainable)
+            if adapter is None:
+                raise CheckpointError(_config_error(name, hub_kwargs, err)) from err
+            # a PEFT adapter: the base model it names, with the adapter on it
+            base = resolve_source(adapter.config.base_model_name_or_path, revision=None, cache_dir=cache_dir,
+                                  local_files_only=local_files_only, token=token,
+                                  trust_remote_code=trust_remote_code)
+            base.adapter = adapter
+            return base
         check_checkpoint_not_quantized(config, repr(name))
         model_class = causal_lm_class(config, repr(name), trust_remote_code)
         return ModelSource(config, checkpoint=name, model_class=model_class, hub_kwargs=hub_kwargs)
     raise FxParallelError(
         f"model must be a hub id, a directory, a PretrainedConfig or a PreTrainedModel; got {type(model).__name__}"
     )
+
+
+def _adapter_source(name: str, hub_kwargs: dict, is_trainable: bool):
+    """The PEFT adapter in ``name`` (load/adapter_files.py), or None where it holds none."""
+    from .adapter_files import is_adapter, read_adapter
+
+    if not is_adapter(name, hub_kwargs):
+        return None
+    adapter = read_adapter(name, hub_kwargs, trainable=is_trainable)
+    if not adapter.config.base_model_name_or_path:
+        raise CheckpointError(f"{adapter.where}: its adapter_config.json names no base_model_name_or_path; pass the "
+                              "base model to fxparallel.parallelize and load the adapter with model.load_adapter")
+    return adapter
 
 
 def default_dtype(config) -> torch.dtype:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Union
 
+from ..capture import adapters
 from ..errors import ShardingError
 from .plan import ShardingPlan
 
@@ -36,7 +37,7 @@ def fixed_placements(plan: ShardingPlan, meta, tp: int) -> dict:
         raise ShardingError(f"the saved plan is for model type {plan.model_type!r}, this model is {kind!r}")
     if plan.tp != tp:
         raise ShardingError(f"the saved plan splits over tp={plan.tp} ranks, this tp_group has {tp}")
-    shapes = {name: tuple(p.shape) for name, p in meta.named_parameters(remove_duplicate=False)}
+    shapes = {name: tuple(p.shape) for name, p in adapters.named_parameters(meta)}
     planned = set()
     fixed = {}
     for p in plan.params:

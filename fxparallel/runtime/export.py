@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from ..capture.adapters import is_adapter_parameter
 from ..errors import ArgumentError, CheckpointError
 from ..ops.collectives import gather_full_to, gather_parts_to
 from .dtensor import full_tensor, local_part, tp_of
@@ -74,21 +75,25 @@ def _gather(model, scope: ExportScope, dtype: Optional[torch.dtype]) -> dict:
     return _named_full(model, dtype, lambda param, plan: full_tensor(param, plan, scope.tp))
 
 
-def _gather_to_writer(model, scope: ExportScope, dtype: Optional[torch.dtype], refusal: Optional[Exception] = None
-                      ) -> dict:
+def _gather_to_writer(model, scope: ExportScope, dtype: Optional[torch.dtype], refusal: Optional[Exception] = None,
+                      only=None) -> dict:
     """``_gather``'s dict on the writer; empty on the other ranks, which only send their pieces
-    (collective over the scope; nothing is gathered when no rank writes)."""
+    (collective over the scope; nothing is gathered when no rank writes). ``only``: a test of the
+    parameter names to gather (None: all)."""
     route = _route(scope, refusal)
     if route is None:
         return {}
     reshard(model)
-    return _named_full(model, dtype, lambda param, plan: _full_on_writer(param, plan, scope.tp, route))
+    return _named_full(model, dtype, lambda param, plan: _full_on_writer(param, plan, scope.tp, route), only)
 
 
-def _named_full(model, dtype: Optional[torch.dtype], full_of) -> dict:
-    """{name and alias: ``full_of(param, plan)`` on CPU in ``dtype``}, skipping None (one parameter at a time)."""
+def _named_full(model, dtype: Optional[torch.dtype], full_of, only=None) -> dict:
+    """{name and alias: ``full_of(param, plan)`` on CPU in ``dtype``}, skipping None (one parameter at a time);
+    ``only``: a test of the names to gather (None: all)."""
     state = {}
     for name, param in model.local_named_parameters():
+        if only is not None and not only(name):
+            continue
         plan = model.plan.param(name)
         full = full_of(param, plan)
         if full is not None:
@@ -264,12 +269,20 @@ def write_pretrained(model, directory: str, scope: ExportScope, *, dtype: Option
     """Gather every tensor over ``scope`` and write ``directory`` on its writer (collective).
     ``save_kwargs`` go to transformers' ``save_pretrained`` (max_shard_size, variant, ...); ``refusal``: this
     rank's arguments were refused (raised on every rank after the first exchange, see ``_route``).
-    Returns the directory on the writer, None elsewhere."""
-    state = _gather_to_writer(model, scope, dtype, refusal)
+    With a LoRA adapter attached only the adapter is written, in PEFT's layout, as transformers does
+    (``adapter_export.py``). Returns the directory on the writer, None elsewhere."""
+    from .adapter_export import write_adapter
+
+    adapters = getattr(model, "peft_config", None) or {}
+    only = is_adapter_parameter if adapters else None
+    state = _gather_to_writer(model, scope, dtype, refusal, only)
     error = None
     if scope.writer:
         try:
-            _save(model, state, directory, dtype, save_kwargs)
+            if adapters:
+                write_adapter(adapters, state, directory)
+            else:
+                _save(model, state, directory, dtype, save_kwargs)
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             error = err
     del state

@@ -1,0 +1,73 @@
+"""A PEFT LoRA adapter as a source of weights: ``adapter_config.json`` (JSON, read by PEFT's own config
+class) and ``adapter_model.safetensors``, in a local directory or a hub repo. A pickled
+``adapter_model.bin`` is refused (no code from data). Stored names are PEFT's:
+``base_model.model.<module>.lora_A.weight`` holds the parameter ``<module>.lora_A.<adapter>.weight``."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from ..capture.adapters import check_lora_config
+from ..errors import CheckpointError
+from .checkpoint_files import CheckpointFiles, from_file
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PICKLED = "adapter_model.bin"
+PREFIX = "base_model.model."
+
+
+@dataclass
+class AdapterSource:
+    config: object  # peft.LoraConfig
+    name: str = "default"
+    files: Optional[CheckpointFiles] = None  # None: initialized as PEFT initializes (add_adapter)
+    trainable: bool = False  # only the adapter's matrices take gradients; the base model is frozen
+    where: str = ""  # the directory or hub id, for messages
+
+
+def stored_name(name: str, adapter: str) -> str:
+    """The name PEFT stores the adapter parameter ``name`` under (its adapter name left out)."""
+    return PREFIX + name.replace(f".{adapter}.", ".")
+
+
+def _file(name: str, filename: str, hub_kwargs: dict) -> Optional[str]:
+    if os.path.isdir(name):
+        path = os.path.join(name, filename)
+        return path if os.path.isfile(path) else None
+    from .hub import _download
+
+    return _download(name, filename, hub_kwargs, None)
+
+
+def is_adapter(name: str, hub_kwargs: dict) -> bool:
+    """Whether ``name`` (a directory or hub id) holds a PEFT adapter (its adapter_config.json)."""
+    try:
+        return _file(name, CONFIG, hub_kwargs) is not None
+    except CheckpointError:
+        return False
+
+
+def read_adapter(name: str, hub_kwargs: dict, adapter_name: str = "default", trainable: bool = False) -> AdapterSource:
+    """The adapter in ``name``: its LoraConfig (checked: LoRA only, supported options) and weights file."""
+    try:
+        from peft import PeftConfig
+    except ImportError as err:
+        raise CheckpointError(f"{name!r} is a PEFT adapter, which needs the peft package: pip install "
+                              "'fxparallel[peft]'") from err
+
+    where = repr(name)
+    try:
+        config = PeftConfig.from_pretrained(_file(name, CONFIG, hub_kwargs).rsplit(os.sep, 1)[0])
+    except Exception as err:  # noqa: BLE001 - a bad or unknown config, named
+        raise CheckpointError(f"{where}: {CONFIG} cannot be read as a PEFT config: {type(err).__name__}: {err}") \
+            from err
+    check_lora_config(config, where)
+    weights = _file(name, WEIGHTS, hub_kwargs)
+    if weights is None:
+        pickled = _file(name, PICKLED, hub_kwargs) is not None
+        raise CheckpointError(f"{where} has no {WEIGHTS}" + (f"; its {PICKLED} is a pickle, which fxparallel does not "
+                                                            "load (save the adapter with safe_serialization=True)"
+                                                            if pickled else ""))
+    return AdapterSource(config, adapter_name, from_file(weights), trainable, where)

@@ -1,0 +1,126 @@
+"""LoRA adapters on the parallel model (issue 36, first part): ``parallelize(adapter_dir)`` takes a PEFT LoRA
+adapter saved by PEFT (its base from ``base_model_name_or_path``), injects PEFT's own LoRA layers into the
+captured model and lets the solver place the adapter matrices. Against ``PeftModel`` on one device at TP=2:
+logits, loss, every adapter gradient (``is_trainable=True``), greedy ``generate``; the base model is frozen
+(no gradient, no gradient buffer) and a default load freezes the adapter too (PEFT's inference default);
+``save_pretrained`` writes the adapter only (PEFT's layout) and PEFT loads it to the same logits. Refused by
+name before any capture: other PEFT methods, LoRA options not supported yet (DoRA), a pickled adapter."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+
+
+def _adapter(root: str, **options) -> str:
+    """A tiny Llama checkpoint and a LoRA adapter of it with nonzero B (PEFT's default B is zero)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from models import save_checkpoint, tiny_config
+
+    base = save_checkpoint(tiny_config("llama"), os.path.join(root, "base"))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, **options)
+    path = os.path.join(root, "adapter")
+    get_peft_model(model, config).save_pretrained(path)
+    return path
+
+
+def _reference(adapter: str, trainable: bool):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(adapter), "base"), dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter, is_trainable=trainable)
+
+
+def _ranks(rank, world, adapter):
+    import torch.distributed as dist
+
+    import fxparallel
+    from fxparallel.capture.adapters import hf_name, is_adapter_parameter
+
+    out = {}
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    # training: the adapter's gradients against PEFT's, the base frozen
+    model = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32, is_trainable=True)
+    ref = _reference(adapter, trainable=True)
+    loss, ref_loss = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+    loss.backward()
+    ref_loss.backward()
+    out["loss"] = (loss - ref_loss).abs().item()
+    ref_params = {hf_name(n.removeprefix("base_model.model.")): p for n, p in ref.named_parameters()}
+    grad_err, adapters, base_with_grad = 0.0, 0, []
+    for name, p in model.named_parameters():
+        if is_adapter_parameter(name):
+            expected = model.plan.param(name).shard_of(ref_params[name].grad, rank, world)
+            grad_err = max(grad_err, (p.grad - expected).abs().max().item())
+            adapters += 1
+        elif p.requires_grad or p.grad is not None:
+            base_with_grad.append(name)
+    out["grad"], out["adapter matrices"] = grad_err, adapters
+    out["reference adapter matrices"] = sum(1 for n in ref_params if is_adapter_parameter(n))
+    out["base with grad"] = base_with_grad
+    # inference (PEFT's default): nothing takes gradients; logits and tokens as PeftModel's
+    model = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32)
+    ref = _reference(adapter, trainable=False)
+    out["trainable by default"] = [n for n, p in model.named_parameters() if p.requires_grad]
+    with torch.no_grad():
+        out["logits"] = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+    tokens = model.generate(input_ids=ids[:, :5], attention_mask=mask, max_new_tokens=6, do_sample=False)
+    expected = ref.generate(input_ids=ids[:, :5], attention_mask=mask, max_new_tokens=6, do_sample=False)
+    out["generate"] = torch.equal(tokens, expected)
+    # saved at TP=2: the adapter alone, as PEFT writes it, loaded by PEFT on one device
+    saved = os.path.join(os.path.dirname(adapter), "saved")
+    model.save_pretrained(saved)
+    dist.barrier()
+    out["files"] = sorted(os.listdir(saved))
+    with torch.no_grad():
+        out["reloaded"] = (_reference(saved, trainable=False)(input_ids=ids).logits - ref(input_ids=ids).logits
+                           ).abs().max().item()
+    return out
+
+
+def test_lora_adapter_matches_peft_at_tp2(tmp_path):
+    adapter = _adapter(str(tmp_path))
+    for r in run_ranks(2, _ranks, adapter):
+        assert r["loss"] < 1e-5 and r["logits"] < 1e-5 and r["grad"] < 1e-5 and r["reloaded"] < 1e-5, r
+        assert r["adapter matrices"] == r["reference adapter matrices"] == 2 * len(TARGETS) * 2, r
+        assert r["base with grad"] == [] and r["trainable by default"] == [], r
+        assert r["generate"], r
+        assert r["files"] == ["adapter_config.json", "adapter_model.safetensors"], r
+
+
+def test_other_methods_and_options_are_refused_by_name(tmp_path):
+    from peft import IA3Config, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import fxparallel
+    from fxparallel.errors import ArgumentError, CheckpointError
+    from models import save_checkpoint, tiny_config
+
+    dora = _adapter(str(tmp_path / "dora"), use_dora=True)
+    with pytest.raises(ArgumentError, match=r"DoRA \(use_dora=True\) is not supported"):
+        fxparallel.plan_model(dora, 2)
+    base = save_checkpoint(tiny_config("llama"), str(tmp_path / "base"))
+    ia3 = str(tmp_path / "ia3")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base), IA3Config(target_modules=["k_proj"],
+                                                                        feedforward_modules=[])).save_pretrained(ia3)
+    with pytest.raises(ArgumentError, match="the adapter is IA3; the parallel model supports LoRA adapters only"):
+        fxparallel.plan_model(ia3, 2)
+    pickled = _adapter(str(tmp_path / "pickled"))
+    torch.save({}, os.path.join(pickled, "adapter_model.bin"))
+    os.remove(os.path.join(pickled, "adapter_model.safetensors"))
+    with pytest.raises(CheckpointError, match="no adapter_model.safetensors; its adapter_model.bin is a pickle"):
+        fxparallel.parallelize(pickled, fxparallel.fake_group(1), dtype=torch.float32)
+    with open(os.path.join(dora, "adapter_config.json")) as f:
+        assert json.load(f)["use_dora"] is True
