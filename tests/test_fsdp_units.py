@@ -126,19 +126,23 @@ def _split_vs_whole(path, mesh):
 
 def _unsplit_graph_is_refused(model, mesh):
     """A later graph that could not be split cannot run on FSDP layer units: clear error."""
+    import dataclasses
+
     from fxparallel.errors import ShardingError
     from fxparallel.runtime import apply_data_parallel
 
     for p in model.parameters():
         p.grad = None
     model = apply_data_parallel(model, mesh)
-    model.skip_passes = ("split_by_layer",)  # the next graph (a new argument set) stays whole
+    factory = model._graph_set.factory
+    options = factory.options
+    factory.options = dataclasses.replace(options, skip_passes=("split_by_layer",))  # the next graph stays whole
     try:
         model(input_ids=torch.zeros(2, 8, dtype=torch.long), attention_mask=torch.ones(2, 8, dtype=torch.long))
     except ShardingError as err:
         return str(err)
     finally:
-        model.skip_passes = ()
+        factory.options = options
     return None
 
 
