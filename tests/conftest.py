@@ -14,8 +14,6 @@
 """
 import os
 import sys
-import os
-import sys
 import tempfile
 
 import pytest
