@@ -1,5 +1,9 @@
-"""Comparisons of a parallelized model with the single-device transformers model (run inside ranks)."""
+"""Comparisons of a parallelized model with the single-device transformers model (run inside ranks), and the
+small helpers the tests share: the largest difference of two sets of tensors, what a call raised, a saved
+dequantized checkpoint checked, an example script loaded."""
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -96,3 +100,46 @@ def single_process_training(path: str, *, steps: int, save_at: int, optimizer, r
     with torch.no_grad():
         ref["logits"] = model(input_ids=data.global_batch_at(steps)["input_ids"]).logits
     return ref
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference over tensors (or arrays) of the same names; the names must agree."""
+    assert set(a) == set(b), set(a) ^ set(b)
+    return max((torch.as_tensor(a[k]) - torch.as_tensor(b[k])).abs().max().item() for k in a)
+
+
+def raised(fn, kind=Exception) -> str:
+    """What ``fn()`` raised, as "Type: message", or "no error"; an error not of ``kind`` propagates."""
+    try:
+        fn()
+    except kind as err:  # the type and message are what the tests check
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def check_saved_dequantized(directory: str, expected) -> dict:
+    """save_pretrained of a model loaded from a quantized checkpoint wrote a config without quantization_config
+    and float32 weights equal to ``expected()`` (a state dict, read after the saved model is loaded); returns
+    the saved state dict."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(directory, "config.json")) as f:
+        assert "quantization_config" not in json.load(f)
+    saved = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
+    reference = expected()
+    for name, t in saved.items():
+        assert t.dtype == torch.float32 and torch.equal(t, reference[name]), name
+    return saved
+
+
+def load_example(name: str = "train_3d", module_name: str = None):
+    """examples/<name>.py as a module (not registered in sys.modules)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(module_name or name, path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example

@@ -1,3 +1,17 @@
+"""Fixtures shared by the whole suite, and the suite's layout:
+
+* ``tests/unit/`` and ``tests/rules/``: tests that start no process (fake groups, op rules, the solver, plan
+  data, graph-cache files, runtime pieces); ``pytest tests/unit tests/rules`` runs them in about a minute.
+  ``tests/rules/`` holds a rule-level test per rule family (``fxparallel/plan/rules/<family>.py``) and the
+  sweep of every op the traits table knows (``test_rule_sweep.py``).
+* ``tests/`` (top level): tests that start ranks (``distributed.run_ranks``) or other processes, or need a GPU,
+  in files that may also hold a few single-process cases.
+* Shared helpers: ``checks.py`` (comparisons with transformers, ``max_diff``, ``raised``, ...),
+  ``distributed.py`` (``run_ranks``: a rank body must be a module-level function of an importable module),
+  ``models.py`` (tiny checkpoints), ``hub.py``, ``fp8_checkpoints.py``, ``quantized_checkpoints.py``,
+  ``rules/rule_graphs.py`` (rule tests). This folder is put on ``sys.path`` below, so every test module
+  imports them by name, wherever it sits.
+"""
 import os
 import sys
 import tempfile

@@ -27,6 +27,13 @@ GPT_OSS = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden
                max_position_embeddings=64, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
 
 
+def stored_tensors(path: str) -> dict:
+    """Every tensor of a single-file checkpoint directory, as stored."""
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
 def gpt_oss_config(**overrides):
     from transformers import GptOssConfig
 

@@ -276,13 +276,11 @@ def _damaged(rank, base, mesh, model, opt):
 
 def _run_example(workdir, args):
     import contextlib
-    import importlib.util
     import io
 
-    spec = importlib.util.spec_from_file_location(
-        "train_3d", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "train_3d.py"))
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    from checks import load_example
+
+    example = load_example("train_3d")
     os.makedirs(workdir, exist_ok=True)
     cwd = os.getcwd()
     os.chdir(workdir)

@@ -16,15 +16,16 @@ to what ``ct_fp8_reference`` (plain torch: the weight in the scale's dtype times
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 
 import pytest
 import torch
 
+from checks import check_saved_dequantized
 from distributed import run_ranks
 from models import tiny_config
-from quantized_checkpoints import (ct_fp8_checkpoint, ct_fp8_reference, ct_quantization_config, transformers_ct)
+from quantized_checkpoints import (ct_fp8_checkpoint, ct_fp8_reference, ct_quantization_config, stored_tensors,
+                                   transformers_ct)
 
 TOL = 1e-5
 transformers_loader = pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None,
@@ -51,12 +52,6 @@ def _moe_checkpoint(directory: str) -> str:
     return ct_fp8_checkpoint(directory, config, seed=5)
 
 
-def _stored(path: str) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(path, "model.safetensors"))
-
-
 def _reference(path: str, dtype=torch.float32):
     """transformers' decompressed model, or (without the compressed-tensors package) a float copy of the
     checkpoint dequantized by ``ct_fp8_reference``."""
@@ -67,7 +62,7 @@ def _reference(path: str, dtype=torch.float32):
 
         config = AutoConfig.from_pretrained(path)
         del config.quantization_config
-        stored = _stored(path)
+        stored = stored_tensors(path)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.load_state_dict({n: ct_fp8_reference(stored[n], stored[n + "_scale"], dtype) if n + "_scale" in stored
                                else stored[n].to(dtype) for n in model.state_dict()})
@@ -81,10 +76,10 @@ def _reference(path: str, dtype=torch.float32):
 def test_layout_is_the_one_transformers_loads_and_dequantizes_as_the_format_says(ct):
     model, info = transformers_ct(ct["path"], output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"], info
-    assert info["unexpected_keys"] == {n for n in _stored(ct["path"]) if n.endswith("input_scale")}  # not applied
+    assert info["unexpected_keys"] == {n for n in stored_tensors(ct["path"]) if n.endswith("input_scale")}  # not applied
     assert getattr(model.config, "quantization_config", None) is None
     assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith("proj"))  # dense
-    stored = _stored(ct["path"])
+    stored = stored_tensors(ct["path"])
     kinds = set()
     for name, p in model.named_parameters():
         if name + "_scale" in stored:
@@ -101,7 +96,7 @@ def test_any_piece_reads_its_rows_scales_only(ct):
     from fxparallel.load.fp8 import read_dequantized
     from fxparallel.load.safetensors_io import SafetensorsFile
 
-    stored = _stored(ct["path"])
+    stored = stored_tensors(ct["path"])
     with SafetensorsFile(os.path.join(ct["path"], "model.safetensors")) as handle:
         for name, block in (("model.layers.0.mlp.up_proj.weight", (1, 64)),  # [128, 64], scales [128, 1]
                             ("model.layers.1.self_attn.q_proj.weight", (64, 64))):  # [64, 64], scale [1]
@@ -164,7 +159,7 @@ def test_compressed_tensors_fp8_matches_transformers_dequantized_at_tp_1_2_3_4(c
     save_to = str(ct["root"] / "saved-tp2")
     moe = _moe_checkpoint(str(ct["root"] / "moe")) if importlib.util.find_spec("compressed_tensors") else None
     per_rank = run_ranks(4, _compare, ct["path"], save_to, moe)
-    stored = _stored(ct["path"])
+    stored = stored_tensors(ct["path"])
     total = sum(t.numel() * t.element_size() for t in stored.values())
     inputs = sum(t.numel() * t.element_size() for n, t in stored.items() if n.endswith("input_scale"))
     by_tp = {}
@@ -189,7 +184,7 @@ def test_compressed_tensors_fp8_matches_transformers_dequantized_at_tp_1_2_3_4(c
     print(f"compressed-tensors fp8 Llama: tensors {total} B (input scales {inputs} B); read per rank: " + "; ".join(
         f"tp={tp}: " + ", ".join(f"{by_tp[tp][r]} B ({100 * by_tp[tp][r] / total:.1f}%)" for r in sorted(by_tp[tp]))
         for tp in (2, 3, 4)))
-    _check_saved(save_to, ct["path"])
+    check_saved_dequantized(save_to, lambda: _reference(ct["path"]).state_dict())
 
 
 def _expected_bytes(model, path: str, rank: int, tp: int) -> int:
@@ -212,17 +207,6 @@ def _expected_bytes(model, path: str, rank: int, tp: int) -> int:
                 rows = 1 if scale.shape == (1,) else bounds[0][1] - bounds[0][0]
                 total += rows * scale.itemsize
     return total
-
-
-def _check_saved(directory: str, path: str) -> None:
-    from transformers import AutoModelForCausalLM
-
-    with open(os.path.join(directory, "config.json")) as f:
-        assert "quantization_config" not in json.load(f)
-    saved = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    expected = _reference(path).state_dict()
-    for name, t in saved.state_dict().items():
-        assert t.dtype == torch.float32 and torch.equal(t, expected[name]), name
 
 
 # ---- refused by name ---------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checks import as_numpy, full_values, mask_some_labels
+from checks import as_numpy, full_values, mask_some_labels, max_diff
 from distributed import run_ranks
 
 STEPS = 3
@@ -160,11 +160,6 @@ def world4(paths):
     return run_ranks(4, _world4, paths["model"], paths["roots"], paths["sliding"], timeout=600)
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert set(a) == set(b), set(a) ^ set(b)
-    return max((torch.as_tensor(a[k]) - torch.as_tensor(b[k])).abs().max().item() for k in a)
-
-
 # ---- tests on 4 ranks ----------------------------------------------------------------------
 def test_every_layout_trains_like_single_process(world4, reference):
     assert any(norm > MAX_NORM for _, norm in reference["history"])  # clipping was active
@@ -175,21 +170,21 @@ def test_every_layout_trains_like_single_process(world4, reference):
         for (loss, norm), (ref_loss, ref_norm) in zip(runs[0]["history"], reference["history"]):
             assert abs(loss - ref_loss) < TOL, (name, runs[0]["history"], reference["history"])
             assert abs(norm - ref_norm) < TOL, (name, norm, ref_norm)  # global grad norm before clipping
-        assert _max_diff(runs[0]["grads"], reference["grads"]) < TOL, name  # every parameter, last step
-        assert _max_diff(runs[0]["params"], reference["params"]) < PARAM_TOL, name
+        assert max_diff(runs[0]["grads"], reference["grads"]) < TOL, name  # every parameter, last step
+        assert max_diff(runs[0]["params"], reference["params"]) < PARAM_TOL, name
         assert (torch.as_tensor(runs[0]["logits"]) - reference["logits"]).abs().max().item() < TOL, name
 
 
 def test_checkpoints_move_between_cp_and_plain_layouts(world4, reference):
     savers = {"cp": "1x2x2", "plain": "2x2x1"}
     for saver in savers.values():
-        assert _max_diff(world4[0][saver]["saved_params"], reference["saved_params"]) < PARAM_TOL, saver
+        assert max_diff(world4[0][saver]["saved_params"], reference["saved_params"]) < PARAM_TOL, saver
     for name, _, _, _, _, load_from in LAYOUTS:
         first, saver = world4[0][name], savers[load_from]
         layout = {"dp": int(saver[0]), "tp": int(saver[2]), "cp": int(saver[4])}
         assert first["loaded"] == {"step": SAVE_AT, "layout": layout}, name
         # bit-exact, whatever the layouts: CP -> no CP (2x2x1), no CP -> CP (2x1x2), CP -> CP (1x1x4)
-        assert _max_diff(first["loaded_params"], world4[0][saver]["saved_params"]) == 0.0, (name, saver)
+        assert max_diff(first["loaded_params"], world4[0][saver]["saved_params"]) == 0.0, (name, saver)
 
 
 def test_resume_gives_the_same_losses(world4):

@@ -12,12 +12,12 @@ copy dequantized by transformers' FP8Linear dequantization (fp8_checkpoints.dequ
 Every multi-rank case runs in one spawned group of 4 ranks (``_every_case``), whose results the tests assert."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
+from checks import check_saved_dequantized
 from distributed import run_ranks
 from fp8_checkpoints import (ALIGNED, UNALIGNED, dequantized_copy, fp8_checkpoint, transformers_dequantized)
 from models import tiny_config
@@ -184,7 +184,8 @@ def test_fp8_matches_transformers_dequantized(fp8, on_ranks, tp):
             _check_bytes_read(fp8[kind], [r[kind] for r in per_rank], tp)
     if tp == 2:
         for kind in ("aligned", "unaligned"):
-            _check_saved(os.path.join(on_ranks["saved"], kind), _reference(fp8, kind))
+            reference = _reference(fp8, kind)
+            check_saved_dequantized(os.path.join(on_ranks["saved"], kind), reference.state_dict)
 
 
 def _expected_bytes(model, path: str, rank: int, tp: int) -> int:
@@ -226,18 +227,6 @@ def _check_bytes_read(path: str, results: list, tp: int) -> None:
           f"tp={tp}: "
           + ", ".join(f"rank {i} {r['bytes_read']} B ({100 * r['bytes_read'] / total:.1f}%)"
                       for i, r in enumerate(results)))
-
-
-def _check_saved(directory: str, reference) -> None:
-    """save_pretrained wrote the dequantized weights and a config without quantization_config."""
-    from transformers import AutoModelForCausalLM
-
-    with open(os.path.join(directory, "config.json")) as f:
-        assert "quantization_config" not in json.load(f)
-    saved = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    expected = reference.state_dict()
-    for name, t in saved.state_dict().items():
-        assert t.dtype == torch.float32 and torch.equal(t, expected[name]), name
 
 
 def test_default_dtype_bf16_weights_equal_transformers_bit_for_bit(fp8):

@@ -16,7 +16,7 @@ import logging
 import pytest
 import torch
 
-from checks import as_numpy, full_values
+from checks import as_numpy, full_values, max_diff
 from distributed import free_port, run_ranks
 
 LAYERS = 2
@@ -243,11 +243,6 @@ def world2(on_ranks):
     return world2
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert set(a) == set(b), set(a) ^ set(b)
-    return max((torch.as_tensor(a[k]) - torch.as_tensor(b[k])).abs().max().item() for k in a)
-
-
 FAMILY = {"tp2xdp2": "qwen3", "tp1xdp2": "llama"}
 
 
@@ -286,8 +281,8 @@ def test_training_matches_single_process(world4, world2, references):
             if key not in per_rank[0]:
                 continue
             run = per_rank[0][key]  # full tensors are the same on every rank
-            assert _max_diff(run["grads"], reference["grads"]) < TOL, key  # every parameter, first step
-            assert _max_diff(run["params"], reference["params"]) < PARAM_TOL, key  # after the AdamW steps
+            assert max_diff(run["grads"], reference["grads"]) < TOL, key  # every parameter, first step
+            assert max_diff(run["params"], reference["params"]) < PARAM_TOL, key  # after the AdamW steps
             if key == "layers":  # logits from a graph captured after wrapping
                 assert run["new_graphs"] == 1
                 assert (torch.as_tensor(run["logits"]) - reference["logits"]).abs().max().item() < TOL, key
@@ -304,8 +299,8 @@ def test_bf16_mixed_precision(world4, world2, references):
         layers, root_only = r["bf16"], r["root_only"]
         # same bf16 graph, same ops in the same order: per-layer units change nothing numerically
         assert layers["losses"] == root_only["losses"]
-        assert _max_diff(layers["grads"], root_only["grads"]) == 0.0
-        assert _max_diff(layers["params"], root_only["params"]) == 0.0
+        assert max_diff(layers["grads"], root_only["grads"]) == 0.0
+        assert max_diff(layers["params"], root_only["params"]) == 0.0
 
 
 def test_graph_split_alone_changes_nothing(world4, world2):

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from checks import full_values
+from checks import full_values, max_diff
 from distributed import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -145,11 +145,6 @@ def _numpy(value):
     return value.numpy() if isinstance(value, torch.Tensor) else value
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float(abs(a[k] - b[k]).max()) for k in a)
-
-
 def test_fused_weights_checkpoint_across_layouts(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -168,10 +163,10 @@ def test_fused_weights_checkpoint_across_layouts(tmp_path):
             assert r["plan"] == PLANS[name], (name, r["plan"])
         for (loss, norm), (ref_loss, ref_norm) in zip(r["history"], _single_process(paths[name])):
             assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5, (name, r["history"])
-        assert _max_diff(r["reloaded"], r["saved"]) == 0.0, name
+        assert max_diff(r["reloaded"], r["saved"]) == 0.0, name
         for layout in (f"{dp}x{tp}" for tp, dp in LAYOUTS[name]):
-            assert _max_diff(r[f"loaded_{layout}"], r["saved"]) == 0.0, (name, layout)
-            assert _max_diff(r[f"loaded_state_{layout}"], r["saved_state"]) == 0.0, (name, layout)
+            assert max_diff(r[f"loaded_{layout}"], r["saved"]) == 0.0, (name, layout)
+            assert max_diff(r[f"loaded_state_{layout}"], r["saved_state"]) == 0.0, (name, layout)
         for rank in results:
             assert rank[name]["resumed_loss"] == rank[name]["next_loss"], name
         exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "runs" / name / "export"),

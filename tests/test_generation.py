@@ -4,6 +4,7 @@ all-reduces per decoded token and no logits gather, sampling identical on every 
 returned by forward(use_cache=True) accepted back, and clear errors for what is not supported."""
 from __future__ import annotations
 
+from checks import raised
 from distributed import run_ranks
 
 
@@ -18,14 +19,6 @@ class _Collect:
 
     def end(self):
         self.ended = True
-
-
-def _raises(fn) -> str:
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001 - the message is what is checked
-        return f"{type(err).__name__}: {err}"
-    return "no error"
 
 
 def _llama(rank, tp, path):
@@ -161,14 +154,14 @@ def _llama(rank, tp, path):
     graphs = len(model.graphs())  # planned at the example shape: another length reuses it
     model(input_ids=ids[:, 1:], attention_mask=mask[:, 1:], logits_to_keep=2)
     out["logits_to_keep, another length"] = len(model.graphs()) - graphs
-    out["logits_to_keep with labels"] = _raises(lambda: model(input_ids=ids, labels=ids, logits_to_keep=1))
-    out["logits_to_keep tensor"] = _raises(lambda: model(input_ids=ids, logits_to_keep=torch.tensor([6])))
+    out["logits_to_keep with labels"] = raised(lambda: model(input_ids=ids, labels=ids, logits_to_keep=1))
+    out["logits_to_keep tensor"] = raised(lambda: model(input_ids=ids, logits_to_keep=torch.tensor([6])))
     every = model(input_ids=ids, attention_mask=mask).logits
     out["logits_to_keep None / False"] = [torch.equal(model(input_ids=ids, attention_mask=mask, logits_to_keep=v).logits,
                                                       every) for v in (None, False)]
-    out["beam"] = _raises(lambda: model.generate(input_ids=ids, num_beams=2, max_new_tokens=2))
-    out["prompts differ"] = _raises(lambda: model.generate(input_ids=ids + rank, max_new_tokens=2, pad_token_id=0))
-    out["unknown argument"] = _raises(lambda: model.generate(input_ids=ids, max_new_tokens=2, assistant_model=ref))
+    out["beam"] = raised(lambda: model.generate(input_ids=ids, num_beams=2, max_new_tokens=2))
+    out["prompts differ"] = raised(lambda: model.generate(input_ids=ids + rank, max_new_tokens=2, pad_token_id=0))
+    out["unknown argument"] = raised(lambda: model.generate(input_ids=ids, max_new_tokens=2, assistant_model=ref))
     return out
 
 
@@ -223,12 +216,12 @@ def _families(rank, tp, paths):
         # max_new_tokens to at most 0", or a negative number)
         long = torch.randint(3, 120, (2, 66), generator=torch.Generator().manual_seed(2))
         if name == "gpt2":  # 64 learned positions: refused before any step
-            out["too long"] = _raises(lambda: model.generate(input_ids=ids, max_new_tokens=60, pad_token_id=0))
-            out["prompt fills the positions"] = _raises(lambda: model.generate(input_ids=long[:, :64],
+            out["too long"] = raised(lambda: model.generate(input_ids=ids, max_new_tokens=60, pad_token_id=0))
+            out["prompt fills the positions"] = raised(lambda: model.generate(input_ids=long[:, :64],
                                                                                max_new_tokens=2, pad_token_id=0))
         if name == "mistral":  # a window of 32 tokens: the cache would roll
-            out["past window"] = _raises(lambda: model.generate(input_ids=ids, max_new_tokens=40, pad_token_id=0))
-            out["prompt fills the window"] = _raises(lambda: model.generate(input_ids=long[:, :40], max_new_tokens=2,
+            out["past window"] = raised(lambda: model.generate(input_ids=ids, max_new_tokens=40, pad_token_id=0))
+            out["prompt fills the window"] = raised(lambda: model.generate(input_ids=long[:, :40], max_new_tokens=2,
                                                                             pad_token_id=0))
     return out
 

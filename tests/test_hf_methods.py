@@ -9,15 +9,8 @@ from __future__ import annotations
 import os
 import re
 
+from checks import raised
 from distributed import run_ranks
-
-
-def _raises(fn) -> str:
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001 - the type and message are what is checked
-        return f"{type(err).__name__}: {err}"
-    return "no error"
 
 
 def _max_diff(a, b) -> float:
@@ -103,18 +96,18 @@ def _hf_methods(rank, world, path, root):
         open(blocker, "w").close()
     dist.barrier()
     out["errors"] = {
-        "save into a file": _raises(lambda: model.save_pretrained(blocker)),  # rank 0 fails: every rank raises
-        "push_to_hub": _raises(lambda: model.save_pretrained(saved, push_to_hub=True)),
-        "state_dict": _raises(lambda: model.save_pretrained(saved, state_dict={})),
-        "safe_serialization": _raises(lambda: model.save_pretrained(saved, safe_serialization=False)),
-        "unknown save argument": _raises(lambda: model.save_pretrained(saved, save_function=print)),
-        "inputs_embeds": _raises(lambda: model(input_ids=ids, inputs_embeds=torch.zeros(2, 9, 64))),
-        "output_hidden_states": _raises(lambda: model(input_ids=ids, labels=ids, output_hidden_states=True)),
-        "device": _raises(lambda: model.to("meta")),
-        "prepare_inputs_for_generation": _raises(lambda: model.prepare_inputs_for_generation(ids)),
-        "get_decoder": _raises(lambda: model.get_decoder()),
-        "set_input_embeddings": _raises(lambda: model.set_input_embeddings(None)),
-        "resize_token_embeddings": _raises(lambda: model.resize_token_embeddings(256)),
+        "save into a file": raised(lambda: model.save_pretrained(blocker)),  # rank 0 fails: every rank raises
+        "push_to_hub": raised(lambda: model.save_pretrained(saved, push_to_hub=True)),
+        "state_dict": raised(lambda: model.save_pretrained(saved, state_dict={})),
+        "safe_serialization": raised(lambda: model.save_pretrained(saved, safe_serialization=False)),
+        "unknown save argument": raised(lambda: model.save_pretrained(saved, save_function=print)),
+        "inputs_embeds": raised(lambda: model(input_ids=ids, inputs_embeds=torch.zeros(2, 9, 64))),
+        "output_hidden_states": raised(lambda: model(input_ids=ids, labels=ids, output_hidden_states=True)),
+        "device": raised(lambda: model.to("meta")),
+        "prepare_inputs_for_generation": raised(lambda: model.prepare_inputs_for_generation(ids)),
+        "get_decoder": raised(lambda: model.get_decoder()),
+        "set_input_embeddings": raised(lambda: model.set_input_embeddings(None)),
+        "resize_token_embeddings": raised(lambda: model.resize_token_embeddings(256)),
     }
 
     # ---- to(dtype): equal to parallelizing in that dtype -------------------------------------------
@@ -143,7 +136,7 @@ def _hf_methods(rank, world, path, root):
     fsdp.save_pretrained(fsdp_dir)
     if rank == 0:
         out["fsdp saved logits"] = _saved_logits_error(fsdp_dir, ref, ids)
-    out["fsdp cast"] = _raises(lambda: fsdp.half())
+    out["fsdp cast"] = raised(lambda: fsdp.half())
     out["fsdp repr"] = repr(fsdp).splitlines()[0]
     return out
 

@@ -10,14 +10,15 @@ The checkpoint is first checked to be transformers' layout: its loader takes it 
 unexpected and dequantizes it to what ``mxfp4_reference`` (the format's definition in plain torch) gives."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
+from checks import check_saved_dequantized
 from distributed import run_ranks
-from quantized_checkpoints import (MXFP4_EXPERTS, mxfp4_checkpoint, mxfp4_reference, transformers_mxfp4)
+from quantized_checkpoints import (MXFP4_EXPERTS, mxfp4_checkpoint, mxfp4_reference, stored_tensors,
+                                   transformers_mxfp4)
 
 TOL = 1e-5
 
@@ -28,19 +29,13 @@ def mxfp4(tmp_path_factory):
     return {"path": mxfp4_checkpoint(str(root / "gpt-oss"), seed=3), "root": root}
 
 
-def _stored(path: str) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(path, "model.safetensors"))
-
-
 # ---- the checkpoint is the hub's layout, as transformers reads it (one process) ----------------------------
 
 def test_layout_is_the_one_transformers_loads_and_dequantizes_as_the_format_says(mxfp4):
     model, info = transformers_mxfp4(mxfp4["path"], output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert getattr(model.config, "quantization_config", None) is None  # transformers drops it once dequantized
-    stored = _stored(mxfp4["path"])
+    stored = stored_tensors(mxfp4["path"])
     experts = 0
     for name, p in model.named_parameters():
         if name + "_blocks" in stored:
@@ -58,7 +53,7 @@ def test_any_piece_reads_its_blocks_and_scales_only(mxfp4):
     from fxparallel.load.mxfp4 import read_dequantized
     from fxparallel.load.safetensors_io import SafetensorsFile
 
-    stored = _stored(mxfp4["path"])
+    stored = stored_tensors(mxfp4["path"])
     name = "model.layers.1.mlp.experts.down_proj"  # [4, 160, 64]: stored [4, 64, 160] in blocks of 32 columns
     full = mxfp4_reference(stored[name + "_blocks"], stored[name + "_scales"]).transpose(1, 2)
     handle = SafetensorsFile(os.path.join(mxfp4["path"], "model.safetensors"))
@@ -114,7 +109,7 @@ def _compare(rank, world, path, save_to):
 def test_mxfp4_matches_transformers_dequantized_at_tp_1_2_3_4(mxfp4):
     save_to = str(mxfp4["root"] / "saved-tp2")
     per_rank = run_ranks(4, _compare, mxfp4["path"], save_to)
-    total = sum(t.numel() * t.element_size() for t in _stored(mxfp4["path"]).values())
+    total = sum(t.numel() * t.element_size() for t in stored_tensors(mxfp4["path"]).values())
     by_tp = {}
     for rank, results in enumerate(per_rank):
         for tp, r in results.items():
@@ -159,15 +154,8 @@ def _expected_bytes(model, path: str, rank: int, tp: int) -> int:
 
 def _check_saved(directory: str, path: str) -> None:
     """save_pretrained wrote the dequantized weights (plain gate_up_proj / down_proj) and no quantization_config."""
-    from transformers import AutoModelForCausalLM
-
-    with open(os.path.join(directory, "config.json")) as f:
-        assert "quantization_config" not in json.load(f)
-    saved = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    expected = transformers_mxfp4(path).state_dict()
-    for name, t in saved.state_dict().items():
-        assert t.dtype == torch.float32 and torch.equal(t, expected[name]), name
-    assert any(n.endswith(MXFP4_EXPERTS[0]) for n in saved.state_dict())
+    saved = check_saved_dequantized(directory, lambda: transformers_mxfp4(path).state_dict())
+    assert any(n.endswith(MXFP4_EXPERTS[0]) for n in saved)
 
 
 # ---- refused by name ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from checks import raised
 from distributed import run_ranks
 
 GROUP_TIMEOUT = 30.0  # a rank left waiting in a collective fails after this (the test asserts far less)
@@ -16,11 +17,7 @@ GROUP_TIMEOUT = 30.0  # a rank left waiting in a collective fails after this (th
 def _raised(fn) -> tuple:
     """(the error's type and message, or "no error"; seconds taken)."""
     start = time.monotonic()
-    try:
-        fn()
-        message = "no error"
-    except Exception as err:  # noqa: BLE001 - the type and message are what is checked
-        message = f"{type(err).__name__}: {err}"
+    message = raised(fn)
     return message, time.monotonic() - start
 
 

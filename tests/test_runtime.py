@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from checks import full_values, mask_some_labels
+from checks import full_values, mask_some_labels, max_diff
 from distributed import run_ranks
 
 STEPS = 4  # two optimizer steps after the resume: a lost optimizer state shows in the second
@@ -160,16 +160,14 @@ def _run_example(rank, path, directory):
     """examples/train_3d.py at 1x2x1: train 3 steps (checkpoints at 2 and 3), lose the step-3
     checkpoint, then --resume: step 3 again from the step-2 checkpoint."""
     import contextlib
-    import importlib.util
     import io
     import shutil
 
     import torch.distributed as dist
 
-    spec = importlib.util.spec_from_file_location(
-        "train_3d", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "train_3d.py"))
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    from checks import load_example
+
+    example = load_example("train_3d")
     save_dir = os.path.join(directory, "ckpt")
     args = ["--model", path, "--tp", "2", "--dp", "1", "--cp", "1", "--steps", "3", "--global-batch", "4",
             "--seq-len", "16", "--save-dir", save_dir, "--save-every", "2"]
@@ -230,11 +228,6 @@ def _t(x):
     return torch.as_tensor(x)
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert set(a) == set(b), set(a) ^ set(b)
-    return max((_t(a[k]) - _t(b[k])).abs().max().item() for k in a)
-
-
 # ---- tests -----------------------------------------------------------------------------
 def test_every_layout_trains_like_single_process(world4, world2, reference):
     seen = []
@@ -247,8 +240,8 @@ def test_every_layout_trains_like_single_process(world4, world2, reference):
         for (loss, norm), (ref_loss, ref_norm) in zip(first["history"], reference["history"]):
             assert abs(loss - ref_loss) < TOL, (layout, first["history"], reference["history"])
             assert abs(norm - ref_norm) < TOL, (layout, norm, ref_norm)  # global grad norm before clipping
-        assert _max_diff(first["grads"], reference["grads"]) < TOL, layout  # clipped gradients of the last step
-        assert _max_diff(first["params"], reference["params"]) < PARAM_TOL, layout
+        assert max_diff(first["grads"], reference["grads"]) < TOL, layout  # clipped gradients of the last step
+        assert max_diff(first["params"], reference["params"]) < PARAM_TOL, layout
         assert (_t(first["logits"]) - reference["logits"]).abs().max().item() < TOL, layout
     assert sorted(seen) == ["1x2x1", "2x1x1", "2x2x1", "4x1x1"]
     assert any(norm > MAX_NORM for _, norm in reference["history"])  # clipping was active
@@ -270,15 +263,15 @@ def test_tp_ranks_of_a_dp_group_share_the_batch(world4):
 
 def test_checkpoint_loads_into_every_layout(world4, world2, reference):
     saved = world4[0]["2x2x1"]["saved_params"]
-    assert _max_diff(saved, reference["saved_params"]) < TOL
+    assert max_diff(saved, reference["saved_params"]) < TOL
     for layout, ranks in _layouts(world4, world2):
         first = ranks[0]
         assert first["loaded_meta"] == {"step": SAVE_AT, "layout": {"dp": 2, "tp": 2, "cp": 1}}, layout
-        assert _max_diff(first["loaded_params"], saved) == 0.0, layout  # bit-exact, whatever the layout
+        assert max_diff(first["loaded_params"], saved) == 0.0, layout  # bit-exact, whatever the layout
         # every optimizer state of every parameter, bit for bit (a load that skipped them would start Adam anew)
         optim = world4[0]["2x2x1"]["saved_optim"]
         assert sorted(first["loaded_optim"]) == sorted(optim) and len(optim) == 2 * len(saved) + 1, layout
-        assert _max_diff(first["loaded_optim"], optim) == 0.0, layout
+        assert max_diff(first["loaded_optim"], optim) == 0.0, layout
         assert first["loaded_optim"]["steps"].tolist() == [float(SAVE_AT)], layout
 
 
@@ -311,7 +304,7 @@ def test_export_loads_in_transformers_with_the_same_logits(world4, paths):
     trained = world4[0]["2x2x1"]
     exported = AutoModelForCausalLM.from_pretrained(paths["export"], dtype=torch.float32)
     # the export holds the 2x2 model as it was after the last step, and computes its logits
-    assert _max_diff({n: p.detach() for n, p in exported.named_parameters()}, trained["params"]) == 0.0
+    assert max_diff({n: p.detach() for n, p in exported.named_parameters()}, trained["params"]) == 0.0
     ids = StepBatches(_rows(), GLOBAL_BATCH, 0, 1).global_batch_at(STEPS)["input_ids"]
     with torch.no_grad():
         assert (exported(input_ids=ids).logits - _t(trained["logits"])).abs().max().item() < TOL

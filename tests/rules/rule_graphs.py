@@ -3,6 +3,8 @@ device (so every node carries its fake value, as in a model's graph), a rule cal
 its nodes, and the solver run on the whole graph. No process group is needed."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.fx as fx
 
@@ -29,6 +31,7 @@ def capture(fn, *shapes, params=()) -> fx.GraphModule:
 
     torch._dynamo.reset()
     torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*examples)
+    seen[0].meta["argument_names"] = list(inspect.signature(fn).parameters)
     return seen[0]
 
 
@@ -38,7 +41,13 @@ def node(gm, target) -> fx.Node:
 
 
 def inputs_of(gm) -> list:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+    """The placeholders in the order of ``fn``'s arguments (Dynamo orders them by first use)."""
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = gm.meta.get("argument_names")
+    if names is None:
+        return holders
+    position = {f"l_{name}_": i for i, name in enumerate(names)}
+    return sorted(holders, key=lambda n: position.get(n.name, len(names)))
 
 
 def strategies(n: fx.Node, placements: dict, tp: int = 2, layout=None) -> list:

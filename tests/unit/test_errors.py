@@ -133,7 +133,7 @@ def _sweep_meta_model(model_type: str):
 
     from fxparallel.capture import build_meta_model
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks"))
     from tiny_configs import tiny_config as sweep_config
 
     return build_meta_model(sweep_config(model_type), dtype=torch.float32)

@@ -2,7 +2,6 @@
 per-dp-rank batches, the lazy `datasets` path, and the refusal of context parallelism."""
 from __future__ import annotations
 
-import os
 import sys
 import types
 
@@ -148,12 +147,9 @@ def test_mixed_precision_needs_a_graph_captured_in_bf16():
 
 
 def test_train_3d_refuses_a_sequence_cp_cannot_split_before_starting(monkeypatch, capsys):
-    import importlib.util
+    from checks import load_example
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "train_3d.py")
-    spec = importlib.util.spec_from_file_location("train_3d_cli", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example("train_3d", "train_3d_cli")
     monkeypatch.setenv("CP_SIZE", "2")
     with pytest.raises(SystemExit) as exit_info:
         example.main(["--steps", "1", "--seq-len", "30"])

@@ -1,0 +1,23 @@
+"""plan/rules/cache.py: ``cache.index_copy_(dim, positions, new)`` writes a KV cache by the shard of the
+new keys / values (each rank caches its kv heads); a shard of the written dim, a segmented or blocked
+one, or replicated new values give a replicated cache."""
+from rule_graphs import capture, inputs_of, node, strategies
+
+from fxparallel.plan.placement import R, S
+
+
+def test_a_cache_is_written_by_the_shard_of_its_new_values():
+    gm = capture(lambda c, pos, new: c.index_copy_(2, pos, new), (2, 4, 8, 16), ("ids", (3,)), (2, 4, 3, 16))
+    c, pos, new = inputs_of(gm)
+    found = strategies(node(gm, "index_copy_"), {new: S(1)})
+    assert [(s.name, s.inputs, s.output) for s in found] == [
+        ("shard", {c: S(1), pos: R, new: S(1)}, S(1)), ("replicate", {c: R, pos: R, new: R}, R)]
+    for refused in (S(2), S(3, segments=(8, 8)), S(0, block=2), R):  # the written dim, segments, blocks, whole
+        assert [s.name for s in strategies(node(gm, "index_copy_"), {new: refused})] == ["replicate"]
+
+
+def test_a_negative_dim_is_the_same_dim():
+    gm = capture(lambda c, pos, new: c.index_copy_(-2, pos, new), (2, 4, 8, 16), ("ids", (3,)), (2, 4, 3, 16))
+    c, pos, new = inputs_of(gm)
+    assert [s.output for s in strategies(node(gm, "index_copy_"), {new: S(1)})] == [S(1), R]
+    assert [s.output for s in strategies(node(gm, "index_copy_"), {new: S(2)})] == [R]

@@ -1,0 +1,58 @@
+"""plan/rules/elementwise.py: a pointwise op is sharded where a sharded input lines up with its output
+(inputs aligned from the right), slicing a replicated operand of full size and using a broadcast one
+whole; a blocked or segmented shard passes through as it is; torch.max / min are pointwise with a second
+tensor and a reduction along ``dim`` otherwise."""
+import operator
+
+import torch
+from rule_graphs import capture, inputs_of, node, strategies
+
+from fxparallel.plan.placement import R, S
+
+
+def test_operands_aligned_from_the_right_sliced_or_broadcast():
+    gm = capture(lambda x, b: x + b, (3, 6, 16), (16,))
+    x, b = inputs_of(gm)
+    found = strategies(node(gm, operator.add), {x: S(2)})
+    assert [(s.inputs, s.output) for s in found] == [({x: S(2), b: S(0)}, S(2)), ({x: R, b: R}, R)]
+    gm = capture(lambda x, b: x * b, (3, 6, 16), (6, 1))
+    x, b = inputs_of(gm)
+    assert strategies(node(gm, operator.mul), {x: S(2)})[0].inputs == {x: S(2), b: R}  # size 1 there: whole
+    assert strategies(node(gm, operator.mul), {x: S(1)})[0].inputs == {x: S(1), b: S(0)}
+    assert strategies(node(gm, operator.mul), {b: S(0)})[0].output == S(1)  # the smaller operand's shard
+
+
+def test_a_dim_that_does_not_split_is_not_sharded():
+    gm = capture(lambda x: torch.exp(x), (3, 5, 15))
+    (x,) = inputs_of(gm)
+    assert [s.output for s in strategies(node(gm, torch.exp), {x: S(2)})] == [R]
+    gm = capture(lambda x, y: torch.maximum(x, y), (3, 6, 16), (3, 6, 16))
+    x, y = inputs_of(gm)
+    # y's shard of the batch (3) cannot split at tp=2: only x's shard is offered, y sliced to match
+    found = strategies(node(gm, torch.maximum), {x: S(2), y: S(0)})
+    assert [(s.inputs, s.output) for s in found] == [({x: S(2), y: S(2)}, S(2)), ({x: R, y: R}, R)]
+
+
+def test_blocked_and_segmented_shards_pass_through_whole():
+    gm = capture(lambda x, b: x * b, (8, 5, 16), (5, 1))
+    x, b = inputs_of(gm)
+    assert strategies(node(gm, operator.mul), {x: S(0, block=4)})[0].output == S(0, block=4)
+    assert strategies(node(gm, operator.mul), {x: S(0, block=3)})[0].output == R  # a block of 3 does not split
+    gm = capture(lambda x, b: x * b, (3, 5, 16), (16,))
+    x, b = inputs_of(gm)
+    found = strategies(node(gm, operator.mul), {x: S(2, segments=(8, 8))})
+    assert (found[0].inputs, found[0].output) == ({x: S(2, (8, 8)), b: S(0, (8, 8))}, S(2, (8, 8)))
+    assert strategies(node(gm, operator.mul), {x: S(2, segments=(9, 7))})[0].output == R  # 9, 7: odd
+
+
+def test_max_and_min_pointwise_or_along_a_dim():
+    gm = capture(lambda x, y: torch.max(x, y), (3, 6, 16), (3, 6, 16))
+    x, y = inputs_of(gm)
+    assert [s.output for s in strategies(node(gm, torch.max), {x: S(2)})] == [S(2), R]
+    gm = capture(lambda x: torch.max(x, dim=1), (3, 6, 16))
+    (x,) = inputs_of(gm)
+    assert [s.output for s in strategies(node(gm, torch.max), {x: S(2)})] == [(S(1), S(1)), (R, R)]
+    assert [s.output for s in strategies(node(gm, torch.max), {x: S(1)})] == [(R, R)]  # along the shard: whole
+    gm = capture(lambda x: torch.min(x, 1, keepdim=True), (3, 6, 16))
+    (x,) = inputs_of(gm)
+    assert strategies(node(gm, torch.min), {x: S(2)})[0].output == (S(2), S(2))
