@@ -4,10 +4,12 @@
       captured once and repeated, capture/repeat_layers.py; the graph without labels cut from the
       training capture, capture/derive.py)
       -> solve (GraphPlan: a placement and strategy per node, pure data)
-      -> rewrite (rewrite/passes.py: outputs, redistribute, gradient_reductions,
-         sequence_parallel, context_parallel, bind, split_by_layer)
-      -> report (ShardingPlan) -> load weights into this rank's shards.
+      -> rewrite (rewrite/passes.py: outputs, redistribute, dropout_sites, gradient_reductions,
+         sequence_parallel, context_parallel, bind, dropout_mode, split_by_layer)
+      -> report (ShardingPlan) -> compare plans across ranks -> load weights into this rank's shards.
 
+What a graph computes is one ``GraphSpec`` (capture/spec.py), how it is planned one ``PlanOptions``
+(plan/options.py); ``GraphFactory`` plans a spec for the module, which holds its graphs in a ``GraphSet``.
 Capture, solve, rewrite and report run once per graph key: ``planned_graph`` reads a graph planned
 before (this launch or an earlier one) from the graph cache (``graph_cache/``). A saved plan
 (``plan=``) fixes every parameter's placement before the solve (``plan/saved.py``).

@@ -388,7 +388,7 @@ class HuggingFaceMethods:
 
 
 def _missing(cls_name: str, name: str) -> MissingHuggingFaceMethod:
-    instead = _INSTEAD.get(name, "see the README's \"Hugging Face methods\" for what the parallel model has")
+    instead = _INSTEAD.get(name, "see docs/reference.md, \"Hugging Face methods\", for what the parallel model has")
     return MissingHuggingFaceMethod(
         f"{cls_name} (fxparallel's parallel model, a PreTrainedModel in name only: its weights are shards and "
         f"it runs captured graphs) does not implement PreTrainedModel.{name}: {instead}")

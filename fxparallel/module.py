@@ -220,7 +220,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
                 past_key_values=None, use_cache=None, return_dict=None, check_inputs=True, compile_config=None,
                 logits_to_keep=0, num_items_in_batch=None, fused_lm_head=False, shift_labels=None, **unsupported):
         """The model's forward on this rank's shards: same arguments and outputs as the Hugging Face model
-        (see the README's "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
+        (see docs/reference.md, "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
         earlier call) runs with a static KV cache sharded by heads (``generation/parallel_cache.py``) and returns
         it as ``past_key_values``; ``check_inputs=False`` skips the per-call checks (``inputs.py``), and with
         them the reading of an attention mask that could show it holds no padding (the graph then applies it)

@@ -6,7 +6,7 @@ vocabulary and learned position table and MLP width (``ffn_dim``) of odd sizes, 
 uneven sizes (positions 33/32 at tp=2, 17/17/17/14 at tp=4; the vocabulary, tied to lm_head, 128/127 and
 64/64/64/63; the MLP 64/63 and 32/32/32/31). Two clipped AdamW steps at dp=2 x tp=2 match one process
 (loss and global grad norm); saved with AdamW state (exp_avg, exp_avg_sq), loaded bit-exactly into tp=4
-and (Phi-3, GPT-2: the README's claim) into dp=4 x tp=1; resuming in the saving layout repeats the
+and (Phi-3, GPT-2: docs/reference.md's claim) into dp=4 x tp=1; resuming in the saving layout repeats the
 uninterrupted step; the consolidated export loads in transformers with the same logits.
 
 Time: capture is most of this test (4 ranks on the CPUs a machine has). The dp replicas of a tp rank plan

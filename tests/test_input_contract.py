@@ -1,4 +1,4 @@
-"""The call contract of the parallel module (README, "Inputs"): size-1 batches and sequences get
+"""The call contract of the parallel module (docs/reference.md, "Inputs"): size-1 batches and sequences get
 their own graphs and never reuse another's; ids and labels outside the vocabulary, mismatched
 shapes and empty batches are errors before any graph runs; ranks of one tp group given
 different arguments all raise, naming what differs."""

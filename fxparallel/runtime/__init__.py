@@ -21,7 +21,7 @@ from .context_parallel_batches import shift_labels, split_for_context_parallel, 
 from .data import StepBatches, dataset_token_stream, pack_tokens, synthetic_token_stream
 from .export import export_pretrained, gather_full_state_dict
 from .fsdp import apply_data_parallel
-from .loss import global_label_count, global_label_tokens, label_tokens, scaled_loss
+from .loss_normalization import global_label_count, global_label_tokens, label_tokens, scaled_loss
 from .mesh import ParallelMesh, init_mesh, world_size_error
 from .train import StepMetrics, check_context_parallel, train_step
 

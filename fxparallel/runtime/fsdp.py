@@ -18,7 +18,7 @@ Layer units do not cast their inputs under mixed precision: the values crossing 
 are exactly those of the unsplit graph, already in the dtype it was captured in.
 
 Gradient reduction: FSDP reduces with a plain SUM over dp x cp (divide factor 1).
-The loss convention that makes the sum right is in ``runtime/loss.py``: each rank
+The loss convention that makes the sum right is in ``runtime/loss_normalization.py``: each rank
 backpropagates ``sum of its token losses / tokens in the global batch``, so the
 summed gradient is the gradient of the global-batch mean, whatever the layout.
 """
@@ -104,7 +104,7 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
         fully_shard(unit, mesh=dp_mesh, mp_policy=unit_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward)
     for module in units + [model]:
-        # SUM over dp x cp: the loss is already divided by the global token count (runtime/loss.py).
+        # SUM over dp x cp: the loss is already divided by the global token count (runtime/loss_normalization.py).
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # no PREMUL_SUM (gloo lacks it; factor 1 needs no scaling)
     model._fxparallel_data_parallel = DataParallelInfo(mode, param_dtype, len(units) + 1)

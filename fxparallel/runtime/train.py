@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .clip import clip_grad_norm_, global_grad_norm
 from .context_parallel_batches import split_for_context_parallel
-from .loss import global_label_count, scaled_loss
+from .loss_normalization import global_label_count, scaled_loss
 
 
 @dataclass

@@ -41,3 +41,16 @@ def test_other_reductions_over_the_shard_run_whole():
     for fn in (lambda x: x.amax(-1), lambda x: x.softmax(-1), lambda x: x.logsumexp(2), lambda x: x.cumsum(2)):
         x, found = _found(fn, S(2))
         assert [(s.inputs, s.output) for s in found] == [({x: R}, R)]
+
+
+def test_dim_and_keepdim_are_read_where_each_signature_puts_them():
+    """``norm(x, p, dim, keepdim)`` and ``std / var(x, dim, unbiased, keepdim)`` take other positions than
+    ``sum(x, dim, keepdim)``: ``x.norm(2, 0)`` reduces dim 0 (p is 2), ``x.std(1, True)`` keeps no dim."""
+    cases = ((lambda x: x.norm(2, 0), S(1), S(0)), (lambda x: x.norm(2, 0, True), S(1), S(1)),
+             (lambda x: x.std(1, True), S(2), S(1)), (lambda x: x.var(1, True, True), S(2), S(2)),
+             (lambda x: x.std(0), S(2), S(1)))
+    for fn, given, out in cases:
+        x, found = _found(fn, given)
+        assert [(s.inputs, s.output) for s in found] == [({x: given}, out), ({x: R}, R)], (given, out, found)
+    x, found = _found(lambda x: x.std(True), S(2))  # std(x, unbiased): every dim, the shard among them
+    assert [s.output for s in found] == [R]

@@ -34,7 +34,7 @@ FALLBACK = {
 FAMILY_TESTS = {
     "attention": ["test_rule_attention.py", "test_rule_dropout.py"],
     "base": ["test_op_traits.py", "test_rule_sweep.py"],
-    "cache": ["test_rule_cache.py"],
+    "cache_writes": ["test_rule_cache_writes.py"],
     "conv": ["test_rule_channels.py"],
     "custom_autograd": ["test_rule_custom_autograd.py"],
     "dim_maps": ["test_rule_views.py"],

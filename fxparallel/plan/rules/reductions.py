@@ -13,10 +13,19 @@ from ..placement import P, R
 from .base import LocalOp, Strategy, arg, norm_dim, register, tensor_inputs
 
 
-def _dims(node, ndim):
-    dim = arg(node, 1, "dim", None)
-    if dim is None and op_name(node) == "norm":
-        dim = node.kwargs.get("dim")
+def _dim_and_keepdim(node) -> tuple:
+    """The ``dim`` and ``keepdim`` arguments, where each op's signature puts them: ``norm(x, p, dim, keepdim)``,
+    ``std(x, dim, unbiased, keepdim)`` (also ``std(x, unbiased)``), the others ``op(x, dim, keepdim)``."""
+    name = op_name(node)
+    if name == "norm":
+        return arg(node, 2, "dim", None), arg(node, 3, "keepdim", False)
+    if name in ("std", "var"):
+        dim = arg(node, 1, "dim", None)
+        return (None if isinstance(dim, bool) else dim), arg(node, 3, "keepdim", False)
+    return arg(node, 1, "dim", None), arg(node, 2, "keepdim", False)
+
+
+def _dims(dim, ndim):
     if dim is None:
         return list(range(ndim))
     if isinstance(dim, int):
@@ -34,9 +43,8 @@ def _reduce(node, placements, ctx):
     p = placements[x]
     strategies = []
     if p.is_shard:
-        ndim = ctx.ndim(x)
-        dims = _dims(node, ndim)
-        keepdim = bool(arg(node, 2, "keepdim", False))
+        dim, keepdim = _dim_and_keepdim(node)
+        dims, keepdim = _dims(dim, ctx.ndim(x)), bool(keepdim)
         shape_keeping = op_name(node) in SHAPE_KEEPING
         if dims is not None and p.dim not in dims:
             out_dim = p.dim if (keepdim or shape_keeping) else p.dim - sum(1 for d in dims if d < p.dim)

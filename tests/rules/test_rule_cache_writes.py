@@ -1,4 +1,4 @@
-"""plan/rules/cache.py: ``cache.index_copy_(dim, positions, new)`` writes a KV cache by the shard of the
+"""plan/rules/cache_writes.py: ``cache.index_copy_(dim, positions, new)`` writes a KV cache by the shard of the
 new keys / values (each rank caches its kv heads); a shard of the written dim, a segmented or blocked
 one, or replicated new values give a replicated cache."""
 from rule_graphs import capture, inputs_of, node, strategies
