@@ -41,7 +41,7 @@ def _where(node, direction: str, passed_up: set) -> str:
             direction == "backward" and node.target in collectives.GRADIENT_OF_CONSUMERS):
         if node.args[0].op in ("placeholder", "get_attr"):
             return f"gradient of parameter {layer_pattern(str(node.args[0].target))}"
-        users = sorted({layer_pattern(module_path(u)) for u in _gradient_consumers(node, passed_up)})
+        users = sorted({layer_pattern(adapters.hf_path(module_path(u))) for u in _gradient_consumers(node, passed_up)})
         return "gradient of the input of " + ", ".join(users)
     source = node.args[0] if node.args and hasattr(node.args[0], "meta") else node
     while source is not None and source.op == "call_function" and source.target in (
@@ -50,7 +50,7 @@ def _where(node, direction: str, passed_up: set) -> str:
         source = source.args[0]
     if source is not None and source.op in ("placeholder", "get_attr"):
         return f"parameter {layer_pattern(str(source.target))}"
-    return layer_pattern(module_path(source))
+    return layer_pattern(adapters.hf_path(module_path(source)))
 
 
 def collect_collectives(graph, tokens: int, tp: int, passed_up: set = frozenset()) -> list:

@@ -1,7 +1,8 @@
 """LoRA adapters on the parallel model (issue 36, first part): ``parallelize(adapter_dir)`` takes a PEFT LoRA
 adapter saved by PEFT (its base from ``base_model_name_or_path``), injects PEFT's own LoRA layers into the
 captured model and lets the solver place the adapter matrices. Against ``PeftModel`` on one device at TP=2:
-logits, loss, every adapter gradient (``is_trainable=True``), greedy ``generate``; the base model is frozen
+logits, loss, every adapter gradient (``is_trainable=True``), greedy ``generate``; loss and gradients at TP=4,
+at TP=3 (heads split unevenly) and TP=1; the adapters add only rank-r sized collectives to the plan; the base model is frozen
 (no gradient, no gradient buffer) and a default load freezes the adapter too (PEFT's inference default);
 ``save_pretrained`` writes the adapter only (PEFT's layout) and PEFT loads it to the same logits. Refused by
 name before any capture: other PEFT methods, LoRA options not supported yet (DoRA), a pickled adapter."""
@@ -41,26 +42,23 @@ def _reference(adapter: str, trainable: bool):
     return PeftModel.from_pretrained(base, adapter, is_trainable=trainable)
 
 
-def _ranks(rank, world, adapter):
-    import torch.distributed as dist
-
+def _trained(adapter, group, rank, tp, ids) -> dict:
+    """Loss and every adapter gradient at ``group``'s layout against PeftModel's; which parameters take
+    gradients."""
     import fxparallel
     from fxparallel.capture.adapters import hf_name, is_adapter_parameter
 
-    out = {}
-    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
-    # training: the adapter's gradients against PEFT's, the base frozen
-    model = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32, is_trainable=True)
+    model = fxparallel.parallelize(adapter, group, dtype=torch.float32, is_trainable=True)
     ref = _reference(adapter, trainable=True)
     loss, ref_loss = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
     loss.backward()
     ref_loss.backward()
-    out["loss"] = (loss - ref_loss).abs().item()
+    out = {"loss": (loss - ref_loss).abs().item()}
     ref_params = {hf_name(n.removeprefix("base_model.model.")): p for n, p in ref.named_parameters()}
     grad_err, adapters, base_with_grad = 0.0, 0, []
     for name, p in model.named_parameters():
         if is_adapter_parameter(name):
-            expected = model.plan.param(name).shard_of(ref_params[name].grad, rank, world)
+            expected = model.plan.param(name).shard_of(ref_params[name].grad, rank, tp)
             grad_err = max(grad_err, (p.grad - expected).abs().max().item())
             adapters += 1
         elif p.requires_grad or p.grad is not None:
@@ -68,6 +66,17 @@ def _ranks(rank, world, adapter):
     out["grad"], out["adapter matrices"] = grad_err, adapters
     out["reference adapter matrices"] = sum(1 for n in ref_params if is_adapter_parameter(n))
     out["base with grad"] = base_with_grad
+    return out
+
+
+def _ranks(rank, world, adapter):
+    import torch.distributed as dist
+
+    import fxparallel
+
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    # training: the adapter's gradients against PEFT's, the base frozen
+    out = _trained(adapter, dist.group.WORLD, rank, world, ids)
     # inference (PEFT's default): nothing takes gradients; logits and tokens as PeftModel's
     model = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32)
     ref = _reference(adapter, trainable=False)
@@ -90,12 +99,60 @@ def _ranks(rank, world, adapter):
     return out
 
 
+def _other_layouts(rank, world, adapter):
+    """TP=4 on the world; TP=3 (heads split unevenly) on ranks 0-2 and TP=1 on rank 3."""
+    import torch.distributed as dist
+
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    out = {4: _trained(adapter, dist.group.WORLD, rank, world, ids)}
+    mine, _ = dist.new_subgroups_by_enumeration([[0, 1, 2], [3]])
+    tp = dist.get_world_size(mine)
+    out[tp] = _trained(adapter, mine, dist.get_rank(mine), tp, ids)
+    return out
+
+
+def _check_training(r):
+    assert r["loss"] < 1e-5 and r["grad"] < 1e-5, r
+    assert r["adapter matrices"] == r["reference adapter matrices"] == 2 * len(TARGETS) * 2, r
+    assert r["base with grad"] == [], r
+
+
+def test_lora_adapter_matches_peft_at_tp4_uneven_tp3_and_tp1(tmp_path):
+    adapter = _adapter(str(tmp_path))
+    results = run_ranks(4, _other_layouts, adapter)
+    assert sorted(results[0]) == [3, 4] and sorted(results[3]) == [1, 4]
+    for r in results:
+        for layout in r.values():
+            _check_training(layout)
+
+
+def test_adapters_add_no_hidden_sized_collective(tmp_path):
+    """The plan's collectives with the adapter: the base model's hidden-sized ones unchanged (kinds,
+    directions, counts), plus r floats per token for each adapter path at TP=2. At TP=4 the search runs past
+    its budget and finishes greedily (plan/solver.py), leaving v_proj's B replicated: one backward all-reduce
+    of v's width (kv heads x head size) per layer instead of r floats (not yet the minimum)."""
+    import fxparallel
+
+    adapter = _adapter(str(tmp_path))
+    hidden, r, kv = 64 * 4, 4 * 4, 4 * 8 * 4  # bytes per token: an activation, a rank-r value, v (float32)
+    for tp, allowed in ((2, {r}), (4, {r, kv})):
+        base, _ = fxparallel.plan_model(str(tmp_path / "base"), tp, dtype=torch.float32)
+        lora, _ = fxparallel.plan_model(adapter, tp, dtype=torch.float32)
+
+        def sized(plan, size):
+            return sorted((c.kind, c.direction, c.count) for c in plan.collectives if c.bytes_per_token == size)
+
+        assert sized(lora, hidden) == sized(base, hidden), (tp, lora.collectives)
+        extra = [c for c in lora.collectives if c not in base.collectives]
+        assert extra and {c.bytes_per_token for c in extra} == allowed, (tp, extra)
+        assert all(".lora_" in c.where for c in extra if c.bytes_per_token == r), (tp, extra)
+
+
 def test_lora_adapter_matches_peft_at_tp2(tmp_path):
     adapter = _adapter(str(tmp_path))
     for r in run_ranks(2, _ranks, adapter):
-        assert r["loss"] < 1e-5 and r["logits"] < 1e-5 and r["grad"] < 1e-5 and r["reloaded"] < 1e-5, r
-        assert r["adapter matrices"] == r["reference adapter matrices"] == 2 * len(TARGETS) * 2, r
-        assert r["base with grad"] == [] and r["trainable by default"] == [], r
+        _check_training(r)
+        assert r["logits"] < 1e-5 and r["reloaded"] < 1e-5 and r["trainable by default"] == [], r
         assert r["generate"], r
         assert r["files"] == ["adapter_config.json", "adapter_model.safetensors"], r
 

@@ -32,6 +32,11 @@ def hf_name(name: str) -> str:
     return name.replace(BASE_LAYER, ".")
 
 
+def hf_path(path: str) -> str:
+    """The Hugging Face module path of a module of the meta model with adapters injected."""
+    return hf_name(path + ".")[:-1] if path.endswith(".base_layer") else hf_name(path)
+
+
 def named_parameters(model):
     """``model.named_parameters(remove_duplicate=False)`` under Hugging Face names (base layers unwrapped)."""
     for name, p in model.named_parameters(remove_duplicate=False):
