@@ -49,6 +49,13 @@ def _llama(rank, tp, path):
     kwargs = dict(max_new_tokens=10, min_new_tokens=3, eos_token_id=eos, pad_token_id=0, do_sample=False)
     tokens = model.generate(input_ids=ids[1:, 1:], attention_mask=mask[1:, 1:], **kwargs)
     out["eos equal"] = torch.equal(tokens, ref.generate(input_ids=ids[1:, 1:], attention_mask=mask[1:, 1:], **kwargs))
+    # no pad token: rows that stopped get the EOS id, as in transformers (here row 0 stops after 4 tokens)
+    plain = ref.generate(input_ids=ids[1:, 1:], attention_mask=mask[1:, 1:], max_new_tokens=10, do_sample=False,
+                         pad_token_id=0)
+    stop = dict(max_new_tokens=10, eos_token_id=int(plain[0, ids.shape[1] - 1 + 3]), do_sample=False)
+    tokens = model.generate(input_ids=ids[1:, 1:], attention_mask=mask[1:, 1:], **stop)
+    expected_eos = ref.generate(input_ids=ids[1:, 1:], attention_mask=mask[1:, 1:], **stop)
+    out["eos without a pad token equal"] = (torch.equal(tokens, expected_eos), tokens.tolist(), stop["eos_token_id"])
     out["graphs after two"] = len(model.graphs())
     # the cache: 1/TP of the single-device cache; decode graph: 2L+1 all-reduces, no gather
     result = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
@@ -169,6 +176,8 @@ def test_generate_llama(checkpoints):
     results = run_ranks(2, _llama, checkpoints["llama"])
     for out in results:
         assert out["greedy equal"] and out["streamed equal"] and out["eos equal"] and out["manual loop equal"]
+        equal, tokens, eos = out["eos without a pad token equal"]
+        assert equal and tokens[0][-3:] == [eos] * 3, (eos, tokens)  # row 0 stopped: padded with the EOS id
         assert out["sampled in top k"] and out["batch 1 then 3"]
         assert out["num_parameters"] == (True, True)
         assert out["graphs after one generate"] == 3  # training graph + prefill + decode

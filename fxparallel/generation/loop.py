@@ -56,7 +56,7 @@ class _Decoding:
     cache: ParallelCache
     full_mask: torch.Tensor  # [rows, cache length]: the prompt's mask, then a 1 for each slot written
     positions: torch.Tensor  # the prompt's position ids
-    pad: int  # the token appended to the rows that have stopped
+    pad: Optional[torch.Tensor]  # the token appended to the rows that have stopped (None: the chosen one)
     unfinished: torch.Tensor  # [rows] bool
     sequences: torch.Tensor  # [rows, tokens so far]: the prompt, then the chosen tokens
     streamer: Any  # the caller's on tp rank 0 (one rank streams), None elsewhere
@@ -238,7 +238,7 @@ def _prepared(model, request: _Request, streamer) -> _Decoding:
     full_mask = torch.cat([mask, mask.new_zeros(batch, cache.length - prompt)], dim=1)
     return _Decoding(config=config, processors=processors, criteria=criteria, generator=generator,
                      compile_config=compile_config, cache=cache, full_mask=full_mask, positions=_positions(mask),
-                     pad=config.pad_token_id if config.pad_token_id is not None else 0,
+                     pad=hf_private.pad_token(config),
                      unfinished=torch.ones(batch, dtype=torch.bool, device=device), sequences=input_ids,
                      streamer=streamer if model.tp_group.rank == 0 else None)
 
@@ -373,7 +373,8 @@ def _vocab_parallel_top_k(processors, sample: bool, config):
 def _appended(decoding: _Decoding, chosen: torch.Tensor) -> torch.Tensor:
     """The chosen tokens appended to the sequences (the pad token in rows that had stopped) and streamed, and
     the rows the stopping criteria stop now marked finished; returns the tokens appended."""
-    chosen = torch.where(decoding.unfinished, chosen, torch.full_like(chosen, decoding.pad))
+    if decoding.pad is not None:
+        chosen = torch.where(decoding.unfinished, chosen, decoding.pad.to(chosen.dtype))
     decoding.sequences = torch.cat([decoding.sequences, chosen[:, None]], dim=1)
     if decoding.streamer is not None:
         decoding.streamer.put(chosen.cpu())

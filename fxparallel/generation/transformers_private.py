@@ -30,6 +30,13 @@ def prepare_special_tokens(model, config, has_attention_mask: bool, device) -> N
     model._prepare_special_tokens(config, has_attention_mask, device=device)
 
 
+def pad_token(config):
+    """The token transformers appends to rows that have stopped: ``config._pad_token_tensor`` as
+    ``prepare_special_tokens`` left it (the pad id, else the first EOS id, with transformers' warning), a tensor
+    on the model's device; None with neither (transformers then replaces no token: no row stops by EOS)."""
+    return getattr(config, "_pad_token_tensor", None)
+
+
 def logits_processors(model, config, prompt_length: int, device, given):
     """``GenerationMixin._get_logits_processor``: transformers' logits processors and warpers for ``config``
     (temperature, top-k, top-p, repetition penalty, min length, ...) merged with the caller's ``given``
