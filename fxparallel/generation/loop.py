@@ -122,8 +122,9 @@ def _checked_arguments(model, input_ids, attention_mask, generation_config, kwar
     user_max_length = kwargs.get("max_length")
     config, model_kwargs = hf_private.prepare_generation_config(model, generation_config, kwargs)
     mode = config.get_generation_mode()
-    if str(mode.value if hasattr(mode, "value") else mode) not in SUPPORTED_MODES:
-        raise InputError(f"generate: {mode.value} is not supported on the parallel model (num_beams="
+    mode = str(mode.value if hasattr(mode, "value") else mode)
+    if mode not in SUPPORTED_MODES:
+        raise InputError(f"generate: {mode} is not supported on the parallel model (num_beams="
                          f"{config.num_beams}, num_beam_groups={getattr(config, 'num_beam_groups', 1)}, "
                          f"penalty_alpha={config.penalty_alpha}); greedy search and sampling are")
     unknown = sorted(k for k in model_kwargs if k not in ("use_cache",))
