@@ -17,6 +17,7 @@ Timings of each stage are kept on the returned module (``model.timings``).
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import socket
@@ -293,6 +294,14 @@ class GraphFactory:
         """The factory of the same model in ``dtype`` (a meta model built in it, as ``parallelize`` builds)."""
         meta = _meta_model(self.source, self.group.size, dtype, self.trust_remote_code)
         return GraphFactory(self.source, meta, dtype, self.group, self.device, self.options.with_fixed(self.fixed),
+                            self.trust_remote_code)
+
+    def with_adapter(self, adapter) -> "GraphFactory":
+        """The factory of the same model with a LoRA adapter (``load/adapter_files.AdapterSource``) injected, every
+        placement planned so far kept."""
+        source = dataclasses.replace(self.source, adapter=adapter)
+        meta = _meta_model(source, self.group.size, self.dtype, self.trust_remote_code)
+        return GraphFactory(source, meta, self.dtype, self.group, self.device, self.options.with_fixed(self.fixed),
                             self.trust_remote_code)
 
     def training_graph(self) -> PlannedGraph:

@@ -136,12 +136,6 @@ _INSTEAD = {
                             "parallelize the saved directory",
     "set_output_embeddings": "resize or replace the head on the Hugging Face model, save_pretrained it, and "
                              "parallelize the saved directory",
-    "add_adapter": "a LoRA adapter is parallelized with its base model: save it with PEFT and pass its directory "
-                   "to fxparallel.parallelize(adapter_dir, tp_group, is_trainable=True); adding one to a parallel "
-                   "model is not supported yet",
-    "load_adapter": "pass the adapter's directory or hub id to fxparallel.parallelize(adapter, tp_group, "
-                    "is_trainable=...) (its base model from base_model_name_or_path); loading one into a parallel "
-                    "model is not supported yet",
 }
 
 

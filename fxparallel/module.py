@@ -24,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from . import dcp_optimizer, fused_head
 from .data_parallel_guard import RefusesDistributedDataParallel
 from .dcp_state import describe_state_dict
+from .adapter_methods import AdapterMethods
 from .capture.spec import GraphSpec
 from .errors import ArgumentError, ShardingError
 from .graph_set import GraphSet
@@ -70,7 +71,8 @@ def _set_path(root: nn.Module, dotted: str, value, kind: str):
         module.register_buffer(leaf, value, persistent=False)
 
 
-class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTrainedModel, GenerationMixin):
+class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFaceMethods, PreTrainedModel,
+                       GenerationMixin):
     """This rank's shards and the graphs that run them; the Hugging Face model methods it has (and the
     ones it refuses, saying what to do instead) are listed in ``hf_methods.py``."""
 
@@ -93,11 +95,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
         # decoder layers as modules the graphs call, so FSDP can make each one a unit
         self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params)
         for p in plan.params:
-            local = torch.empty(p.local_shape(group.size, group.rank), device=self.device_, dtype=dtype)
-            param = nn.Parameter(local)
-            param._fxparallel = p  # type: ignore[attr-defined]
-            for name in (p.name,) + tuple(p.aliases):
-                _set_path(self, name, param, "param")
+            self._add_shard(p)
         # state_dict() handed to torch.distributed.checkpoint saves full-shape tensors (dcp_state.py)
         self.register_state_dict_post_hook(describe_state_dict)
         dcp_optimizer.track(self)  # optimizer.state_dict() to DCP as well (dcp_optimizer.py)
@@ -108,6 +106,14 @@ class ParallelCausalLM(RefusesDistributedDataParallel, HuggingFaceMethods, PreTr
             self.set_buffers(factory.meta.fxparallel_buffers)
         if first_graph is not None:
             self.add_graph(first_graph)
+
+    def _add_shard(self, p) -> None:
+        """Register this rank's shard of the planned parameter ``p`` (a ParamPlan) under each of its names."""
+        group = self.tp_group
+        param = nn.Parameter(torch.empty(p.local_shape(group.size, group.rank), device=self.device_, dtype=self.dtype_))
+        param._fxparallel = p  # type: ignore[attr-defined]
+        for name in (p.name,) + tuple(p.aliases):
+            _set_path(self, name, param, "param")
 
     # ---- graphs --------------------------------------------------------------
     def add_graph(self, graph: LocalGraph, shapes: Optional[dict] = None) -> None:

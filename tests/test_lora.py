@@ -4,6 +4,8 @@ captured model and lets the solver place the adapter matrices. Against ``PeftMod
 logits, loss, every adapter gradient (``is_trainable=True``), greedy ``generate``; loss and gradients at TP=4,
 at TP=3 (heads split unevenly) and TP=1; the adapters add only rank-r sized collectives to the plan; the base model is frozen
 (no gradient, no gradient buffer) and a default load freezes the adapter too (PEFT's inference default);
+transformers' names on a parallel base model: ``load_adapter`` (same checks), ``add_adapter`` (logits unchanged,
+B being zero; loss and gradients as PEFT's with the same A), ``active_adapters``, a second adapter refused;
 ``save_pretrained`` writes the adapter only (PEFT's layout) and PEFT loads it to the same logits. Refused by
 name before any capture: other PEFT methods, LoRA options not supported yet (DoRA), a pickled adapter."""
 from __future__ import annotations
@@ -42,14 +44,14 @@ def _reference(adapter: str, trainable: bool):
     return PeftModel.from_pretrained(base, adapter, is_trainable=trainable)
 
 
-def _trained(adapter, group, rank, tp, ids) -> dict:
-    """Loss and every adapter gradient at ``group``'s layout against PeftModel's; which parameters take
-    gradients."""
+def _trained(adapter, group, rank, tp, ids, model=None, ref=None) -> dict:
+    """Loss and every adapter gradient at ``group``'s layout against PeftModel's (``ref``, by default the
+    adapter's); which parameters take gradients. ``model``: by default ``parallelize(adapter)``."""
     import fxparallel
     from fxparallel.capture.adapters import hf_name, is_adapter_parameter
 
-    model = fxparallel.parallelize(adapter, group, dtype=torch.float32, is_trainable=True)
-    ref = _reference(adapter, trainable=True)
+    model = model or fxparallel.parallelize(adapter, group, dtype=torch.float32, is_trainable=True)
+    ref = ref or _reference(adapter, trainable=True)
     loss, ref_loss = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
     loss.backward()
     ref_loss.backward()
@@ -69,14 +71,49 @@ def _trained(adapter, group, rank, tp, ids) -> dict:
     return out
 
 
+def _with_weights(base_dir, config, state):
+    """PeftModel of ``config`` on the base model with the adapter matrices of ``state`` (names as ours)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from fxparallel.capture.adapters import hf_name, is_adapter_parameter
+
+    ref = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), config)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            ours = hf_name(name.removeprefix("base_model.model."))
+            if is_adapter_parameter(ours):
+                p.copy_(state[ours])
+    return ref
+
+
 def _ranks(rank, world, adapter):
     import torch.distributed as dist
+    from peft import LoraConfig
 
     import fxparallel
+    from checks import raised
+    from fxparallel.runtime import gather_full_state_dict
 
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     # training: the adapter's gradients against PEFT's, the base frozen
     out = _trained(adapter, dist.group.WORLD, rank, world, ids)
+    # transformers' names: load_adapter on a parallel base model, add_adapter (PEFT's initialization)
+    base_dir = os.path.join(os.path.dirname(adapter), "base")
+    model = fxparallel.parallelize(base_dir, dist.group.WORLD, dtype=torch.float32)
+    model.load_adapter(adapter, is_trainable=True)
+    out["load_adapter"] = _trained(adapter, dist.group.WORLD, rank, world, ids, model=model)
+    out["active"] = model.active_adapters()
+    out["second adapter"] = raised(lambda: model.load_adapter(adapter))
+    model = fxparallel.parallelize(base_dir, dist.group.WORLD, dtype=torch.float32)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    with torch.no_grad():
+        out["added: logits unchanged (B is zero)"] = (model(input_ids=ids).logits - before).abs().max().item()
+    ref = _with_weights(base_dir, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS),
+                        gather_full_state_dict(model, to_rank0_only=False))
+    out["add_adapter"] = _trained(adapter, dist.group.WORLD, rank, world, ids, model=model, ref=ref)
     # inference (PEFT's default): nothing takes gradients; logits and tokens as PeftModel's
     model = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32)
     ref = _reference(adapter, trainable=False)
@@ -152,6 +189,10 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
     adapter = _adapter(str(tmp_path))
     for r in run_ranks(2, _ranks, adapter):
         _check_training(r)
+        _check_training(r["load_adapter"])
+        _check_training(r["add_adapter"])
+        assert r["added: logits unchanged (B is zero)"] == 0.0 and r["active"] == ["default"], r
+        assert "the model holds adapter 'default' already; one adapter is supported" in r["second adapter"], r
         assert r["logits"] < 1e-5 and r["reloaded"] < 1e-5 and r["trainable by default"] == [], r
         assert r["generate"], r
         assert r["files"] == ["adapter_config.json", "adapter_model.safetensors"], r

@@ -22,6 +22,11 @@ def load_adapter_weights(module, plan, adapter, rank: int, tp: int) -> int:
     params = [dataclasses.replace(p, aliases=tuple(p.aliases) + (stored_name(p.name, adapter.name),))
               for p in plan.params if is_adapter_parameter(p.name)]
     nbytes = load_from_files(module, dataclasses.replace(plan, params=params), adapter.files, rank, tp, progress=False)
-    for name, param in module.named_parameters():
-        param.requires_grad_(adapter.trainable and is_adapter_parameter(name))
+    set_trainable(module, adapter.trainable)
     return nbytes
+
+
+def set_trainable(module, adapter_trainable: bool) -> None:
+    """The base model frozen; the adapter's matrices take gradients when ``adapter_trainable``."""
+    for name, param in module.named_parameters():
+        param.requires_grad_(adapter_trainable and is_adapter_parameter(name))
