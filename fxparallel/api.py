@@ -350,7 +350,8 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     """Make a Hugging Face causal LM tensor-parallel over ``tp_group``.
 
     ``model``: hub id, local directory, PretrainedConfig or PreTrainedModel; or a PEFT LoRA adapter's
-    directory or hub id (the base model from its ``base_model_name_or_path``; ``capture/adapters.py``): the
+    directory or hub id (the base model from its ``base_model_name_or_path``; ``capture/adapters.py``), or a
+    ``peft.PeftModel`` with one LoRA adapter: the
     base model is then frozen, and the adapter takes gradients with ``is_trainable=True`` (PEFT's
     ``PeftModel.from_pretrained`` argument; it is loaded for inference otherwise).
     ``dtype``: as transformers takes it (a torch.dtype, "bfloat16", "auto"; default: the

@@ -5,7 +5,7 @@ logits, loss, every adapter gradient (``is_trainable=True``), greedy ``generate`
 at TP=3 (heads split unevenly) and TP=1; the adapters add only rank-r sized collectives to the plan; the base model is frozen
 (no gradient, no gradient buffer) and a default load freezes the adapter too (PEFT's inference default);
 transformers' names on a parallel base model: ``load_adapter`` (same checks), ``add_adapter`` (logits unchanged,
-B being zero; loss and gradients as PEFT's with the same A), ``active_adapters``, a second adapter refused;
+B being zero; loss and gradients as PEFT's with the same A), ``active_adapters``, a second adapter refused; ``parallelize(peft_model)`` (same checks);
 ``save_pretrained`` writes the adapter only (PEFT's layout) and PEFT loads it to the same logits. Refused by
 name before any capture: other PEFT methods, LoRA options not supported yet (DoRA), a pickled adapter."""
 from __future__ import annotations
@@ -114,6 +114,9 @@ def _ranks(rank, world, adapter):
     ref = _with_weights(base_dir, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS),
                         gather_full_state_dict(model, to_rank0_only=False))
     out["add_adapter"] = _trained(adapter, dist.group.WORLD, rank, world, ids, model=model, ref=ref)
+    # a PeftModel in memory (its adapter trainable there, so here)
+    model = fxparallel.parallelize(_reference(adapter, trainable=True), dist.group.WORLD, dtype=torch.float32)
+    out["peft model"] = _trained(adapter, dist.group.WORLD, rank, world, ids, model=model)
     # inference (PEFT's default): nothing takes gradients; logits and tokens as PeftModel's
     model = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32)
     ref = _reference(adapter, trainable=False)
@@ -191,6 +194,7 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         _check_training(r)
         _check_training(r["load_adapter"])
         _check_training(r["add_adapter"])
+        _check_training(r["peft model"])
         assert r["added: logits unchanged (B is zero)"] == 0.0 and r["active"] == ["default"], r
         assert "the model holds adapter 'default' already; one adapter is supported" in r["second adapter"], r
         assert r["logits"] < 1e-5 and r["reloaded"] < 1e-5 and r["trainable by default"] == [], r

@@ -22,9 +22,10 @@ PREFIX = "base_model.model."
 class AdapterSource:
     config: object  # peft.LoraConfig
     name: str = "default"
-    files: Optional[CheckpointFiles] = None  # None: initialized as PEFT initializes (add_adapter)
+    files: Optional[CheckpointFiles] = None  # None: from ``state``, or initialized as PEFT initializes (add_adapter)
     trainable: bool = False  # only the adapter's matrices take gradients; the base model is frozen
     where: str = ""  # the directory or hub id, for messages
+    state: Optional[dict] = None  # {parameter name: full tensor} of the adapter's matrices (a PeftModel's)
 
 
 def stored_name(name: str, adapter: str) -> str:
@@ -47,6 +48,23 @@ def is_adapter(name: str, hub_kwargs: dict) -> bool:
         return _file(name, CONFIG, hub_kwargs) is not None
     except CheckpointError:
         return False
+
+
+def adapter_of_peft_model(model, is_trainable: bool) -> tuple:
+    """(base PreTrainedModel, AdapterSource) of a ``peft.PeftModel`` with one LoRA adapter. Its matrices come from
+    the model; they take gradients where they do in the model, or with ``is_trainable``."""
+    from ..capture.adapters import hf_name, is_adapter_parameter
+
+    configs = dict(getattr(model, "peft_config", {}) or {})
+    if len(configs) != 1:
+        raise CheckpointError(f"the {type(model).__name__} passed holds adapters {sorted(configs)}; one is supported")
+    (name, config), = configs.items()
+    check_lora_config(config, f"the {type(model).__name__} passed")
+    base = model.get_base_model()
+    adapter = {hf_name(n): p for n, p in base.named_parameters() if is_adapter_parameter(n)}
+    trainable = is_trainable or any(p.requires_grad for p in adapter.values())
+    state = {n: p.detach() for n, p in adapter.items()}
+    return base, AdapterSource(config, name, None, trainable, f"the {type(model).__name__} passed", state)
 
 
 def read_adapter(name: str, hub_kwargs: dict, adapter_name: str = "default", trainable: bool = False) -> AdapterSource:

@@ -8,7 +8,7 @@ import dataclasses
 
 from ..capture.adapters import is_adapter_parameter
 from .adapter_files import stored_name
-from .weights import load_from_files
+from .weights import load_from_files, load_from_state_dict
 
 
 def without_adapters(plan):
@@ -21,7 +21,12 @@ def load_adapter_weights(module, plan, adapter, rank: int, tp: int) -> int:
     gradients; returns the bytes read (collective over the tp group, as load_from_files)."""
     params = [dataclasses.replace(p, aliases=tuple(p.aliases) + (stored_name(p.name, adapter.name),))
               for p in plan.params if is_adapter_parameter(p.name)]
-    nbytes = load_from_files(module, dataclasses.replace(plan, params=params), adapter.files, rank, tp, progress=False)
+    nbytes = 0
+    if adapter.files is not None:
+        nbytes = load_from_files(module, dataclasses.replace(plan, params=params), adapter.files, rank, tp,
+                                 progress=False)
+    else:  # a PeftModel's matrices, in memory
+        load_from_state_dict(module, dataclasses.replace(plan, params=params), adapter.state, rank, tp)
     set_trainable(module, adapter.trainable)
     return nbytes
 

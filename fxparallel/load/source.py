@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..capture.adapters import hf_name
 from ..errors import CheckpointError, ConfigError, FxParallelError
 from .quantization import check_checkpoint_not_quantized, check_model_not_quantized
 
@@ -133,11 +134,19 @@ def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=Non
     hub_kwargs = {k: v for k, v in dict(revision=revision, cache_dir=cache_dir, token=token).items() if v is not None}
     if local_files_only is not None:
         hub_kwargs["local_files_only"] = local_files_only
+    if type(model).__module__.startswith("peft."):  # a PeftModel: its base model and its LoRA adapter
+        from .adapter_files import adapter_of_peft_model
+
+        base, adapter = adapter_of_peft_model(model, is_trainable)
+        source = resolve_source(base, trust_remote_code=trust_remote_code)
+        source.adapter = adapter
+        return source
     if isinstance(model, PreTrainedModel):
         causal_lm_class(model.config, type(model).__name__, trust_remote_code)
         check_model_not_quantized(model)
         has_weights = any(p.device.type != "meta" for p in model.parameters())
-        state = {k: v.detach() for k, v in model.state_dict().items()} if has_weights else None
+        # (a PeftModel's base holds its adapter's layers: the base weights under transformers' names)
+        state = {hf_name(k): v.detach() for k, v in model.state_dict().items()} if has_weights else None
         return ModelSource(model.config, state_dict=state, model_class=type(model))
     if isinstance(model, PretrainedConfig):
         check_checkpoint_not_quantized(model, f"the {type(model).__name__} passed")
