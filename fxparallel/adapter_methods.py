@@ -44,6 +44,26 @@ class AdapterMethods:
     def active_adapters(self) -> list:
         return list(self.peft_config)
 
+    def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False, adapter_names=None):
+        """PEFT's ``merge_and_unload``: fold the adapter into the base model's shards (each rank its pieces of
+        ``scaling * B @ A``) and re-plan the graphs without it; returns the model (collective over the tp group)."""
+        if not self.peft_config:
+            raise ArgumentError("merge_and_unload: the model holds no adapter")
+        if safe_merge or adapter_names is not None:
+            raise ArgumentError("merge_and_unload: safe_merge and adapter_names are not supported on the parallel model")
+        del progressbar
+        factory = self._graph_set.factory
+        plain = factory.with_adapter(None)  # the meta model without the adapter first: a failure changes nothing
+        _merge(self, factory.meta, next(iter(self.peft_config)))
+        planned = plain.training_graph()
+        for p in [p for p in self.plan.params if is_adapter_parameter(p.name)]:
+            parent = self.get_submodule(p.name.split(".lora_")[0])
+            parent._modules.pop("lora_A", None)
+            parent._modules.pop("lora_B", None)
+        self._replace_graphs(plain, planned)
+        self.peft_config = {}
+        return self
+
     def _attach(self, adapter: AdapterSource) -> None:
         from .dtensor_parameters import dtensor_views
         from .runtime.export import is_data_parallel
@@ -60,17 +80,36 @@ class AdapterMethods:
         for p in planned.plan.params:
             if is_adapter_parameter(p.name):
                 self._add_shard(p)
-        self._graph_set.drop(factory)
-        for path in self._layer_paths:
-            getattr(self.get_submodule(path), "_pieces", {}).clear()
-        self.plan = planned.plan
-        self.add_graph(planned.local)
+        self._replace_graphs(factory, planned)
         self.peft_config = {adapter.name: adapter.config}
         group = self.tp_group
         if adapter.files is not None:
             load_adapter_weights(self, self.plan, adapter, group.rank, group.size)
         else:
             _initialize(self, adapter, group.rank, group.size)
+
+
+def _merge(model, meta, adapter: str) -> None:
+    """Add each LoRA layer's ``scaling * B @ A`` (transposed for fan_in_fan_out weights, GPT-2's Conv1D) to this
+    rank's shard of its base weight; the scaling and layout are those of PEFT's layer in the meta model."""
+    from .capture.adapters import hf_path
+    from .runtime.dtensor import full_tensor
+
+    group = model.tp_group
+    for path, layer in meta.named_modules():
+        if not hasattr(layer, "lora_A") or adapter not in getattr(layer, "lora_A", {}):
+            continue
+        name = hf_path(path)
+        a_name, b_name = f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight"
+        a = full_tensor(model.get_parameter(a_name), model.plan.param(a_name), group)
+        b = full_tensor(model.get_parameter(b_name), model.plan.param(b_name), group)
+        delta = (b.float() @ a.float()) * layer.scaling[adapter]
+        if getattr(layer, "fan_in_fan_out", False):
+            delta = delta.T
+        base = model.plan.param(f"{name}.weight")
+        with torch.no_grad():
+            shard = model.get_parameter(base.name)
+            shard.add_(base.shard_of(delta, group.rank, group.size).to(shard.dtype))
 
 
 def _initialize(model, adapter: AdapterSource, rank: int, tp: int) -> None:

@@ -5,7 +5,7 @@ logits, loss, every adapter gradient (``is_trainable=True``), greedy ``generate`
 at TP=3 (heads split unevenly) and TP=1; the adapters add only rank-r sized collectives to the plan; the base model is frozen
 (no gradient, no gradient buffer) and a default load freezes the adapter too (PEFT's inference default);
 transformers' names on a parallel base model: ``load_adapter`` (same checks), ``add_adapter`` (logits unchanged,
-B being zero; loss and gradients as PEFT's with the same A), ``active_adapters``, a second adapter refused; ``parallelize(peft_model)`` (same checks);
+B being zero; loss and gradients as PEFT's with the same A), ``active_adapters``, a second adapter refused; ``parallelize(peft_model)`` (same checks); ``merge_and_unload`` (PEFT's merged logits, no adapter left);
 ``save_pretrained`` writes the adapter only (PEFT's layout) and PEFT loads it to the same logits. Refused by
 name before any capture: other PEFT methods, LoRA options not supported yet (DoRA), a pickled adapter."""
 from __future__ import annotations
@@ -136,6 +136,11 @@ def _ranks(rank, world, adapter):
     with torch.no_grad():
         out["reloaded"] = (_reference(saved, trainable=False)(input_ids=ids).logits - ref(input_ids=ids).logits
                            ).abs().max().item()
+    # merged into the base shards: PEFT's merge_and_unload, no adapter left
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        out["merged"] = (merged(input_ids=ids).logits - ref.merge_and_unload()(input_ids=ids).logits).abs().max().item()
+    out["left after merging"] = [n for n, _ in merged.named_parameters() if ".lora_" in n] + merged.active_adapters()
     return out
 
 
@@ -198,6 +203,7 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         assert r["added: logits unchanged (B is zero)"] == 0.0 and r["active"] == ["default"], r
         assert "the model holds adapter 'default' already; one adapter is supported" in r["second adapter"], r
         assert r["logits"] < 1e-5 and r["reloaded"] < 1e-5 and r["trainable by default"] == [], r
+        assert r["merged"] < 1e-5 and r["left after merging"] == [], r
         assert r["generate"], r
         assert r["files"] == ["adapter_config.json", "adapter_model.safetensors"], r
 
