@@ -44,6 +44,7 @@ from .model_facts import ModelFacts
 from .module import ParallelCausalLM
 from .ops.local_graph import LocalGraph
 from .plan.layout import ShardLayout, text_config
+from .plan.adapter_placements import adapter_placements
 from .plan.options import PlanOptions
 from .plan.saved import check_applied, fixed_placements, read_plan
 from .plan.solver import check_layer_symmetry, solve
@@ -100,13 +101,16 @@ def plan_graph(meta_model, spec: GraphSpec, group: TPGroup, device, options: Pla
     # uneven splits by whole heads / columns / rows
     layout = ShardLayout.for_config(meta_model.config, group.size).add_embedding_rows(meta_model)
     t = time.perf_counter()
-    fixed = options.fixed
+    # a LoRA adapter's matrices follow their base layer's placement (plan/adapter_placements.py)
+    adapted = adapter_placements(meta_model, options.fixed)
+    fixed = {**{name: placement for name, (placement, _) in adapted.items()}, **options.fixed}
     if captured.few_layers is not None:  # solved on the few layers; the walk over all of them follows it
         few = solve(captured.few_layers, group.size, fixed=fixed, layout=layout)
         fixed = {**few.params, **fixed}
     gplan = solve(captured, group.size, fixed=fixed, layout=layout)
     if captured.few_layers is not None:
         gplan.reasons.update(few.reasons)  # why each was chosen, not that it was given
+    gplan.reasons.update({name: why for name, (_, why) in adapted.items()})
     timings["solve"] = time.perf_counter() - t
     t = time.perf_counter()
     ctx = PassContext(captured, gplan, group, device, sequence_parallel=options.sequence_parallel, cp=options.cp)
@@ -327,6 +331,17 @@ def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
         peft_config=dict(getattr(meta, "peft_config", None) or {}))
 
 
+def _first_graph(source, factory: GraphFactory) -> tuple:
+    """(factory, PlannedGraph) of the training graph of ``source``, ``factory`` planning its base model. With a
+    LoRA adapter the base model is planned first and the adapter's matrices follow the base layers' placements
+    (plan/adapter_placements.py): the factory returned is then the one with the adapter."""
+    planned = factory.training_graph()
+    if source.adapter is not None:
+        factory = factory.with_adapter(source.adapter)
+        planned = factory.training_graph()
+    return factory, planned
+
+
 def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, revision=None,
                cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
                sequence_parallel: bool = False):
@@ -337,9 +352,10 @@ def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, t
     source = resolve_source(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                             token=token, trust_remote_code=trust_remote_code)
     dtype = resolve_dtype(dtype, torch_dtype, config=source.config)
-    meta = _meta_model(source, tp, dtype, trust_remote_code)
-    planned = planned_graph(meta, GraphSpec(TRAINING_ARGUMENTS), fake_group(tp), torch.device("cpu"), dtype,
-                            PlanOptions(sequence_parallel=sequence_parallel), report=True)
+    base = dataclasses.replace(source, adapter=None)
+    meta = _meta_model(base, tp, dtype, trust_remote_code)
+    _, planned = _first_graph(source, GraphFactory(base, meta, dtype, fake_group(tp), torch.device("cpu"),
+                                                   PlanOptions(sequence_parallel=sequence_parallel), trust_remote_code))
     return planned.plan, planned.local
 
 
@@ -388,7 +404,8 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     if cp is not None:
         context_parallel_checks.check_config(source.config)
     saved = read_plan(plan) if plan is not None else None
-    meta = _meta_model(source, group.size, dtype, trust_remote_code)
+    base = dataclasses.replace(source, adapter=None)  # with an adapter: its base model is planned first
+    meta = _meta_model(base, group.size, dtype, trust_remote_code)
     fixed = fixed_placements(saved, meta, group.size) if saved is not None else None
     # resolve (download) the checkpoint before the capture, so a bad checkpoint fails early
     files = None
@@ -398,8 +415,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
 
     t = time.perf_counter()
     options = PlanOptions(fixed=fixed or {}, cp=cp, sequence_parallel=sequence_parallel, skip_passes=skip_passes)
-    factory = GraphFactory(source, meta, dtype, group, device, options, trust_remote_code)
-    planned = factory.training_graph()
+    factory, planned = _first_graph(source, GraphFactory(base, meta, dtype, group, device, options, trust_remote_code))
     sharding = planned.plan
     if saved is not None:
         check_applied(saved, sharding)
@@ -408,19 +424,19 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
 
     # weights: everything that can fail on input runs before any shard is written
     module = ParallelCausalLM(source.config, sharding, group, device, dtype, factory,
-                              model_facts(meta, source, sequence_parallel), planned.local, cp_group=cp)
+                              model_facts(factory.meta, source, sequence_parallel), planned.local, cp_group=cp)
     # each rank planned alone (its own graph cache and packages): refuse mismatched plans before reading weights
     t = time.perf_counter()
     check_plans_agree(sharding, (("tp_group", group), ("cp_group", cp)))
     timings["plan agreement"] = time.perf_counter() - t
     t = time.perf_counter()
-    base = without_adapters(sharding)  # the base model's parameters (all of them without an adapter)
+    base_plan = without_adapters(sharding)  # the base model's parameters (all of them without an adapter)
     if files is not None:
-        module.bytes_read = load_from_files(module, base, files, group.rank, group.size, meta_model=meta)
+        module.bytes_read = load_from_files(module, base_plan, files, group.rank, group.size, meta_model=meta)
     elif source.state_dict is not None:
-        load_from_state_dict(module, base, source.state_dict, group.rank, group.size)
+        load_from_state_dict(module, base_plan, source.state_dict, group.rank, group.size)
     else:
-        initialize(module, base, source.config, group.rank, group.size, seed, dtype, source.model_class)
+        initialize(module, base_plan, source.config, group.rank, group.size, seed, dtype, source.model_class)
     if source.adapter is not None:
         module.bytes_read = getattr(module, "bytes_read", 0) + load_adapter_weights(
             module, sharding, source.adapter, group.rank, group.size)

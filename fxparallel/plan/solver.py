@@ -10,8 +10,7 @@ consumer needs costs a collective. Minimise, lexicographically:
    replicated and the plan says why). A matrix under 1% of its layer's matrix
    bytes (a MoE router [experts, hidden], Qwen2-MoE's [1, hidden] shared-expert
    gate) does not count here: splitting it saves nothing worth a collective, so
-   communication alone decides it, and where the costs tie it is kept whole (a LoRA adapter's A:
-   splitting it by rank would commit what follows to a partial sum of the whole projection);
+   communication alone decides it;
 2. bytes communicated per token, forward and backward: a partial sum is charged
    its all-reduce where it is reduced (ops linear in it may carry it there, e.g.
    a MoE block's combine), a shard its all-gather where a consumer needs it
@@ -265,7 +264,6 @@ class Solver:
         # a strategy that leaves a partial sum communicates nothing yet: its reduction is charged where it happens
         comm = 0.0 if _partial_output(s.output) else s.own_bytes
         decision = []
-        keeps_small_whole = False  # replicates a negligible matrix: preferred where the costs tie (see below)
         out_sharded = is_sharded(s.output)
         for i, req in s.inputs.items():
             if req is None:
@@ -282,7 +280,6 @@ class Solver:
                 else:
                     if req.is_replicate and fake.dim() >= 2 and i not in self.negligible:
                         replicated += fake.numel() * fake.element_size()
-                    keeps_small_whole = keeps_small_whole or (req.is_replicate and i in self.negligible)
                     if fake.dim() >= 2:
                         decision.append((layer_pattern(self.param_nodes[i]), req))
                 if req.is_replicate and out_sharded and fake.requires_grad and i not in plan.grad_reduced:
@@ -300,10 +297,7 @@ class Solver:
             elif _made_whole_for_shards(in_pl[i], req, out_sharded) and requires_grad(i) \
                     and (i, R) not in plan.grad_reduced:
                 comm += self.ctx.bytes_per_token(i)  # the gathered / reduced copy's gradient is partial: all-reduced
-        # a negligible matrix costs nothing replicated, while splitting it commits what follows to its split (a LoRA
-        # adapter's A split by rank forces B to produce a partial sum of the whole projection): on a tie, keep it
-        # whole, the choice a greedy finish (past the search budget) cannot revisit
-        return (replicated, comm, (not keeps_small_whole, index), tuple(sorted(decision)))
+        return (replicated, comm, index, tuple(sorted(decision)))
 
     @staticmethod
     def _reduction_point(value, plan: GraphPlan):

@@ -1,0 +1,40 @@
+"""Where a LoRA adapter's matrices go: after its base layer's placement, so that the adapter adds no
+collective of the activations' size. A column-parallel base (output features split): A whole, B split by the
+same output features (and segments) as the base, so each rank adds its columns of ``B @ A x`` to its columns of
+the base output; what the adapter adds is the backward all-reduce of A's output, r floats per token. A
+row-parallel base (input features split): A split by the same input features, its partial ``A x`` (r floats per
+token) all-reduced, B whole. A replicated base: both whole. Fixed before the solve, these also spare the search
+two decisions per adapted layer."""
+from __future__ import annotations
+
+from torch import nn
+
+from ..capture.adapters import hf_path
+from .placement import R
+
+
+def adapter_placements(meta_model, fixed: dict) -> dict:
+    """{adapter parameter name: (Placement, why)} for each LoRA layer of ``meta_model`` whose base weight has a
+    placement in ``fixed`` (parameter name -> Placement)."""
+    placements = {}
+    for path, layer in meta_model.named_modules():
+        lora_a = getattr(layer, "lora_A", None)
+        if not isinstance(lora_a, nn.ModuleDict):
+            continue
+        name = hf_path(path)
+        base = fixed.get(f"{name}.weight")
+        if base is None:
+            continue
+        out_dim, in_dim = (1, 0) if getattr(layer, "fan_in_fan_out", False) else (0, 1)  # Conv1D: [in, out]
+        for adapter in lora_a:
+            a, b = f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight"
+            if base.is_shard and base.dim == out_dim:
+                why = "LoRA of a column-parallel layer: A whole, B split by its output features"
+                placements[a], placements[b] = (R, why), (base.with_dim(0), why)  # B: [out, r]
+            elif base.is_shard and base.dim == in_dim:
+                why = "LoRA of a row-parallel layer: A split by its input features, B whole"
+                placements[a], placements[b] = (base.with_dim(1), why), (R, why)  # A: [r, in]
+            else:
+                why = "LoRA of a replicated layer: whole"
+                placements[a] = placements[b] = (R, why)
+    return placements
