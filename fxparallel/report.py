@@ -14,7 +14,7 @@ from .plan.plan import UNUSED, CollectivePlan, ParamPlan, ShardingPlan
 from .plan.rules.base import bytes_per_token
 from .plan.solver import layer_pattern
 from .ops import collectives
-from .rewrite.functional import vocab_parallel_cross_entropy
+from .ops.vocab_parallel import vocab_parallel_cross_entropy
 from .rewrite.passes import PassContext
 
 def _inserted(node) -> bool:

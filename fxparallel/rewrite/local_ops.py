@@ -13,8 +13,8 @@ from ..plan.placement import Placement
 from ..plan.rules.base import LocalOp, arg
 from .dropout_masks import attention_with_dropout, dropout_on_shards
 from .editor import GraphEditor
-from .functional import vocab_parallel_cross_entropy as _vocab_ce
-from .functional import vocab_parallel_embedding as _vocab_embedding
+from ..ops.vocab_parallel import vocab_parallel_cross_entropy as _vocab_ce
+from ..ops.vocab_parallel import vocab_parallel_embedding as _vocab_embedding
 from .view_sizes import block_view_size, local_view_size
 
 

@@ -6,7 +6,7 @@ from fxparallel.group import fake_group
 from fxparallel.plan.layout import ShardLayout
 from fxparallel.plan.rules.base import LocalOp
 from fxparallel.rewrite.editor import GraphEditor
-from fxparallel.rewrite.functional import vocab_parallel_embedding
+from fxparallel.ops.vocab_parallel import vocab_parallel_embedding
 from fxparallel.rewrite.local_ops import apply_local_op
 
 

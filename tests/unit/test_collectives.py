@@ -5,7 +5,7 @@ import pytest
 
 import fxparallel
 from fxparallel.ops import collectives
-from fxparallel.rewrite.functional import vocab_parallel_cross_entropy
+from fxparallel.ops.vocab_parallel import vocab_parallel_cross_entropy
 from models import tiny_config
 
 
