@@ -5,7 +5,8 @@ logits, loss, every adapter gradient (``is_trainable=True``), greedy ``generate`
 at TP=3 (heads split unevenly) and TP=1; the adapters add only rank-r sized collectives to the plan; the base model is frozen
 (no gradient, no gradient buffer) and a default load freezes the adapter too (PEFT's inference default);
 transformers' names on a parallel base model: ``load_adapter`` (same checks), ``add_adapter`` (logits unchanged,
-B being zero; loss and gradients as PEFT's with the same A), ``active_adapters``, a second adapter refused; ``parallelize(peft_model)`` (same checks); ``merge_and_unload`` (PEFT's merged logits, no adapter left);
+B being zero; loss and gradients as PEFT's with the same A), ``active_adapters``, a second adapter refused; ``parallelize(peft_model)`` (same checks); ``merge_and_unload`` (PEFT's merged logits, no adapter left); GPT-2's
+fused Conv1D projections (fan_in_fan_out, q/k/v in one weight) trained and merged;
 ``save_pretrained`` writes the adapter only (PEFT's layout) and PEFT loads it to the same logits. Refused by
 name before any capture: other PEFT methods, LoRA options not supported yet (DoRA), a pickled adapter."""
 from __future__ import annotations
@@ -21,16 +22,18 @@ from distributed import run_ranks
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
 
 
-def _adapter(root: str, **options) -> str:
-    """A tiny Llama checkpoint and a LoRA adapter of it with nonzero B (PEFT's default B is zero)."""
+def _adapter(root: str, config=None, **options) -> str:
+    """A tiny Llama checkpoint (or of ``config``) and a LoRA adapter of it with nonzero B (PEFT's default B is
+    zero)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from models import save_checkpoint, tiny_config
 
-    base = save_checkpoint(tiny_config("llama"), os.path.join(root, "base"))
+    base = save_checkpoint(config or tiny_config("llama"), os.path.join(root, "base"))
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, **options)
+    options = {"target_modules": TARGETS, **options}
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **options)
     path = os.path.join(root, "adapter")
     get_peft_model(model, config).save_pretrained(path)
     return path
@@ -211,6 +214,36 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         assert r["merged"] < 1e-5 and r["left after merging"] == [], r
         assert r["generate"], r
         assert r["files"] == ["adapter_config.json", "adapter_model.safetensors"], r
+
+
+def _fused(rank, world, adapter):
+    """GPT-2's Conv1D (fan_in_fan_out) with its fused q/k/v: trained and merged against PEFT."""
+    import torch.distributed as dist
+
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    out = _trained(adapter, dist.group.WORLD, rank, world, ids)
+    import fxparallel
+
+    model = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32)
+    ref = _reference(adapter, trainable=False)
+    with torch.no_grad():
+        out["merged"] = (model.merge_and_unload()(input_ids=ids).logits
+                         - ref.merge_and_unload()(input_ids=ids).logits).abs().max().item()
+    out["c_attn"] = str(model.plan.param("transformer.h.0.attn.c_attn.weight").placement)
+    return out
+
+
+def test_lora_on_fused_conv1d_projections_matches_peft(tmp_path):
+    """GPT-2: Conv1D weights stored [in, out] (PEFT's fan_in_fan_out), q/k/v fused in c_attn (B split by the
+    same segments), c_proj row-parallel (A split by input features)."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    adapter = _adapter(str(tmp_path), config, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    for r in run_ranks(2, _fused, adapter):
+        assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["merged"] < 1e-5, r
+        assert r["adapter matrices"] == r["reference adapter matrices"] == 2 * 2 * 3 and r["base with grad"] == [], r
+        assert r["c_attn"] == "S(1)[64,64,64]", r  # Conv1D [in, 3 x out]: split by output features, per segment
 
 
 def test_other_methods_and_options_are_refused_by_name(tmp_path):
