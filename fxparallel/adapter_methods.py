@@ -53,9 +53,9 @@ class AdapterMethods:
             raise ArgumentError("merge_and_unload: safe_merge and adapter_names are not supported on the parallel model")
         del progressbar
         factory = self._graph_set.factory
-        plain = factory.with_adapter(None)  # the meta model without the adapter first: a failure changes nothing
-        _merge(self, factory.meta, next(iter(self.peft_config)))
+        plain = factory.with_adapter(None)  # planned without the adapter first: a failure changes nothing
         planned = plain.training_graph()
+        _merge(self, factory.meta, next(iter(self.peft_config)))
         for p in [p for p in self.plan.params if is_adapter_parameter(p.name)]:
             parent = self.get_submodule(p.name.split(".lora_")[0])
             parent._modules.pop("lora_A", None)
