@@ -1,5 +1,7 @@
 """transformers' PEFT-integration names on the parallel model: ``load_adapter`` (a saved PEFT LoRA adapter),
-``add_adapter`` (a new one from a ``LoraConfig``), ``active_adapters``. A parallel model without an adapter
+``add_adapter`` (a new one from a ``LoraConfig``), ``active_adapters``, ``set_adapter``, ``disable_adapters`` /
+``enable_adapters`` (the graphs re-planned without / with the adapter, its matrices kept), ``get_adapter_state_dict``
+and ``merge_and_unload``. A parallel model without an adapter
 gets one by re-planning its graphs with PEFT's LoRA layers in them (``capture/adapters.py``), every base
 parameter's placement kept, and new shards for the adapter's matrices, read from the adapter's file or
 initialized as PEFT initializes them (A Kaiming-uniform, B zero), alike on every rank. The base model is then
@@ -13,7 +15,9 @@ import math
 import torch
 
 from .capture.adapters import check_lora_config, is_adapter_parameter
+from .dtensor_parameters import dtensor_views, follow_requires_grad
 from .errors import ArgumentError
+from .hf_methods import called_from_peft
 from .load.adapter_files import AdapterSource, read_adapter
 from .load.adapter_weights import load_adapter_weights, set_trainable
 
@@ -41,36 +45,98 @@ class AdapterMethods:
                                 "save it and load it with load_adapter")
         self._attach(AdapterSource(copy.deepcopy(adapter_config), adapter_name or "default", None, True, "add_adapter"))
 
+    @property
+    def peft_config(self) -> dict:
+        """{adapter name: LoraConfig} of the attached adapter, absent without one, as on transformers' models; a new
+        dict per read, from the graphs' source. Absent to PEFT's tuner too, which would add its config to it in place
+        before failing to wrap the parallel model (``hf_methods.called_from_peft``)."""
+        adapter = self._attached()
+        if adapter is None or called_from_peft():
+            raise AttributeError("peft_config: no adapter is attached" if adapter is None else "peft_config")
+        return {adapter.name: adapter.config}
+
     def active_adapters(self) -> list:
+        self._adapter("active_adapters")
         return list(self.peft_config)
+
+    def set_adapter(self, adapter_name) -> None:
+        """Make ``adapter_name`` the active adapter and, as PEFT's ``set_adapter`` does, trainable (one adapter is
+        supported, so this names the attached one)."""
+        self._adapter("set_adapter")
+        names = adapter_name if isinstance(adapter_name, (list, tuple)) else [adapter_name]
+        missing = [n for n in names if n not in self.peft_config]
+        if missing:
+            raise ArgumentError(f"set_adapter: adapter(s) {missing} not found; the model holds {sorted(self.peft_config)}")
+        set_trainable(self, True)
+        follow_requires_grad(self)  # Trainer's DTensor views, when it took them
+
+    def disable_adapters(self) -> None:
+        """Run the base model only: the graphs are re-planned without the adapter; its matrices stay (collective
+        over the tp group)."""
+        self._switch_adapter("disable_adapters", enabled=False)
+
+    def enable_adapters(self) -> None:
+        """Run the adapter again after ``disable_adapters`` (collective over the tp group)."""
+        self._switch_adapter("enable_adapters", enabled=True)
+
+    def get_adapter_state_dict(self, adapter_name=None, state_dict=None) -> dict:
+        """The adapter's matrices as full tensors under PEFT's names for a transformers model
+        (``model.layers.0.self_attn.q_proj.lora_A.weight``), on every rank (collective over the tp group)."""
+        from .runtime.dtensor import full_tensor
+
+        self._adapter("get_adapter_state_dict")
+        name = adapter_name or next(iter(self.peft_config))
+        if name not in self.peft_config or state_dict is not None:
+            raise ArgumentError(f"get_adapter_state_dict: adapter_name={adapter_name!r} (the model holds "
+                                f"{sorted(self.peft_config)}) and state_dict=None are taken")
+        group = self.tp_group
+        return {p.name.replace(f".{name}.", "."): full_tensor(self.get_parameter(p.name), p, group).detach()
+                for p in self.plan.params if is_adapter_parameter(p.name)}
 
     def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False, adapter_names=None):
         """PEFT's ``merge_and_unload``: fold the adapter into the base model's shards (each rank its pieces of
         ``scaling * B @ A``) and re-plan the graphs without it; returns the model (collective over the tp group)."""
-        if not self.peft_config:
-            raise ArgumentError("merge_and_unload: the model holds no adapter")
+        adapter = self._adapter("merge_and_unload")
         if safe_merge or adapter_names is not None:
             raise ArgumentError("merge_and_unload: safe_merge and adapter_names are not supported on the parallel model")
         del progressbar
         factory = self._graph_set.factory
         plain = factory.with_adapter(None)  # planned without the adapter first: a failure changes nothing
         planned = plain.training_graph()
-        _merge(self, factory.meta, next(iter(self.peft_config)))
+        # the LoRA layers' scaling and layout from a meta model with the adapter in (disabled or not)
+        adapted = factory.with_adapter(dataclasses.replace(adapter, enabled=True)).meta
+        _merge(self, adapted, adapter.name)
         for p in [p for p in self.plan.params if is_adapter_parameter(p.name)]:
             parent = self.get_submodule(p.name.split(".lora_")[0])
             parent._modules.pop("lora_A", None)
             parent._modules.pop("lora_B", None)
         self._replace_graphs(plain, planned)
-        self.peft_config = {}
         return self
 
+    def _attached(self):
+        """The attached adapter (an AdapterSource), or None."""
+        return getattr(getattr(self._graph_set.factory, "source", None), "adapter", None)
+
+    def _adapter(self, where: str) -> AdapterSource:
+        """The attached adapter; transformers' error when there is none."""
+        adapter = self._attached()
+        if adapter is None:
+            raise ArgumentError(f"{where}: no adapter loaded; attach one first (load_adapter or add_adapter)")
+        return adapter
+
+    def _switch_adapter(self, where: str, enabled: bool) -> None:
+        adapter = self._adapter(where)
+        if adapter.enabled == enabled:
+            return
+        factory = self._graph_set.factory.with_adapter(dataclasses.replace(adapter, enabled=enabled))
+        self._replace_graphs(factory, factory.training_graph(), keep_plan=True)
+
     def _attach(self, adapter: AdapterSource) -> None:
-        from .dtensor_parameters import dtensor_views
         from .runtime.export import is_data_parallel
 
         where = "load_adapter" if adapter.files is not None else "add_adapter"
-        if self.peft_config:
-            raise ArgumentError(f"{where}: the model holds adapter {next(iter(self.peft_config))!r} already; one "
+        if self._attached() is not None:
+            raise ArgumentError(f"{where}: the model holds adapter {self._attached().name!r} already; one "
                                 "adapter is supported")
         if is_data_parallel(self) or dtensor_views(self):
             raise ArgumentError(f"{where}: attach the adapter before apply_data_parallel or Trainer (their parameter "
@@ -81,7 +147,6 @@ class AdapterMethods:
             if is_adapter_parameter(p.name):
                 self._add_shard(p)
         self._replace_graphs(factory, planned)
-        self.peft_config = {adapter.name: adapter.config}
         group = self.tp_group
         if adapter.files is not None:
             load_adapter_weights(self, self.plan, adapter, group.rank, group.size)

@@ -152,12 +152,12 @@ def _for_device(config, device: torch.device):
 
 
 def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
-    """The meta model of ``source`` (with its LoRA adapter's layers: capture/adapters.py), after checking it
-    can be split over ``tp`` ranks."""
+    """The meta model of ``source`` (with its LoRA adapter's layers unless it is disabled: capture/adapters.py),
+    after checking it can be split over ``tp`` ranks."""
     meta = build_meta_model(source.config, dtype=dtype, trust_remote_code=trust_remote_code,
                             model_class=source.model_class)
     check_splittable(source.config, tp, meta)
-    if source.adapter is not None:
+    if source.adapter is not None and source.adapter.enabled:
         meta = adapters.inject(meta, source.adapter.config, source.adapter.name)
     return meta
 
@@ -327,8 +327,18 @@ def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
         generation_config=_generation_config(source, meta.config), embedding_modules=embedding_modules(meta),
         embedding_weights=tuple(f"{path}.weight" for path, m in meta.named_modules()
                                 if isinstance(m, torch.nn.Embedding)),
-        dropout_rates=dict(getattr(meta, "fxparallel_dropout", {})),
-        peft_config=dict(getattr(meta, "peft_config", None) or {}))
+        dropout_rates=dict(getattr(meta, "fxparallel_dropout", {})))
+
+
+def _saved_placements(saved, source, meta, tp: int, dtype, trust_remote_code: bool) -> dict:
+    """The base model's placements in ``saved`` (a ShardingPlan), checked against the model: with its adapter when
+    the plan names the adapter's matrices (saved from a model with the adapter), else the base model (``meta``).
+    The adapter's matrices follow their base layers (plan/adapter_placements.py); ``check_applied`` then compares
+    them with the saved ones."""
+    if source.adapter is None or not any(adapters.is_adapter_parameter(p.name) for p in saved.params):
+        return fixed_placements(saved, meta, tp)
+    fixed = fixed_placements(saved, _meta_model(source, tp, dtype, trust_remote_code), tp)
+    return {name: p for name, p in fixed.items() if not adapters.is_adapter_parameter(name)}
 
 
 def _first_graph(source, factory: GraphFactory) -> tuple:
@@ -406,7 +416,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     saved = read_plan(plan) if plan is not None else None
     base = dataclasses.replace(source, adapter=None)  # with an adapter: its base model is planned first
     meta = _meta_model(base, group.size, dtype, trust_remote_code)
-    fixed = fixed_placements(saved, meta, group.size) if saved is not None else None
+    fixed = _saved_placements(saved, source, meta, group.size, dtype, trust_remote_code) if saved is not None else None
     # resolve (download) the checkpoint before the capture, so a bad checkpoint fails early
     files = None
     if source.checkpoint is not None:

@@ -72,10 +72,27 @@ def use_dtensor_parameters(model) -> None:
             DTensor.from_local(param.detach(), mesh, [placements[id(param)]], run_check=False, shape=full,
                                stride=contiguous_stride(full)), requires_grad=param.requires_grad)
         views[id(param)] = view
-        param.register_post_accumulate_grad_hook(functools.partial(_move_gradient, view))
+        _hook(param, view)
     model.__dict__["_dtensor_views"] = views
     if group.size > 1:  # transformers' record of a sharded model, which Trainer and accelerate read
         model.config.distributed_config = DistributedConfig(tp_size=group.size)
+
+
+def _hook(param, view) -> None:
+    """Move ``param``'s gradients onto ``view`` from now on, once (a frozen parameter takes no hook: a LoRA
+    adapter's base weights)."""
+    if param.requires_grad and not getattr(param, "_fxparallel_moves_grad", False):
+        param.register_post_accumulate_grad_hook(functools.partial(_move_gradient, view))
+        param._fxparallel_moves_grad = True
+
+
+def follow_requires_grad(model) -> None:
+    """After parameters were frozen or unfrozen (``set_adapter``): the views take gradients where the
+    parameters do."""
+    views = dtensor_views(model)
+    for _, param in model.local_named_parameters() if views else ():
+        views[id(param)].requires_grad_(param.requires_grad)
+        _hook(param, views[id(param)])
 
 
 def refresh_views(model) -> None:

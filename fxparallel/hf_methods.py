@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from typing import Optional
 
 import torch
@@ -354,16 +355,13 @@ class HuggingFaceMethods:
         if in_dtype is None:
             raise ShardingError(f"cannot cast the parallel model to {_dtype_name(dtype)}: its graph factory cannot "
                                 "capture another dtype; pass dtype= to fxparallel.parallelize instead")
-        factory = in_dtype(dtype)  # builds the meta model first: a failure changes nothing
+        factory = in_dtype(dtype)  # the meta model and the training graph first: a failure changes nothing
+        planned = factory.training_graph()
         super()._apply(fn, recurse)  # parameters (in place: optimizers keep them), gradients, buffers
         self.set_buffers(factory.meta.fxparallel_buffers)  # as the model's __init__ makes them in ``dtype``
-        self._graph_set.drop(factory)  # the graphs, their compiled code, a compiled generate's kept cache
-        for path in self._layer_paths:
-            getattr(self.get_submodule(path), "_pieces", {}).clear()
         self.dtype_ = dtype
-        planned = factory.training_graph()
+        self._replace_graphs(factory, planned, keep_plan=True)  # also a compiled generate's kept cache
         self.plan = dataclasses.replace(self.plan, dtype=planned.plan.dtype, collectives=planned.plan.collectives)
-        self.add_graph(planned.local)
         return self
 
     # ---- display and missing attributes ------------------------------------------------------------------
@@ -382,7 +380,26 @@ class HuggingFaceMethods:
         except AttributeError:
             if not _pretrained_model_attribute(name) and name not in _INSTEAD:
                 raise
+        if called_from_peft():
+            raise MissingHuggingFaceMethod(_PEFT_WRAP) from None
         raise _missing(type(self).__name__, name) from None
+
+
+_PEFT_WRAP = ("peft.get_peft_model / PeftModel(...) cannot wrap the parallel model: its layers are shards run by "
+              "captured graphs, not modules PEFT can replace. Attach LoRA on the parallel model itself: "
+              "model.add_adapter(LoraConfig(...)) or model.load_adapter(path), or parallelize the adapter's directory "
+              "or a PeftModel. With TRL, call model.add_adapter(peft_config) and pass the model to the trainer without "
+              "peft_config (docs/training.md, \"LoRA adapters\")")
+
+
+def called_from_peft() -> bool:
+    """Whether PEFT's code is on the stack (its tuners read transformers attributes while injecting layers)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if str(frame.f_globals.get("__name__", "")).startswith("peft."):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _missing(cls_name: str, name: str) -> MissingHuggingFaceMethod:

@@ -20,4 +20,3 @@ class ModelFacts:
     embedding_modules: dict = field(default_factory=dict)  # "input"/"output" -> (module path, class, bias)
     embedding_weights: tuple = ()  # the nn.Embedding tables' weights
     dropout_rates: dict = field(default_factory=dict)  # the model's dropout rates above 0: masks in train()
-    peft_config: dict = field(default_factory=dict)  # adapter name -> LoraConfig of the attached LoRA adapter

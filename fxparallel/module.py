@@ -107,14 +107,15 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         if first_graph is not None:
             self.add_graph(first_graph)
 
-    def _replace_graphs(self, factory, planned) -> None:
+    def _replace_graphs(self, factory, planned, keep_plan: bool = False) -> None:
         """Drop every graph (their pieces in the layer modules too) for ``planned`` (a PlannedGraph of
         ``factory``'s training graph) and its plan: the model's graphs after a re-plan (an adapter attached or
-        merged)."""
+        merged). ``keep_plan``: the parameters stay those of the current plan (an adapter disabled or enabled)."""
         self._graph_set.drop(factory)
         for path in self._layer_paths:
             getattr(self.get_submodule(path), "_pieces", {}).clear()
-        self.plan = planned.plan
+        if not keep_plan:
+            self.plan = planned.plan
         self.add_graph(planned.local)
 
     def _add_shard(self, p) -> None:

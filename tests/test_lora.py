@@ -1,11 +1,15 @@
 """LoRA adapters on the parallel model (issue 36, first part): ``parallelize(adapter_dir)`` takes a PEFT LoRA
 adapter saved by PEFT (its base from ``base_model_name_or_path``), injects PEFT's own LoRA layers into the
 captured model and lets the solver place the adapter matrices. Against ``PeftModel`` on one device at TP=2:
-logits, loss, every adapter gradient (``is_trainable=True``), greedy ``generate``; loss and gradients at TP=4,
+logits, loss, every adapter gradient (``is_trainable=True``), greedy ``generate``; loss and gradients (the adapter
+and its base read from a hub cache by id) at TP=4,
 at TP=3 (heads split unevenly) and TP=1; the adapters add only rank-r sized collectives to the plan; the base model is frozen
 (no gradient, no gradient buffer) and a default load freezes the adapter too (PEFT's inference default);
 transformers' names on a parallel base model: ``load_adapter`` (same checks), ``add_adapter`` (logits unchanged,
-B being zero; loss and gradients as PEFT's with the same A), ``active_adapters``, a second adapter refused; ``parallelize(peft_model)`` (same checks); ``merge_and_unload`` (PEFT's merged logits, no adapter left); GPT-2's
+B being zero; loss and gradients as PEFT's with the same A), ``active_adapters``, a second adapter refused,
+``get_adapter_state_dict``, ``disable_adapters`` / ``enable_adapters`` and ``set_adapter`` against what PEFT gives
+for them, ``get_peft_model`` on the parallel model refused naming the way, transformers' errors without an
+adapter; ``lora_dropout`` and ``use_rslora`` trained with the layers recomputed (activation checkpointing); ``parallelize(peft_model)`` (same checks); ``merge_and_unload`` (PEFT's merged logits, no adapter left); GPT-2's
 fused Conv1D projections (fan_in_fan_out, q/k/v in one weight) trained and merged;
 ``save_pretrained`` writes the adapter only (PEFT's layout) and PEFT loads it to the same logits. Refused by
 name before any capture: other PEFT methods, LoRA options not supported yet (DoRA), a pickled adapter."""
@@ -47,18 +51,27 @@ def _reference(adapter: str, trainable: bool):
     return PeftModel.from_pretrained(base, adapter, is_trainable=trainable)
 
 
-def _trained(adapter, group, rank, tp, ids, model=None, ref=None) -> dict:
+def _trained(adapter, group, rank, tp, ids, model=None, ref=None, seed=None) -> dict:
     """Loss and every adapter gradient at ``group``'s layout against PeftModel's (``ref``, by default the
-    adapter's); which parameters take gradients. ``model``: by default ``parallelize(adapter)``."""
+    adapter's); which parameters take gradients. ``model``: by default ``parallelize(adapter)``. ``seed``: both
+    in training mode (dropout) under that seed."""
     import fxparallel
     from fxparallel.capture.adapters import hf_name, is_adapter_parameter
 
     model = model or fxparallel.parallelize(adapter, group, dtype=torch.float32, is_trainable=True)
     ref = ref or _reference(adapter, trainable=True)
-    loss, ref_loss = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
-    loss.backward()
-    ref_loss.backward()
+    losses = []
+    for m in (model, ref):
+        if seed is not None:
+            m.train()
+            torch.manual_seed(seed)
+        losses.append(m(input_ids=ids, labels=ids).loss)
+        losses[-1].backward()
+    loss, ref_loss = losses
     out = {"loss": (loss - ref_loss).abs().item()}
+    if seed is not None:  # the dropout acted
+        with torch.no_grad():
+            out["train - eval loss"] = (ref_loss - ref.eval()(input_ids=ids, labels=ids).loss).abs().item()
     ref_params = {hf_name(n.removeprefix("base_model.model.")): p for n, p in ref.named_parameters()}
     grad_err, adapters, base_with_grad = 0.0, 0, []
     for name, p in model.named_parameters():
@@ -90,7 +103,7 @@ def _with_weights(base_dir, config, state):
     return ref
 
 
-def _ranks(rank, world, adapter):
+def _ranks(rank, world, adapter, with_options):
     import torch.distributed as dist
     from peft import LoraConfig
 
@@ -101,6 +114,12 @@ def _ranks(rank, world, adapter):
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     # training: the adapter's gradients against PEFT's, the base frozen
     out = _trained(adapter, dist.group.WORLD, rank, world, ids)
+    # lora_dropout and use_rslora, in training mode, the decoder layers recomputed (activation checkpointing)
+    model = fxparallel.parallelize(with_options, dist.group.WORLD, dtype=torch.float32, is_trainable=True)
+    model.gradient_checkpointing_enable()
+    out["dropout, rslora, checkpointed"] = _trained(with_options, dist.group.WORLD, rank, world, ids, model=model,
+                                                    seed=7)
+    out["checkpointed layers"] = sum(u.checkpoint is not None for u in model.layer_units())
     # transformers' names: load_adapter on a parallel base model, add_adapter (PEFT's initialization)
     base_dir = os.path.join(os.path.dirname(adapter), "base")
     model = fxparallel.parallelize(base_dir, dist.group.WORLD, dtype=torch.float32)
@@ -131,6 +150,8 @@ def _ranks(rank, world, adapter):
     tokens = model.generate(input_ids=ids[:, :5], attention_mask=mask, max_new_tokens=6, do_sample=False)
     expected = ref.generate(input_ids=ids[:, :5], attention_mask=mask, max_new_tokens=6, do_sample=False)
     out["generate"] = torch.equal(tokens, expected)
+    out["names"] = _names_against_peft(model, adapter, ids)
+    out["saved plan"] = _saved_plan(model, adapter, rank)
     # saved at TP=2: the adapter alone, as PEFT writes it, loaded by PEFT on one device
     saved = os.path.join(os.path.dirname(adapter), "saved")
     model.save_pretrained(saved)
@@ -140,23 +161,144 @@ def _ranks(rank, world, adapter):
         out["reloaded"] = (_reference(saved, trainable=False)(input_ids=ids).logits - ref(input_ids=ids).logits
                            ).abs().max().item()
     # merged into the base shards: PEFT's merge_and_unload, no adapter left
+    # merged into the base shards (while disabled: PEFT merges a disabled adapter too): PEFT's merge_and_unload
+    model.disable_adapters()
     merged = model.merge_and_unload()
     with torch.no_grad():
         out["merged"] = (merged(input_ids=ids).logits - ref.merge_and_unload()(input_ids=ids).logits).abs().max().item()
-    out["left after merging"] = [n for n, _ in merged.named_parameters() if ".lora_" in n] + merged.active_adapters()
+    out["left after merging"] = [n for n, _ in merged.named_parameters() if ".lora_" in n]
+    out["no adapter"] = [raised(f) for f in (merged.active_adapters, merged.disable_adapters, merged.enable_adapters,
+                                             lambda: merged.set_adapter("default"), merged.get_adapter_state_dict)]
     return out
 
 
-def _other_layouts(rank, world, adapter):
-    """TP=4 on the world; TP=3 (heads split unevenly) on ranks 0-2 and TP=1 on rank 3."""
+def _saved_plan(model, adapter, rank) -> dict:
+    """``parallelize(adapter, plan=saved)`` with the plan saved from the model: the same plan; with an adapter
+    matrix's placement edited away from its base layer's: refused, naming it."""
     import torch.distributed as dist
 
+    import fxparallel
+    from checks import raised
+    from test_saved_plans import _edited
+
+    path = os.path.join(os.path.dirname(adapter), f"plan{rank}.json")
+    model.plan.save(path)
+    again = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32, plan=path)
+
+    def replicate_b(d):
+        for p in d["params"]:
+            if p["name"] == "model.layers.0.self_attn.q_proj.lora_B.default.weight":
+                p["placement"], p["split"] = "R", []
+
+    edited = _edited(model.plan, replicate_b)
+    return {"same": again.plan == model.plan,
+            "edited": raised(lambda: fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32,
+                                                            plan=edited))}
+
+
+def _names_against_peft(model, adapter, ids) -> dict:
+    """transformers' PEFT-integration names on the parallel model (an inference load) against what they do on one
+    device, computed with PEFT (transformers 5.24's own methods ask for peft >= 0.22, which the package index does
+    not have yet): the adapter state dict (``get_peft_model_state_dict``, names as on a transformers model), logits
+    disabled (``disable_adapter()``) and enabled again, which parameters ``set_adapter`` makes trainable; PEFT's
+    ``get_peft_model`` on the parallel model refused, naming the way."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    from checks import raised
+    from fxparallel.capture.adapters import hf_name
+
+    ref = _reference(adapter, trainable=False)
+    ours = model.get_adapter_state_dict()
+    theirs = {k.removeprefix("base_model.model."): v for k, v in get_peft_model_state_dict(ref).items()}
+    out = {"state dict keys": sorted(ours) == sorted(theirs) and len(ours) == 2 * 2 * len(TARGETS),
+           "state dict": max((ours[k] - theirs[k]).abs().max().item() for k in theirs)}
+    with torch.no_grad():
+        with ref.disable_adapter():
+            base = ref(input_ids=ids).logits
+        adapted = ref(input_ids=ids).logits
+        model.disable_adapters()
+        out["disabled"] = (model(input_ids=ids).logits - base).abs().max().item()
+        model.enable_adapters()
+        out["enabled"] = (model(input_ids=ids).logits - adapted).abs().max().item()
+    out["adapter's effect"] = (adapted - base).abs().max().item()  # "disabled" compares the base models
+    model.set_adapter("default")
+    ref.set_adapter("default")
+    out["set_adapter trainable"] = ([n for n, p in model.named_parameters() if p.requires_grad],
+                                    [hf_name(n.removeprefix("base_model.model.")) for n, p in ref.named_parameters()
+                                     if p.requires_grad])
+    out["set_adapter unknown"] = raised(lambda: model.set_adapter("other"))
+    config = model.peft_config["default"]
+    out["get_peft_model"] = raised(lambda: get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"])))
+    out["peft_config kept"] = model.peft_config == {"default": config}  # PEFT's tuner adds to it before failing
+    return out
+
+
+def _other_layouts(rank, world, adapter, cache):
+    """TP=4 on the world; TP=3 (heads split unevenly) on ranks 0-2 and TP=1 on rank 3; the adapter by its hub id
+    (``HUB_ADAPTER`` in the hub cache ``cache``, its base by the hub id its config names)."""
+    import torch.distributed as dist
+
+    import fxparallel
+
+    def from_hub(group):
+        return fxparallel.parallelize(HUB_ADAPTER, group, dtype=torch.float32, is_trainable=True, cache_dir=cache,
+                                      local_files_only=True)
+
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
-    out = {4: _trained(adapter, dist.group.WORLD, rank, world, ids)}
+    out = {4: _trained(adapter, dist.group.WORLD, rank, world, ids, model=from_hub(dist.group.WORLD))}
     mine, _ = dist.new_subgroups_by_enumeration([[0, 1, 2], [3]])
     tp = dist.get_world_size(mine)
-    out[tp] = _trained(adapter, mine, dist.get_rank(mine), tp, ids)
+    out[tp] = _trained(adapter, mine, dist.get_rank(mine), tp, ids, model=from_hub(mine))
+    out["dp2 x tp2"] = _under_fsdp(adapter, from_hub)
     return out
+
+
+def _under_fsdp(adapter, from_hub) -> dict:
+    """FSDP over dp=2 around tp=2 (``apply_data_parallel``, one runtime step): each dp rank's half of the batch;
+    the loss and every adapter gradient (reduced over dp) against PeftModel's on the whole batch."""
+    from fxparallel.capture.adapters import hf_name, is_adapter_parameter
+    from fxparallel.runtime import apply_data_parallel, init_mesh, train_step
+    from fxparallel.runtime.dtensor import full_tensor
+
+    mesh = init_mesh(tp=2, dp=2, cp=1)
+    model = apply_data_parallel(from_hub(mesh.tp_mesh), mesh)
+    batch = torch.randint(0, 128, (4, 9), generator=torch.Generator().manual_seed(1))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    loss = train_step(model, optimizer, {"input_ids": batch[2 * mesh.dp_rank:][:2]}, mesh).loss
+    ref = _reference(adapter, trainable=True)
+    ref_loss = ref(input_ids=batch, labels=batch).loss
+    ref_loss.backward()
+    ref_grads = {hf_name(n.removeprefix("base_model.model.")): p.grad for n, p in ref.named_parameters()}
+    grads = {n: full_tensor(p.grad, model.plan.param(n), mesh) for n, p in model.named_parameters()
+             if is_adapter_parameter(n)}
+    return {"loss": abs(float(loss) - ref_loss.item()), "grad": max((g - ref_grads[n]).abs().max().item()
+                                                                     for n, g in grads.items()),
+            "adapter matrices": len(grads), "reference adapter matrices": 2 * 2 * len(TARGETS),
+            "base with grad": [n for n, p in model.named_parameters() if not is_adapter_parameter(n) and
+                               (p.requires_grad or p.grad is not None)]}
+
+
+HUB_ADAPTER, HUB_BASE = "org/tiny-llama-lora", "org/tiny-llama"
+
+
+def _hub_cache(adapter: str) -> str:
+    """A hub cache (huggingface_hub's layout) holding the adapter and its base model, the adapter's config naming
+    the base by hub id."""
+    import shutil
+
+    from hub import add_to_cache, checkpoint_files
+
+    root = os.path.dirname(adapter)
+    cache, published = os.path.join(root, "hub"), os.path.join(root, "published")
+    shutil.copytree(adapter, published)
+    with open(os.path.join(published, "adapter_config.json")) as f:
+        config = json.load(f)
+    config["base_model_name_or_path"] = HUB_BASE
+    with open(os.path.join(published, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    add_to_cache(cache, HUB_BASE, checkpoint_files(os.path.join(root, "base")))
+    add_to_cache(cache, HUB_ADAPTER, checkpoint_files(published))
+    return cache
 
 
 def _check_training(r):
@@ -165,10 +307,10 @@ def _check_training(r):
     assert r["base with grad"] == [], r
 
 
-def test_lora_adapter_matches_peft_at_tp4_uneven_tp3_and_tp1(tmp_path):
+def test_hub_lora_adapter_matches_peft_at_tp4_uneven_tp3_tp1_and_under_fsdp(tmp_path):
     adapter = _adapter(str(tmp_path))
-    results = run_ranks(4, _other_layouts, adapter)
-    assert sorted(results[0]) == [3, 4] and sorted(results[3]) == [1, 4]
+    results = run_ranks(4, _other_layouts, adapter, _hub_cache(adapter))
+    assert sorted(results[0], key=str) == [3, 4, "dp2 x tp2"] and sorted(results[3], key=str) == [1, 4, "dp2 x tp2"]
     for r in results:
         for layout in r.values():
             _check_training(layout)
@@ -203,8 +345,12 @@ def test_adapters_add_no_hidden_sized_collective(tmp_path):
 
 def test_lora_adapter_matches_peft_at_tp2(tmp_path):
     adapter = _adapter(str(tmp_path))
-    for r in run_ranks(2, _ranks, adapter):
+    with_options = _adapter(str(tmp_path / "options"), use_rslora=True, lora_dropout=0.1)
+    for r in run_ranks(2, _ranks, adapter, with_options):
         _check_training(r)
+        options = r["dropout, rslora, checkpointed"]
+        _check_training({k: v for k, v in options.items() if k != "train - eval loss"})
+        assert options["train - eval loss"] > 1e-4 and r["checkpointed layers"] == 2, r
         _check_training(r["load_adapter"])
         _check_training(r["add_adapter"])
         _check_training(r["peft model"])
@@ -212,6 +358,19 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         assert "the model holds adapter 'default' already; one adapter is supported" in r["second adapter"], r
         assert r["logits"] < 1e-5 and r["reloaded"] < 1e-5 and r["trainable by default"] == [], r
         assert r["merged"] < 1e-5 and r["left after merging"] == [], r
+        assert all("no adapter loaded; attach one first" in e for e in r["no adapter"]), r["no adapter"]
+        assert r["saved plan"]["same"], r["saved plan"]
+        assert "parameter 'model.layers.0.self_attn.q_proj.lora_B.default.weight': the saved plan places it R" in \
+            r["saved plan"]["edited"], r["saved plan"]
+        names = r["names"]
+        assert names["state dict keys"] and names["state dict"] < 1e-6, names
+        assert names["disabled"] < 1e-5 and names["enabled"] < 1e-5 and names["adapter's effect"] > 1e-3, names
+        ours, theirs = names["set_adapter trainable"]
+        assert ours == theirs and len(ours) == 2 * 2 * len(TARGETS), names  # the adapter only, as PEFT sets it
+        assert "adapter(s) ['other'] not found; the model holds ['default']" in names["set_adapter unknown"], names
+        assert "cannot wrap the parallel model" in names["get_peft_model"] and "model.add_adapter(peft_config)" in \
+            names["get_peft_model"], names
+        assert names["peft_config kept"], names
         assert r["generate"], r
         assert r["files"] == ["adapter_config.json", "adapter_model.safetensors"], r
 

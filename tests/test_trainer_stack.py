@@ -13,7 +13,10 @@ on CPU is simulated (``fxparallel.accelerate_cpu``, what a CPU user calls); ever
 (``stop_sequence``) stopping where they stop transformers'. TRL: the fused LM head its trainers add
 (``add_fused_lm_head``, with a temperature and every optional output) computed across the vocabulary shards equals
 TRL's on transformers' model (each field, the loss, every gradient), and stock ``SFTTrainer`` at TP=2 gives the
-single-device SFTTrainer's losses, grad norms, entropy and token accuracy and weights; GRPOTrainer, which gives the
+single-device SFTTrainer's losses, grad norms, entropy and token accuracy and weights, and so does SFTTrainer training a
+LoRA adapter (on the parallel model with ``load_adapter(..., is_trainable=True)``, against PeftModel; its trained
+adapter equal too), while ``SFTTrainer(peft_config=...)``, whose ``get_peft_model`` cannot wrap the parallel model, is
+refused naming ``add_adapter``; GRPOTrainer, which gives the
 tp ranks different batches, is refused on its first forward, naming input_ids, with every weight unchanged. (The SFT runs use SGD:
 Adam's first steps divide each gradient by its own magnitude, which turns fp32 rounding in near-zero gradients into
 1e-4 weight differences whatever computed them; Trainer's run above uses AdamW.)"""
@@ -198,6 +201,48 @@ def _sft(rank, world, root):
     return out
 
 
+def _sft_lora(rank, world, root):
+    """SFTTrainer training a LoRA adapter: on the parallel model (the adapter attached with load_adapter, trainable)
+    at TP=2 and on PeftModel in a job of one process; SFTTrainer(peft_config=...) on the parallel model refused
+    by PEFT's wrapping, naming add_adapter."""
+    import torch
+    import torch.distributed as dist
+    from datasets import Dataset
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    import fxparallel
+
+    path = f"{root}/with_tokenizer"
+    adapter = f"{root}/sft-adapter"
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    if rank == 0:
+        get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), config).save_pretrained(adapter)
+    dist.barrier()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    parallel = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    parallel.load_adapter(adapter, is_trainable=True)
+    out = {"tp2": _sft_run(parallel, tokenizer, f"{root}/sft-lora{rank}")}
+    single = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adapter,
+                                       is_trainable=True)
+    out["single"] = _single_process(_sft_run, single, tokenizer, f"{root}/sft-lora-single{rank}")
+    ours, theirs = parallel.get_adapter_state_dict(), {
+        k.removeprefix("base_model.model.").replace(".default.", "."): p.detach()
+        for k, p in single.named_parameters() if ".lora_" in k}
+    out["adapter weights"] = (sorted(ours) == sorted(theirs), max((ours[k] - theirs[k]).abs().max().item()
+                                                                  for k in theirs))
+    try:
+        SFTTrainer(model=fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32),
+                   args=SFTConfig(output_dir=f"{root}/sft-refused{rank}", report_to=[], use_cpu=True, max_steps=1),
+                   train_dataset=Dataset.from_list([{"input_ids": [3, 4, 5]}]), processing_class=tokenizer,
+                   peft_config=config)
+        out["peft_config"] = "no error"
+    except AttributeError as err:
+        out["peft_config"] = str(err)
+    return out
+
+
 def _reward_length(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
@@ -270,6 +315,7 @@ def _cases(rank, world, path, root):
     out["pipeline"] = _pipeline(rank, root)
     out["fused_head"] = _fused_head(rank, world, f"{root}/with_tokenizer")
     out["sft"] = _sft(rank, world, root)
+    out["sft_lora"] = _sft_lora(rank, world, root)
     out["grpo"] = _grpo_refused(rank, world, root)
 
     # stock Trainer at TP=1 (a group of this rank alone, as a job of one process)
@@ -330,6 +376,12 @@ def test_trainer_stack(checkpoints, tmp_path):
             assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(ours, sft["single"][key])), (
                 key, ours, sft["single"][key])
         assert max(sft["single"]["grad_norm"]) > 0.5 and sft["weights"] < 1e-5, sft  # clipped; the same weights
+        lora = r["sft_lora"]
+        for key, ours in lora["tp2"].items():
+            assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(ours, lora["single"][key])), (
+                key, ours, lora["single"][key])
+        assert lora["adapter weights"][0] and lora["adapter weights"][1] < 1e-5, lora["adapter weights"]
+        assert "cannot wrap the parallel model" in lora["peft_config"] and "add_adapter" in lora["peft_config"], lora
         assert "the ranks of one tensor-parallel group got different arguments (the values of input_ids" in \
             r["grpo"]["error"] and r["grpo"]["unchanged"], r["grpo"]
     _check_trainer(results[0]["tp1"])

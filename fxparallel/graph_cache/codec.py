@@ -9,6 +9,7 @@ name, shape-guard calls must be sympy's, and the code must have the form FX gene
 (``generated_code.py``)."""
 from __future__ import annotations
 
+import builtins
 import importlib
 import re
 import types
@@ -50,6 +51,9 @@ class PlannedGraph:
 # modules (and their submodules) whose objects the generated code may read: torch's ops and
 # fxparallel's runtime functions, Python's operator and math; shape guards: sympy's classes
 ALLOWED_MODULES = ("torch", "operator", "_operator", "math", "fxparallel")
+# builtins FX binds by name (``getattr`` for a call_function getattr node, e.g. ``weight.T``); the code runs
+# with the normal builtins anyway (generated_code.py), so naming one gives it nothing new
+ALLOWED_BUILTINS = ("getattr",)
 GUARD_MODULES = ("sympy", "torch.utils._sympy")
 _PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -78,6 +82,8 @@ def _name_of(name: str, value):
         return ["none_type"]
     if isinstance(value, float):
         return ["float", repr(value)]
+    if name in ALLOWED_BUILTINS and value is getattr(builtins, name):
+        return ["builtin", name]
     module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
     if module and qualname and "<" not in qualname and _allowed(module, qualname):
         try:
@@ -100,6 +106,10 @@ def _value_of(ref: list):
         return float(ref[1])  # repr of a float, inf and nan included
     if kind == "object":
         return _resolve(ref[1], ref[2])
+    if kind == "builtin":
+        if ref[1] not in ALLOWED_BUILTINS:
+            raise ValueError(f"builtin {ref[1]} is not on the graph cache's allow-list {ALLOWED_BUILTINS}")
+        return getattr(builtins, ref[1])
     raise ValueError(f"unknown global kind {kind!r}")
 
 

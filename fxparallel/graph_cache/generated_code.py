@@ -2,7 +2,8 @@
 checks out was written by this user's fxparallel, so this is a second line, cheap enough for every launch
 (one parse, a look at the function's signature and top-level statements, and a scan of the text): one
 function ``forward`` without decorators, defaults or annotations that are not constants (they would run when
-it is defined), whose statements assign, delete, evaluate and return; no dunder name anywhere
+it is defined), whose statements assign (``x /= y`` to a plain name too: FX writes in-place operators so),
+delete, evaluate and return; no dunder name anywhere
 (``__globals__``, ``__class__``, ``__import__``), no ``import`` / ``lambda`` / ``global``, no call of a
 builtin that runs or reads code or files, or ends the process.
 
@@ -50,5 +51,6 @@ def check_generated_code(src: str) -> None:
         if a.annotation is not None and not isinstance(a.annotation, ast.Constant):
             raise GeneratedCodeError(f"argument {a.arg} has an annotation that is not a constant")
     for statement in fn.body:
-        if not isinstance(statement, _STATEMENTS):
+        in_place_on_name = isinstance(statement, ast.AugAssign) and isinstance(statement.target, ast.Name)
+        if not (isinstance(statement, _STATEMENTS) or in_place_on_name):
             raise GeneratedCodeError(f"line {statement.lineno}: a {type(statement).__name__} statement")

@@ -26,6 +26,7 @@ class AdapterSource:
     trainable: bool = False  # only the adapter's matrices take gradients; the base model is frozen
     where: str = ""  # the directory or hub id, for messages
     state: Optional[dict] = None  # {parameter name: full tensor} of the adapter's matrices (a PeftModel's)
+    enabled: bool = True  # False after ``disable_adapters``: the graphs leave the adapter out, its matrices are kept
 
 
 def stored_name(name: str, adapter: str) -> str:

@@ -179,6 +179,9 @@ def test_entries_of_another_user_never_run(cache_dir, tmp_path, caplog):  # noqa
     (lambda e: e["code"].update(src=e["code"]["src"].replace("):\n", "):\n    for i in range(2): pass\n", 1)),
      "a For statement"),
     (lambda e: e["code"].update(src=e["code"]["src"].replace("):", ", _x=print()):", 1)), "defaults"),
+    (lambda e: e["code"].update(src=e["code"]["src"].replace("):\n", "):\n    torch.x += 1\n", 1)),
+     "a AugAssign statement"),
+    (lambda e: e["code"]["globals"].update(f=["builtin", "open"]), "builtin open is not on the graph cache's"),
     (lambda e: e["guards"]["guards"].append(["call", "os", "system", [["int", 1]]]),
      "os.system is not on the graph cache's allow-list"),
 ])
@@ -196,17 +199,21 @@ def test_decoder_allow_list(cache_dir, edit, message):  # noqa: F811
 
 
 def test_every_cached_graph_passes_the_code_check(cache_dir):  # noqa: F811
-    """The code check accepts what fxparallel generates (GPT-2's fused projections and sequence parallelism
-    included): a false refusal would silently turn every launch into a cache miss."""
-    from transformers import GPT2Config
+    """The code check accepts what fxparallel generates (GPT-2's fused projections, sequence parallelism,
+    Mixtral's in-place router division ``x /= s``, Falcon's ``weight.T`` through getattr): a false refusal
+    would silently turn every launch into a cache miss."""
+    from transformers import FalconConfig, GPT2Config, MixtralConfig
 
     from fxparallel import graph_cache
-    from models import tiny_config
+    from models import TINY, tiny_config
 
     for config, kwargs in [(tiny_config("qwen3"), {"sequence_parallel": True}),
-                           (GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64), {})]:
+                           (GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64), {}),
+                           (MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2), {}),
+                           (FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128),
+                            {})]:
         _plan(config, **kwargs)
         hits = graph_cache.stats["hits"]
         _plan(config, **kwargs)
         assert graph_cache.stats["hits"] == hits + 1, config.model_type
-    assert len(glob.glob(str(cache_dir / "*" / "*.json"))) == 2
+    assert len(glob.glob(str(cache_dir / "*" / "*.json"))) == 4

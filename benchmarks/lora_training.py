@@ -1,0 +1,148 @@
+"""LoRA training against full fine-tuning of the same parallel model: trainable memory and step time per rank.
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 benchmarks/lora_training.py [--steps 10] [--r 16]
+    python benchmarks/lora_training.py --render     # the markdown table from the saved JSON
+
+One locally built 8-layer Llama (fp32; the shape of ``activation_checkpointing.py``), parallelized over every
+rank twice in the same processes: fully trainable, and with a new LoRA adapter (``model.add_adapter``, rank
+--r, ``target_modules="all-linear"``), each trained by AdamW (lr 0: every step starts from the same weights).
+
+Per rank, counted exactly from the tensors (not RSS): the parameters that take gradients, their gradients
+after a step and AdamW's two states after a step (``optimizer.state``); the frozen base weights, which both
+runs hold, for scale. Step time: forward, backward and optimizer step of one batch (--batch x --seq), the two
+runs alternating step by step so that other load on the machine hits both alike, the median over --steps
+after --warmup (the slowest rank's). The 1-minute load average is recorded at the start and end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from checkpoints import build_checkpoint as build_default  # noqa: E402
+from ranks import everyone, start, synchronize  # noqa: E402
+
+SHAPE = dict(hidden=256, layers=8, heads=8, kv_heads=4, intermediate=1024, vocab=2048, positions=1024)
+MiB = 2**20
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a checkpoint directory (default: the locally built Llama)")
+    p.add_argument("--checkpoint-dir", default=os.path.join(ROOT, "out", "checkpoints", "lora-llama"))
+    p.add_argument("--r", type=int, default=16, help="LoRA rank")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "lora_training.json"))
+    p.add_argument("--render", action="store_true")
+    return p.parse_args(argv)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class Run:
+    """One way of training the parallel model: its optimizer over what takes gradients, and a timed step."""
+
+    def __init__(self, name: str, model):
+        self.name, self.model, self.times = name, model.train(), []
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=0.0)
+
+    def step(self, ids) -> float:
+        synchronize()
+        t = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.optimizer.step()
+        synchronize()
+        return time.perf_counter() - t
+
+    def memory(self) -> dict:
+        states = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        frozen = [p for p in self.model.parameters() if not p.requires_grad]
+        return {"trainable_params": sum(p.numel() for p in self.trainable),
+                "trainable_MiB": _bytes(self.trainable) / MiB, "grads_MiB": _bytes(p.grad for p in self.trainable) / MiB,
+                "optimizer_MiB": _bytes(states) / MiB, "frozen_MiB": _bytes(frozen) / MiB}
+
+
+def measure(path: str, args) -> dict:
+    import fxparallel
+    from peft import LoraConfig
+
+    full = Run("full fine-tuning", fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32))
+    adapted = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    adapted.add_adapter(LoraConfig(r=args.r, lora_alpha=2 * args.r, target_modules="all-linear"))
+    lora = Run(f"LoRA r={args.r}", adapted)
+    ids = torch.randint(0, SHAPE["vocab"], (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    for i in range(args.warmup + args.steps):
+        for run in (full, lora):
+            seconds = max(everyone(run.step(ids)))  # the slowest rank's
+            if i >= args.warmup:
+                run.times.append(seconds)
+    out = {}
+    for run in (full, lora):
+        per_rank = everyone(run.memory())
+        out[run.name] = {"median_step_s": statistics.median(run.times), "steps_s": run.times,
+                         **{k: max(m[k] for m in per_rank) for k in per_rank[0]}}
+    return out
+
+
+def markdown_table(result: dict) -> str:
+    meta, runs = result["meta"], result["runs"]
+    full, lora = runs["full fine-tuning"], runs[f"LoRA r={meta['r']}"]
+    lines = [f"Llama {meta['shape']['layers']} layers, hidden {meta['shape']['hidden']}, fp32, TP={meta['tp']} on "
+             f"{meta['device']} ({meta['cores']} cores, {meta['threads']} thread(s) per rank), batch {meta['batch']} x "
+             f"{meta['seq']}; AdamW; median of {meta['steps']} alternating steps after {meta['warmup']} warm-up "
+             f"(slowest rank); bytes per rank (max over ranks); load average {meta['load_average_start']:.1f} at the "
+             f"start, {meta['load_average_end']:.1f} at the end; {meta['date']}.", "",
+             "| per rank | full fine-tuning | LoRA | LoRA / full |", "|---|---:|---:|---:|"]
+    rows = (("parameters taking gradients", "trainable_params", "{:,.0f}"),
+            ("their bytes (MiB)", "trainable_MiB", "{:.2f}"), ("gradients (MiB)", "grads_MiB", "{:.2f}"),
+            ("AdamW states (MiB)", "optimizer_MiB", "{:.2f}"), ("frozen weights (MiB)", "frozen_MiB", "{:.2f}"),
+            ("step time (s, median)", "median_step_s", "{:.3f}"))
+    for label, key, fmt in rows:
+        ratio = f"{lora[key] / full[key]:.3f}" if full[key] else "-"
+        lines.append(f"| {label} | {fmt.format(full[key])} | {fmt.format(lora[key])} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.render:
+        with open(args.out) as f:
+            print(markdown_table(json.load(f)))
+        return 0
+    load_start = os.getloadavg()[0]
+    rank, world, path = start(args.model, args.checkpoint_dir, lambda d: build_default(
+        "llama", d, overrides=dict(use_cache=False, attention_dropout=0.0), **SHAPE))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    runs = measure(path, args)
+    meta = {"tp": world, "shape": SHAPE, "r": args.r, "batch": args.batch, "seq": args.seq, "steps": args.steps,
+            "warmup": args.warmup, "device": "cpu", "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+            "load_average_start": load_start, "load_average_end": os.getloadavg()[0]}
+    if rank == 0:
+        result = {"meta": meta, "runs": runs}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(markdown_table(result))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
