@@ -99,6 +99,8 @@ class AdapterMethods:
         adapter = self._adapter("merge_and_unload")
         if safe_merge or adapter_names is not None:
             raise ArgumentError("merge_and_unload: safe_merge and adapter_names are not supported on the parallel model")
+        self._refuse_parameter_views("merge_and_unload", "merge before apply_data_parallel or Trainer, or save the "
+                                                         "adapter (save_pretrained) and merge it in a new process")
         del progressbar
         factory = self._graph_set.factory
         plain = factory.with_adapter(None)  # planned without the adapter first: a failure changes nothing
@@ -131,16 +133,21 @@ class AdapterMethods:
         factory = self._graph_set.factory.with_adapter(dataclasses.replace(adapter, enabled=enabled))
         self._replace_graphs(factory, factory.training_graph(), keep_plan=True)
 
-    def _attach(self, adapter: AdapterSource) -> None:
+    def _refuse_parameter_views(self, where: str, instead: str) -> None:
+        """Refuse under FSDP (``apply_data_parallel``) or Trainer's DTensor views: their parameters are other
+        objects than the shards this changes."""
         from .runtime.export import is_data_parallel
 
+        if is_data_parallel(self) or dtensor_views(self):
+            raise ArgumentError(f"{where}: {instead}")
+
+    def _attach(self, adapter: AdapterSource) -> None:
         where = "load_adapter" if adapter.files is not None else "add_adapter"
         if self._attached() is not None:
             raise ArgumentError(f"{where}: the model holds adapter {self._attached().name!r} already; one "
                                 "adapter is supported")
-        if is_data_parallel(self) or dtensor_views(self):
-            raise ArgumentError(f"{where}: attach the adapter before apply_data_parallel or Trainer (their parameter "
-                                "views would not hold the adapter's)")
+        self._refuse_parameter_views(where, "attach the adapter before apply_data_parallel or Trainer (their "
+                                            "parameter views would not hold the adapter's)")
         factory = self._graph_set.factory.with_adapter(adapter)  # the meta model first: a failure changes nothing
         planned = factory.training_graph()
         for p in planned.plan.params:

@@ -271,7 +271,11 @@ def _under_fsdp(adapter, from_hub) -> dict:
     ref_grads = {hf_name(n.removeprefix("base_model.model.")): p.grad for n, p in ref.named_parameters()}
     grads = {n: full_tensor(p.grad, model.plan.param(n), mesh) for n, p in model.named_parameters()
              if is_adapter_parameter(n)}
-    return {"loss": abs(float(loss) - ref_loss.item()), "grad": max((g - ref_grads[n]).abs().max().item()
+    from checks import raised
+
+    refused = raised(model.merge_and_unload)  # FSDP's parameters are not the shards it would fold into
+    return {"merge refused": refused,
+            "loss": abs(float(loss) - ref_loss.item()), "grad": max((g - ref_grads[n]).abs().max().item()
                                                                      for n, g in grads.items()),
             "adapter matrices": len(grads), "reference adapter matrices": 2 * 2 * len(TARGETS),
             "base with grad": [n for n, p in model.named_parameters() if not is_adapter_parameter(n) and
@@ -312,6 +316,7 @@ def test_hub_lora_adapter_matches_peft_at_tp4_uneven_tp3_tp1_and_under_fsdp(tmp_
     results = run_ranks(4, _other_layouts, adapter, _hub_cache(adapter))
     assert sorted(results[0], key=str) == [3, 4, "dp2 x tp2"] and sorted(results[3], key=str) == [1, 4, "dp2 x tp2"]
     for r in results:
+        assert "merge_and_unload: merge before apply_data_parallel or Trainer" in r["dp2 x tp2"].pop("merge refused")
         for layout in r.values():
             _check_training(layout)
 
