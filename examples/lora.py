@@ -11,14 +11,13 @@ saves it with ``save_pretrained`` (the adapter only, as PEFT writes it), then ra
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 
 import torch
 import torch.distributed as dist
 
 import fxparallel
-from parallelize_tp import build_default_checkpoint
+from parallelize_tp import start
 
 
 def main():
@@ -33,18 +32,7 @@ def main():
     from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=5))
-    rank = dist.get_rank()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    model_path = args.model
-    if model_path is None:
-        if rank == 0:
-            build_default_checkpoint(args.checkpoint_dir)
-        dist.barrier()
-        model_path = args.checkpoint_dir
-
+    rank, model_path = start(args.model, args.checkpoint_dir)
     model = fxparallel.parallelize(model_path, dist.group.WORLD, dtype=torch.float32)
     model.add_adapter(LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules="all-linear"))
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -31,6 +31,20 @@ def build_default_checkpoint(path: str) -> str:
     return path
 
 
+def start(model, checkpoint_dir: str) -> tuple:
+    """Join torchrun's process group (NCCL on GPUs, each rank on the GPU of its LOCAL_RANK; gloo on CPU); returns
+    (rank, the checkpoint to load): ``model``, or the small local Llama rank 0 builds in ``checkpoint_dir``."""
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=5))
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if model is None:
+        if dist.get_rank() == 0:
+            build_default_checkpoint(checkpoint_dir)
+        dist.barrier()
+    return dist.get_rank(), model or checkpoint_dir
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="hub id or local directory (default: a small local Llama)")
@@ -39,19 +53,9 @@ def main():
     parser.add_argument("--seq", type=int, default=32)
     args = parser.parse_args()
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=5))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    device = torch.device("cuda" if use_cuda else "cpu")
-
-    model_path = args.model
-    if model_path is None:
-        if rank == 0:
-            build_default_checkpoint(args.checkpoint_dir)
-        dist.barrier()
-        model_path = args.checkpoint_dir
+    rank, model_path = start(args.model, args.checkpoint_dir)
+    world = dist.get_world_size()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     model = fxparallel.parallelize(model_path, dist.group.WORLD, dtype=torch.float32)
     if rank == 0:
