@@ -56,17 +56,16 @@ class AdapterMethods:
         return {adapter.name: adapter.config}
 
     def active_adapters(self) -> list:
-        self._adapter("active_adapters")
-        return list(self.peft_config)
+        return [self._adapter("active_adapters").name]
 
     def set_adapter(self, adapter_name) -> None:
         """Make ``adapter_name`` the active adapter and, as PEFT's ``set_adapter`` does, trainable (one adapter is
         supported, so this names the attached one)."""
-        self._adapter("set_adapter")
+        adapter = self._adapter("set_adapter")
         names = adapter_name if isinstance(adapter_name, (list, tuple)) else [adapter_name]
-        missing = [n for n in names if n not in self.peft_config]
+        missing = [n for n in names if n != adapter.name]
         if missing:
-            raise ArgumentError(f"set_adapter: adapter(s) {missing} not found; the model holds {sorted(self.peft_config)}")
+            raise ArgumentError(f"set_adapter: adapter(s) {missing} not found; the model holds {[adapter.name]}")
         set_trainable(self, True)
         follow_requires_grad(self)  # Trainer's DTensor views, when it took them
 
@@ -84,11 +83,10 @@ class AdapterMethods:
         (``model.layers.0.self_attn.q_proj.lora_A.weight``), on every rank (collective over the tp group)."""
         from .runtime.dtensor import full_tensor
 
-        self._adapter("get_adapter_state_dict")
-        name = adapter_name or next(iter(self.peft_config))
-        if name not in self.peft_config or state_dict is not None:
+        name = self._adapter("get_adapter_state_dict").name
+        if adapter_name not in (None, name) or state_dict is not None:
             raise ArgumentError(f"get_adapter_state_dict: adapter_name={adapter_name!r} (the model holds "
-                                f"{sorted(self.peft_config)}) and state_dict=None are taken")
+                                f"{[name]}) and state_dict=None are taken")
         group = self.tp_group
         return {p.name.replace(f".{name}.", "."): full_tensor(self.get_parameter(p.name), p, group).detach()
                 for p in self.plan.params if is_adapter_parameter(p.name)}
@@ -108,8 +106,8 @@ class AdapterMethods:
         # the LoRA layers' scaling and layout from a meta model with the adapter in (disabled or not)
         adapted = factory.with_adapter(dataclasses.replace(adapter, enabled=True)).meta
         _merge(self, adapted, adapter.name)
-        for p in [p for p in self.plan.params if is_adapter_parameter(p.name)]:
-            parent = self.get_submodule(p.name.split(".lora_")[0])
+        for path in {p.name.split(".lora_")[0] for p in self.plan.params if is_adapter_parameter(p.name)}:
+            parent = self.get_submodule(path)
             parent._modules.pop("lora_A", None)
             parent._modules.pop("lora_B", None)
         self._replace_graphs(plain, planned)
@@ -143,9 +141,9 @@ class AdapterMethods:
 
     def _attach(self, adapter: AdapterSource) -> None:
         where = "load_adapter" if adapter.files is not None else "add_adapter"
-        if self._attached() is not None:
-            raise ArgumentError(f"{where}: the model holds adapter {self._attached().name!r} already; one "
-                                "adapter is supported")
+        attached = self._attached()
+        if attached is not None:
+            raise ArgumentError(f"{where}: the model holds adapter {attached.name!r} already; one adapter is supported")
         self._refuse_parameter_views(where, "attach the adapter before apply_data_parallel or Trainer (their "
                                             "parameter views would not hold the adapter's)")
         factory = self._graph_set.factory.with_adapter(adapter)  # the meta model first: a failure changes nothing
@@ -169,7 +167,7 @@ def _merge(model, meta, adapter: str) -> None:
 
     group = model.tp_group
     for path, layer in meta.named_modules():
-        if not hasattr(layer, "lora_A") or adapter not in getattr(layer, "lora_A", {}):
+        if adapter not in getattr(layer, "lora_A", {}):
             continue
         name = hf_path(path)
         a_name, b_name = f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight"
