@@ -1,11 +1,11 @@
 """transformers' PEFT-integration names on the parallel model: ``load_adapter`` (a saved PEFT LoRA adapter),
 ``add_adapter`` (a new one from a ``LoraConfig``), ``active_adapters``, ``set_adapter``, ``disable_adapters`` /
-``enable_adapters`` (the graphs re-planned without / with the adapter, its matrices kept), ``get_adapter_state_dict``
-and ``merge_and_unload``. A parallel model without an adapter
-gets one by re-planning its graphs with PEFT's LoRA layers in them (``capture/adapters.py``), every base
-parameter's placement kept, and new shards for the adapter's matrices, read from the adapter's file or
-initialized as PEFT initializes them (A Kaiming-uniform, B zero), alike on every rank. The base model is then
-frozen, as PEFT freezes it."""
+``enable_adapters`` (the graphs re-planned without / with the adapter, its matrices kept), ``delete_adapter``,
+``get_adapter_state_dict`` and ``merge_and_unload``. Attaching an adapter re-plans the graphs with PEFT's LoRA
+layers in them (``capture/adapters.py``), every base parameter's placement kept, and adds shards for the
+adapter's matrices, read from the adapter's file or initialized as PEFT initializes them (A Kaiming-uniform,
+B zero), alike on every rank. Several adapters may be attached: each keeps its shards, the graphs compute the
+active one (the last attached, or the one ``set_adapter`` names). The base model is frozen, as PEFT freezes it."""
 from __future__ import annotations
 
 import copy
@@ -28,7 +28,8 @@ class AdapterMethods:
     def load_adapter(self, peft_model_id=None, adapter_name=None, revision=None, token=None, is_trainable=False,
                      **unsupported):
         """Attach the LoRA adapter saved in ``peft_model_id`` (a directory or hub id; collective over the tp
-        group), for inference, or trainable with ``is_trainable=True``."""
+        group), for inference, or trainable with ``is_trainable=True``; it becomes the active adapter (as PEFT's
+        injection makes it)."""
         if unsupported or peft_model_id is None:
             raise ArgumentError(f"load_adapter takes peft_model_id, adapter_name, revision, token and is_trainable; "
                                 f"got {sorted(unsupported) if unsupported else 'no peft_model_id'}")
@@ -36,8 +37,8 @@ class AdapterMethods:
         self._attach(read_adapter(str(peft_model_id), hub_kwargs, adapter_name or "default", is_trainable))
 
     def add_adapter(self, adapter_config, adapter_name=None):
-        """Attach a new LoRA adapter of ``adapter_config`` (a ``peft.LoraConfig``), trainable, initialized as PEFT
-        initializes it (``init_lora_weights=True``; collective over the tp group)."""
+        """Attach a new LoRA adapter of ``adapter_config`` (a ``peft.LoraConfig``), trainable and active,
+        initialized as PEFT initializes it (``init_lora_weights=True``; collective over the tp group)."""
         check_lora_config(adapter_config, "add_adapter")
         if adapter_config.init_lora_weights is not True:
             raise ArgumentError(f"add_adapter: init_lora_weights={adapter_config.init_lora_weights!r} is not supported "
@@ -47,53 +48,92 @@ class AdapterMethods:
 
     @property
     def peft_config(self) -> dict:
-        """{adapter name: LoraConfig} of the attached adapter, absent without one, as on transformers' models; a new
-        dict per read, from the graphs' source. Absent to PEFT's tuner too, which would add its config to it in place
-        before failing to wrap the parallel model (``hf_methods.called_from_peft``)."""
-        adapter = self._attached()
-        if adapter is None or called_from_peft():
-            raise AttributeError("peft_config: no adapter is attached" if adapter is None else "peft_config")
-        return {adapter.name: adapter.config}
+        """{adapter name: LoraConfig} of the attached adapters, absent without one, as on transformers' models; a
+        new dict per read, from the graphs' source. Absent to PEFT's tuner too, which would add its config to it in
+        place before failing to wrap the parallel model (``hf_methods.called_from_peft``)."""
+        attached = self._all_adapters()
+        if not attached or called_from_peft():
+            raise AttributeError("peft_config: no adapter is attached" if not attached else "peft_config")
+        return {a.name: a.config for a in attached}
 
     def active_adapters(self) -> list:
         return [self._adapter("active_adapters").name]
 
     def set_adapter(self, adapter_name) -> None:
-        """Make ``adapter_name`` the active adapter and, as PEFT's ``set_adapter`` does, trainable (one adapter is
-        supported, so this names the attached one)."""
-        adapter = self._adapter("set_adapter")
-        names = adapter_name if isinstance(adapter_name, (list, tuple)) else [adapter_name]
-        missing = [n for n in names if n != adapter.name]
+        """Make ``adapter_name`` the active adapter (the graphs re-planned with it, every adapter's matrices kept;
+        collective over the tp group) and, as PEFT's ``set_adapter`` does, the only trainable one."""
+        active = self._adapter("set_adapter")
+        names = list(adapter_name) if isinstance(adapter_name, (list, tuple)) else [adapter_name]
+        attached = {a.name: a for a in self._all_adapters()}
+        missing = [n for n in names if n not in attached]
         if missing:
-            raise ArgumentError(f"set_adapter: adapter(s) {missing} not found; the model holds {[adapter.name]}")
-        set_trainable(self, True)
+            raise ArgumentError(f"set_adapter: adapter(s) {missing} not found; the model holds {list(attached)}")
+        if len(names) != 1:
+            raise ArgumentError(f"set_adapter: {names} asks for several active adapters at once; the parallel model "
+                                "runs one at a time")
+        if names[0] != active.name:
+            chosen = dataclasses.replace(attached[names[0]], enabled=active.enabled)
+            others = tuple(a for a in self._all_adapters() if a.name != chosen.name)
+            factory = self._graph_set.factory.with_adapter(chosen, others)
+            self._replace_graphs(factory, factory.training_graph(), keep_plan=True)
+        set_trainable(self, names[0], True)
         follow_requires_grad(self)  # Trainer's DTensor views, when it took them
 
     def disable_adapters(self) -> None:
-        """Run the base model only: the graphs are re-planned without the adapter; its matrices stay (collective
-        over the tp group)."""
+        """Run the base model only: the graphs are re-planned without the adapters; their matrices stay
+        (collective over the tp group)."""
         self._switch_adapter("disable_adapters", enabled=False)
 
     def enable_adapters(self) -> None:
-        """Run the adapter again after ``disable_adapters`` (collective over the tp group)."""
+        """Run the active adapter again after ``disable_adapters`` (collective over the tp group)."""
         self._switch_adapter("enable_adapters", enabled=True)
 
+    def delete_adapter(self, adapter_names) -> None:
+        """Remove the adapters named (their matrices and their layers; collective over the tp group). Deleting the
+        active one makes the first remaining active and trainable, as PEFT does; deleting all leaves the base
+        model."""
+        active = self._adapter("delete_adapter")
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        attached = self._all_adapters()
+        missing = [n for n in names if n not in {a.name for a in attached}]
+        if missing:
+            raise ArgumentError(f"delete_adapter: adapter(s) {missing} not found; the model holds "
+                                f"{[a.name for a in attached]}")
+        self._refuse_parameter_views("delete_adapter", "delete adapters before apply_data_parallel or Trainer")
+        kept = [a for a in attached if a.name not in names]
+        chosen = next((a for a in kept if a.name == active.name), kept[0] if kept else None)
+        if chosen is not None:
+            chosen = dataclasses.replace(chosen, enabled=active.enabled)
+        factory = self._graph_set.factory.with_adapter(chosen, tuple(a for a in kept if a is not chosen))
+        planned = factory.training_graph()  # planned first: a failure changes nothing
+        for name in names:
+            for p in self.plan.params:
+                if is_adapter_parameter(p.name, name):
+                    _drop_path(self, p.name.rsplit(".", 1)[0])
+        self._replace_graphs(factory, planned)
+        if chosen is not None and chosen.name != active.name:
+            set_trainable(self, chosen.name, True)
+
     def get_adapter_state_dict(self, adapter_name=None, state_dict=None) -> dict:
-        """The adapter's matrices as full tensors under PEFT's names for a transformers model
-        (``model.layers.0.self_attn.q_proj.lora_A.weight``), on every rank (collective over the tp group)."""
+        """The matrices of the adapter named (the active one by default) as full tensors under PEFT's names for a
+        transformers model (``model.layers.0.self_attn.q_proj.lora_A.weight``), on every rank (collective over the
+        tp group)."""
         from .runtime.dtensor import full_tensor
 
-        name = self._adapter("get_adapter_state_dict").name
-        if adapter_name not in (None, name) or state_dict is not None:
-            raise ArgumentError(f"get_adapter_state_dict: adapter_name={adapter_name!r} (the model holds "
-                                f"{[name]}) and state_dict=None are taken")
+        active = self._adapter("get_adapter_state_dict").name
+        name = adapter_name or active
+        held = [a.name for a in self._all_adapters()]
+        if name not in held or state_dict is not None:
+            raise ArgumentError(f"get_adapter_state_dict: adapter_name={adapter_name!r} (the model holds {held}) "
+                                "and state_dict=None are taken")
         group = self.tp_group
         return {p.name.replace(f".{name}.", "."): full_tensor(self.get_parameter(p.name), p, group).detach()
-                for p in self.plan.params if is_adapter_parameter(p.name)}
+                for p in self.plan.params if is_adapter_parameter(p.name, name)}
 
     def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False, adapter_names=None):
-        """PEFT's ``merge_and_unload``: fold the adapter into the base model's shards (each rank its pieces of
-        ``scaling * B @ A``) and re-plan the graphs without it; returns the model (collective over the tp group)."""
+        """PEFT's ``merge_and_unload``: fold the active adapter into the base model's shards (each rank its pieces
+        of ``scaling * B @ A``) and re-plan the graphs without adapters (the others dropped, as PEFT unloads them);
+        returns the model (collective over the tp group)."""
         adapter = self._adapter("merge_and_unload")
         if safe_merge or adapter_names is not None:
             raise ArgumentError("merge_and_unload: safe_merge and adapter_names are not supported on the parallel model")
@@ -101,7 +141,7 @@ class AdapterMethods:
                                                          "adapter (save_pretrained) and merge it in a new process")
         del progressbar
         factory = self._graph_set.factory
-        plain = factory.with_adapter(None)  # planned without the adapter first: a failure changes nothing
+        plain = factory.with_adapter(None)  # planned without the adapters first: a failure changes nothing
         planned = plain.training_graph()
         # the LoRA layers' scaling and layout from a meta model with the adapter in (disabled or not)
         adapted = factory.with_adapter(dataclasses.replace(adapter, enabled=True)).meta
@@ -114,11 +154,16 @@ class AdapterMethods:
         return self
 
     def _attached(self):
-        """The attached adapter (an AdapterSource), or None."""
+        """The active adapter (an AdapterSource), or None."""
         return getattr(getattr(self._graph_set.factory, "source", None), "adapter", None)
 
+    def _all_adapters(self) -> tuple:
+        """Every attached adapter (AdapterSource): the inactive ones, then the active one."""
+        active = self._attached()
+        return () if active is None else self._graph_set.factory.source.inactive_adapters + (active,)
+
     def _adapter(self, where: str) -> AdapterSource:
-        """The attached adapter; transformers' error when there is none."""
+        """The active adapter; transformers' error when there is none."""
         adapter = self._attached()
         if adapter is None:
             raise ArgumentError(f"{where}: no adapter loaded; attach one first (load_adapter or add_adapter)")
@@ -128,7 +173,8 @@ class AdapterMethods:
         adapter = self._adapter(where)
         if adapter.enabled == enabled:
             return
-        factory = self._graph_set.factory.with_adapter(dataclasses.replace(adapter, enabled=enabled))
+        factory = self._graph_set.factory.with_adapter(dataclasses.replace(adapter, enabled=enabled),
+                                                       self._graph_set.factory.source.inactive_adapters)
         self._replace_graphs(factory, factory.training_graph(), keep_plan=True)
 
     def _refuse_parameter_views(self, where: str, instead: str) -> None:
@@ -141,15 +187,16 @@ class AdapterMethods:
 
     def _attach(self, adapter: AdapterSource) -> None:
         where = "load_adapter" if adapter.files is not None else "add_adapter"
-        attached = self._attached()
-        if attached is not None:
-            raise ArgumentError(f"{where}: the model holds adapter {attached.name!r} already; one adapter is supported")
+        attached = self._all_adapters()
+        if adapter.name in {a.name for a in attached}:
+            raise ArgumentError(f"{where}: adapter with name {adapter.name!r} already exists; pass another "
+                                "adapter_name")
         self._refuse_parameter_views(where, "attach the adapter before apply_data_parallel or Trainer (their "
                                             "parameter views would not hold the adapter's)")
-        factory = self._graph_set.factory.with_adapter(adapter)  # the meta model first: a failure changes nothing
+        factory = self._graph_set.factory.with_adapter(adapter, attached)  # planned first: a failure changes nothing
         planned = factory.training_graph()
         for p in planned.plan.params:
-            if is_adapter_parameter(p.name):
+            if is_adapter_parameter(p.name, adapter.name):
                 self._add_shard(p)
         self._replace_graphs(factory, planned)
         group = self.tp_group
@@ -160,23 +207,28 @@ class AdapterMethods:
 
 
 def _merge(model, meta, adapter: str) -> None:
-    """Add each LoRA layer's ``scaling * B @ A`` (transposed for fan_in_fan_out weights, GPT-2's Conv1D) to this
-    rank's shard of its base weight; the scaling and layout are those of PEFT's layer in the meta model."""
-    from .capture.adapters import hf_path
+    """Add each LoRA layer's change (``scaling * B @ A``, transposed for fan_in_fan_out weights, GPT-2's Conv1D;
+    per expert for a LoRA of stacked expert weights) to this rank's shard of the weight it adapts; the scaling and
+    layout are those of PEFT's layer in the meta model."""
+    from .capture.adapter_parameters import parameter_delta
+    from .capture.adapters import adapted_weight
     from .runtime.dtensor import full_tensor
 
     group = model.tp_group
     for path, layer in meta.named_modules():
         if adapter not in getattr(layer, "lora_A", {}):
             continue
-        name = hf_path(path)
-        a_name, b_name = f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight"
-        a = full_tensor(model.get_parameter(a_name), model.plan.param(a_name), group)
-        b = full_tensor(model.get_parameter(b_name), model.plan.param(b_name), group)
-        delta = (b.float() @ a.float()) * layer.scaling[adapter]
-        if getattr(layer, "fan_in_fan_out", False):
-            delta = delta.T
-        base = model.plan.param(f"{name}.weight")
+        a_name, b_name = f"{path}.lora_A.{adapter}.weight", f"{path}.lora_B.{adapter}.weight"
+        a = full_tensor(model.get_parameter(a_name), model.plan.param(a_name), group).float()
+        b = full_tensor(model.get_parameter(b_name), model.plan.param(b_name), group).float()
+        scaling = layer.scaling[adapter]
+        if getattr(layer, "parameter_name", None) is not None:
+            delta = parameter_delta(layer, a, b, scaling)
+        else:
+            delta = (b @ a) * scaling
+            if getattr(layer, "fan_in_fan_out", False):
+                delta = delta.T
+        base = model.plan.param(adapted_weight(path, layer)[0])
         with torch.no_grad():
             shard = model.get_parameter(base.name)
             shard.add_(base.shard_of(delta, group.rank, group.size).to(shard.dtype))
@@ -189,7 +241,7 @@ def _initialize(model, adapter: AdapterSource, rank: int, tp: int) -> None:
 
     generator = torch.Generator().manual_seed(0)
     state = {}
-    params = [p for p in model.plan.params if is_adapter_parameter(p.name)]
+    params = [p for p in model.plan.params if is_adapter_parameter(p.name, adapter.name)]
     for p in params:
         full = torch.empty(p.shape, dtype=torch.float32)
         if ".lora_A." in p.name:
@@ -199,4 +251,15 @@ def _initialize(model, adapter: AdapterSource, rank: int, tp: int) -> None:
             full.zero_()
         state[p.name] = full.to(model.dtype_)
     load_from_state_dict(model, dataclasses.replace(model.plan, params=params), state, rank, tp)
-    set_trainable(model, adapter.trainable)
+    set_trainable(model, adapter.name, adapter.trainable)
+
+
+def _drop_path(model, path: str) -> None:
+    """Remove the module at ``path`` (an adapter's ``<layer>.lora_A.<name>``) and its ``lora_A`` / ``lora_B``
+    holder when that is left empty."""
+    holder, _, name = path.rpartition(".")
+    parent = model.get_submodule(holder)
+    parent._modules.pop(name, None)
+    if not parent._modules and not parent._parameters:
+        owner, _, kind = holder.rpartition(".")
+        model.get_submodule(owner)._modules.pop(kind, None)

@@ -111,6 +111,8 @@ def plan_graph(meta_model, spec: GraphSpec, group: TPGroup, device, options: Pla
     if captured.few_layers is not None:
         gplan.reasons.update(few.reasons)  # why each was chosen, not that it was given
     gplan.reasons.update({name: why for name, (_, why) in adapted.items()})
+    for name, (placement, _) in adapted.items():  # an inactive adapter's: not in the graph, kept where they go
+        gplan.params.setdefault(name, placement)
     timings["solve"] = time.perf_counter() - t
     t = time.perf_counter()
     ctx = PassContext(captured, gplan, group, device, sequence_parallel=options.sequence_parallel, cp=options.cp)
@@ -152,13 +154,14 @@ def _for_device(config, device: torch.device):
 
 
 def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
-    """The meta model of ``source`` (with its LoRA adapter's layers unless it is disabled: capture/adapters.py),
-    after checking it can be split over ``tp`` ranks."""
+    """The meta model of ``source`` (with its LoRA adapters' layers, the active one computing, unless adapters are
+    disabled: capture/adapters.py), after checking it can be split over ``tp`` ranks."""
     meta = build_meta_model(source.config, dtype=dtype, trust_remote_code=trust_remote_code,
                             model_class=source.model_class)
     check_splittable(source.config, tp, meta)
     if source.adapter is not None and source.adapter.enabled:
-        meta = adapters.inject(meta, source.adapter.config, source.adapter.name)
+        attached = source.inactive_adapters + (source.adapter,)
+        meta = adapters.inject(meta, [(a.config, a.name) for a in attached], source.adapter.name)
     return meta
 
 
@@ -300,10 +303,10 @@ class GraphFactory:
         return GraphFactory(self.source, meta, dtype, self.group, self.device, self.options.with_fixed(self.fixed),
                             self.trust_remote_code)
 
-    def with_adapter(self, adapter) -> "GraphFactory":
-        """The factory of the same model with a LoRA adapter (``load/adapter_files.AdapterSource``) injected, every
-        placement planned so far kept."""
-        source = dataclasses.replace(self.source, adapter=adapter)
+    def with_adapter(self, adapter, inactive: tuple = ()) -> "GraphFactory":
+        """The factory of the same model with LoRA adapters (``load/adapter_files.AdapterSource``) injected,
+        ``adapter`` the active one (None: without adapters), every placement planned so far kept."""
+        source = dataclasses.replace(self.source, adapter=adapter, inactive_adapters=tuple(inactive))
         meta = _meta_model(source, self.group.size, self.dtype, self.trust_remote_code)
         return GraphFactory(source, meta, self.dtype, self.group, self.device, self.options.with_fixed(self.fixed),
                             self.trust_remote_code)

@@ -6,7 +6,9 @@ and its base read from a hub cache by id) at TP=4,
 at TP=3 (heads split unevenly) and TP=1; the adapters add only rank-r sized collectives to the plan; the base model is frozen
 (no gradient, no gradient buffer) and a default load freezes the adapter too (PEFT's inference default);
 transformers' names on a parallel base model: ``load_adapter`` (same checks), ``add_adapter`` (logits unchanged,
-B being zero; loss and gradients as PEFT's with the same A), ``active_adapters``, a second adapter refused,
+B being zero; loss and gradients as PEFT's with the same A), ``active_adapters``, a second adapter (other
+targets and rank) loaded beside the first and switched with ``set_adapter``, trained, read and deleted against a
+PeftModel holding both,
 ``get_adapter_state_dict``, ``disable_adapters`` / ``enable_adapters`` and ``set_adapter`` against what PEFT gives
 for them, ``get_peft_model`` on the parallel model refused naming the way, transformers' errors without an
 adapter; ``lora_dropout`` and ``use_rslora`` trained with the layers recomputed (activation checkpointing); ``parallelize(peft_model)`` (same checks); ``merge_and_unload`` (PEFT's merged logits, no adapter left); GPT-2's
@@ -17,11 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
 
 from distributed import run_ranks
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))  # tiny_configs
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
 
@@ -103,7 +108,74 @@ def _with_weights(base_dir, config, state):
     return ref
 
 
-def _ranks(rank, world, adapter, with_options):
+def _second_adapter(adapter: str) -> str:
+    """Another adapter of ``adapter``'s base model: other targets (all linear layers) and rank."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(adapter), "base"), dtype=torch.float32)
+    torch.manual_seed(1)
+    path = os.path.join(os.path.dirname(adapter), "other")
+    get_peft_model(model, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules="all-linear")
+                   ).save_pretrained(path)
+    return path
+
+
+def _several(model, base_dir, adapter, other, ids, rank, tp) -> dict:
+    """A second adapter (other targets and rank) loaded on ``model`` (which holds ``adapter`` as "default",
+    trainable) against PeftModel holding both: which is active after loading (the new one, as transformers'
+    injection makes it), logits with each active, ``set_adapter``'s trainable matrices, the loss and every
+    gradient with "default" active (the other's matrices get none), ``get_adapter_state_dict`` of the inactive one,
+    ``save_pretrained`` (the active adapter), ``delete_adapter`` of the active one; a repeated name and two active
+    adapters refused."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from checks import raised
+    from fxparallel.capture.adapters import hf_name
+
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), adapter,
+                                    is_trainable=True)
+    ref.load_adapter(other, adapter_name="other", is_trainable=True)
+    model.zero_grad(set_to_none=True)
+    out = {"repeated name": raised(lambda: model.load_adapter(other))}
+    model.load_adapter(other, adapter_name="other")
+    out["active after loading"] = model.active_adapters()
+    out["held"] = list(model.peft_config)
+    logits = {}
+    with torch.no_grad():
+        for name in ("other", "default"):
+            model.set_adapter(name)
+            ref.set_adapter(name)
+            logits[name] = ref(input_ids=ids).logits
+            out[f"logits, {name} active"] = (model(input_ids=ids).logits - logits[name]).abs().max().item()
+    out["effect"] = (logits["other"] - logits["default"]).abs().max().item()
+    ref_params = {hf_name(n.removeprefix("base_model.model.")): p for n, p in ref.named_parameters()}
+    out["trainable"] = ([n for n, p in model.named_parameters() if p.requires_grad],
+                        [n for n, p in ref_params.items() if p.requires_grad])
+    loss, ref_loss = (m(input_ids=ids, labels=ids).loss for m in (model, ref))
+    loss.backward()
+    ref_loss.backward()
+    out["loss"] = (loss - ref_loss).abs().item()
+    out["grad"] = max((p.grad - model.plan.param(n).shard_of(ref_params[n].grad, rank, tp)).abs().max().item()
+                      for n, p in model.named_parameters() if p.requires_grad)
+    out["grads"] = ([n for n, p in model.named_parameters() if p.grad is not None],
+                    [n for n, p in ref_params.items() if p.grad is not None])
+    ours = model.get_adapter_state_dict("other")
+    theirs = {k.removeprefix("base_model.model."): v
+              for k, v in get_peft_model_state_dict(ref, adapter_name="other").items()}
+    out["state dict of the inactive"] = sorted(ours) == sorted(theirs) and \
+        max((ours[k] - theirs[k]).abs().max().item() for k in theirs) < 1e-6
+    out["two active"] = raised(lambda: model.set_adapter(["default", "other"]))
+    model.delete_adapter("default")
+    ref.delete_adapter("default")  # PEFT makes the remaining one active
+    out["after delete"] = (model.active_adapters(), [n for n, _ in model.named_parameters() if ".default." in n])
+    with torch.no_grad():
+        out["logits after delete"] = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+    return out
+
+
+def _ranks(rank, world, adapter, with_options, other):
     import torch.distributed as dist
     from peft import LoraConfig
 
@@ -126,7 +198,7 @@ def _ranks(rank, world, adapter, with_options):
     model.load_adapter(adapter, is_trainable=True)
     out["load_adapter"] = _trained(adapter, dist.group.WORLD, rank, world, ids, model=model)
     out["active"] = model.active_adapters()
-    out["second adapter"] = raised(lambda: model.load_adapter(adapter))
+    out["several"] = _several(model, base_dir, adapter, other, ids, rank, world)
     model = fxparallel.parallelize(base_dir, dist.group.WORLD, dtype=torch.float32)
     with torch.no_grad():
         before = model(input_ids=ids).logits
@@ -136,8 +208,10 @@ def _ranks(rank, world, adapter, with_options):
     ref = _with_weights(base_dir, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS),
                         gather_full_state_dict(model, to_rank0_only=False))
     out["add_adapter"] = _trained(adapter, dist.group.WORLD, rank, world, ids, model=model, ref=ref)
-    # a PeftModel in memory (its adapter trainable there, so here)
-    model = fxparallel.parallelize(_reference(adapter, trainable=True), dist.group.WORLD, dtype=torch.float32)
+    # a PeftModel in memory (its adapter trainable there, so here); parallelized under no_grad, as an inference
+    # script would, then trained: the graphs are captured with gradients whatever the caller's mode
+    with torch.no_grad():
+        model = fxparallel.parallelize(_reference(adapter, trainable=True), dist.group.WORLD, dtype=torch.float32)
     out["peft model"] = _trained(adapter, dist.group.WORLD, rank, world, ids, model=model)
     # inference (PEFT's default): nothing takes gradients; logits and tokens as PeftModel's
     model = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32)
@@ -305,9 +379,9 @@ def _hub_cache(adapter: str) -> str:
     return cache
 
 
-def _check_training(r):
+def _check_training(r, adapted_per_layer: int = len(TARGETS)):
     assert r["loss"] < 1e-5 and r["grad"] < 1e-5, r
-    assert r["adapter matrices"] == r["reference adapter matrices"] == 2 * len(TARGETS) * 2, r
+    assert r["adapter matrices"] == r["reference adapter matrices"] == 2 * adapted_per_layer * 2, r
     assert r["base with grad"] == [], r
 
 
@@ -351,7 +425,7 @@ def test_adapters_add_no_hidden_sized_collective(tmp_path):
 def test_lora_adapter_matches_peft_at_tp2(tmp_path):
     adapter = _adapter(str(tmp_path))
     with_options = _adapter(str(tmp_path / "options"), use_rslora=True, lora_dropout=0.1)
-    for r in run_ranks(2, _ranks, adapter, with_options):
+    for r in run_ranks(2, _ranks, adapter, with_options, _second_adapter(adapter)):
         _check_training(r)
         options = r["dropout, rslora, checkpointed"]
         _check_training({k: v for k, v in options.items() if k != "train - eval loss"})
@@ -360,7 +434,17 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         _check_training(r["add_adapter"])
         _check_training(r["peft model"])
         assert r["added: logits unchanged (B is zero)"] == 0.0 and r["active"] == ["default"], r
-        assert "the model holds adapter 'default' already; one adapter is supported" in r["second adapter"], r
+        several = r["several"]
+        assert "adapter with name 'default' already exists" in several["repeated name"], several
+        assert several["active after loading"] == ["other"] and several["held"] == ["default", "other"], several
+        assert several["logits, other active"] < 1e-5 and several["logits, default active"] < 1e-5, several
+        assert several["effect"] > 1e-3 and several["loss"] < 1e-5 and several["grad"] < 1e-5, several
+        ours, theirs = several["trainable"]
+        assert ours == theirs and all(".default." in n for n in ours) and len(ours) == 2 * 2 * len(TARGETS), several
+        assert several["grads"][0] == several["grads"][1] == ours, several
+        assert several["state dict of the inactive"], several
+        assert "asks for several active adapters at once" in several["two active"], several
+        assert several["after delete"] == (["other"], []) and several["logits after delete"] < 1e-5, several
         assert r["logits"] < 1e-5 and r["reloaded"] < 1e-5 and r["trainable by default"] == [], r
         assert r["merged"] < 1e-5 and r["left after merging"] == [], r
         assert all("no adapter loaded; attach one first" in e for e in r["no adapter"]), r["no adapter"]
@@ -408,6 +492,64 @@ def test_lora_on_fused_conv1d_projections_matches_peft(tmp_path):
         assert r["loss"] < 1e-5 and r["grad"] < 1e-5 and r["merged"] < 1e-5, r
         assert r["adapter matrices"] == r["reference adapter matrices"] == 2 * 2 * 3 and r["base with grad"] == [], r
         assert r["c_attn"] == "S(1)[64,64,64]", r  # Conv1D [in, 3 x out]: split by output features, per segment
+
+
+def _experts(rank, world, adapters):
+    """LoRA on stacked expert weights (``target_parameters``) beside q_proj: trained, merged and, for the first,
+    saved at TP=2 and reloaded in PEFT."""
+    import torch.distributed as dist
+
+    import fxparallel
+
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for kind, adapter in adapters.items():
+        result = _trained(adapter, dist.group.WORLD, rank, world, ids)
+        model = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32)
+        ref = _reference(adapter, trainable=False)
+        result["placements"] = {p.name.split("layers.0.")[1]: str(p.placement) for p in model.plan.params
+                                if p.name.startswith("model.layers.0.mlp.experts.")}
+        result["collectives"] = [(c.kind, c.direction, c.bytes_per_token) for c in model.plan.collectives
+                                 if "experts" in c.where and "lora" in c.where]
+        with torch.no_grad():
+            result["logits"] = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+            if kind == "mixtral":
+                saved = os.path.join(os.path.dirname(adapter), "saved")
+                model.save_pretrained(saved)
+                dist.barrier()
+                result["reloaded"] = (_reference(saved, trainable=False)(input_ids=ids).logits
+                                      - ref(input_ids=ids).logits).abs().max().item()
+            result["merged"] = (model.merge_and_unload()(input_ids=ids).logits
+                                - ref.merge_and_unload()(input_ids=ids).logits).abs().max().item()
+        out[kind] = result
+    return out
+
+
+def test_lora_on_expert_parameters_matches_peft(tmp_path):
+    """``target_parameters`` on Mixtral's experts ([experts, out, in], gate and up concatenated: B split by the
+    same segments) and GPT-OSS's ([experts, in, out], gate and up interleaved, biases), applied by PEFT through
+    ``torch.nn.utils.parametrize``, which the capture replaces by the same sum (capture/adapter_parameters.py).
+    What the expert adapters add is a once-per-step all-reduce of a replicated adapter matrix's gradient."""
+    from tiny_configs import tiny_config
+
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    adapters = {kind: _adapter(str(tmp_path / kind), tiny_config(kind), target_modules=["q_proj"],
+                               target_parameters=experts) for kind in ("mixtral", "gpt_oss")}
+    for r in run_ranks(2, _experts, adapters):
+        for kind, result in r.items():
+            _check_training(result, adapted_per_layer=3)  # q_proj and the two expert weights
+            assert result["logits"] < 1e-5 and result["merged"] < 1e-5, (kind, result)
+            placed = result["placements"]
+            column, row = ("S(1)[128,128]", "S(2)") if kind == "mixtral" else ("S(2)", "S(1)")
+            assert placed["mlp.experts.gate_up_proj"] == column and placed["mlp.experts.down_proj"] == row, placed
+            assert placed["mlp.experts.base_layer.lora_A.default.weight"] == "R", placed  # gate_up: column-parallel
+            assert placed["mlp.experts.base_layer.lora_B.default.weight"] == ("S(0)[128,128]" if kind == "mixtral"
+                                                                            else "S(0)"), placed
+            assert placed["mlp.experts.lora_A.default.weight"] == "S(1)", placed  # down: row-parallel
+            assert placed["mlp.experts.lora_B.default.weight"] == "R", placed
+            assert result["collectives"] and all(c == ("all_reduce", "backward", 0.0) for c in result["collectives"]), \
+                result["collectives"]
+        assert r["mixtral"]["reloaded"] < 1e-5, r
 
 
 def test_other_methods_and_options_are_refused_by_name(tmp_path):

@@ -177,7 +177,9 @@ def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGra
         model.train(training)
         plain = (causal_without_mask("position_ids" in input_names, unpadded)
                  if cache is None and (unpadded or "attention_mask" not in input_names) else contextlib.nullcontext())
-        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()), plain:
+        # with gradients on whatever the caller's mode (a graph planned under no_grad would hold no gradient
+        # reduction, and the same graph serves calls that train)
+        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()), plain, torch.enable_grad():
             compiled(**{k: v for k, v in example.items() if k not in state})
     except _RunOnMeta as err:
         # captured whole; only running it on meta failed (data-dependent ops have no meta kernel)

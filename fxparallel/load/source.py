@@ -29,7 +29,8 @@ class ModelSource:
     state_dict: Optional[dict] = None  # weights of a given in-memory model
     model_class: Optional[type] = None
     hub_kwargs: dict = field(default_factory=dict)
-    adapter: Optional[object] = None  # a LoRA adapter on the model (load/adapter_files.AdapterSource)
+    adapter: Optional[object] = None  # the active LoRA adapter on the model (load/adapter_files.AdapterSource)
+    inactive_adapters: tuple = ()  # the other adapters attached (AdapterSource), in the order they were attached
 
 
 def causal_lm_class(config, where: str, trust_remote_code: bool) -> Optional[type]:

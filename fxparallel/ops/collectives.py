@@ -85,6 +85,9 @@ _SAC_MODES = tuple(getattr(torch.utils.checkpoint, name) for name in
                    ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode") if hasattr(torch.utils.checkpoint, name))
 FUNCTIONAL_ALL_REDUCE = (torch.ops._c10d_functional.all_reduce.default,)
 """The op that ``functional_all_reduce`` runs the collective with: what a selective policy saves."""
+FUNCTIONAL_SEQUENCE = (torch.ops._c10d_functional.all_gather_into_tensor.default,
+                       torch.ops._c10d_functional.reduce_scatter_tensor.default)
+"""The ops sequence parallelism's gathers and reduce-scatters run with inside such a region: saved too."""
 
 
 def in_selective_checkpointing() -> bool:
@@ -107,6 +110,10 @@ def _gather_stacked(x: torch.Tensor, process_group, world: int) -> torch.Tensor:
     if torch.compiler.is_compiling():
         out = funcol.wait_tensor(_TRACED_GATHER(x.reshape(-1), 0, process_group))
         return out.view(world, *x.shape)
+    if in_selective_checkpointing():  # a new tensor the region's policy can keep
+        ops = torch.ops._c10d_functional
+        out = ops.wait_tensor(ops.all_gather_into_tensor(x.reshape(-1), world, process_group.group_name))
+        return out.view(world, *x.shape)
     out = x.new_empty((world, *x.shape))
     # flat: gloo wants each rank's piece of the output shaped as x
     _dist("all_gather_single", "all_gather_into_tensor")(out.view(-1), x.view(-1), group=process_group)
@@ -118,6 +125,11 @@ def _reduce_scatter_stacked(stacked: torch.Tensor, process_group) -> torch.Tenso
     stacked = stacked.contiguous()
     if torch.compiler.is_compiling():
         out = funcol.wait_tensor(_TRACED_REDUCE_SCATTER(stacked.reshape(-1), "sum", 0, process_group))
+        return out.view(stacked.shape[1:])
+    if in_selective_checkpointing():
+        ops = torch.ops._c10d_functional
+        out = ops.wait_tensor(ops.reduce_scatter_tensor(stacked.reshape(-1), "sum", stacked.shape[0],
+                                                        process_group.group_name))
         return out.view(stacked.shape[1:])
     out = stacked.new_empty(stacked.shape[1:])
     _dist("reduce_scatter_single", "reduce_scatter_tensor")(out.view(-1), stacked.view(-1), group=process_group)

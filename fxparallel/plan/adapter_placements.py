@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..capture.adapters import hf_path
+from ..capture.adapters import adapted_weight
 from .placement import R
 
 
@@ -21,13 +21,12 @@ def adapter_placements(meta_model, fixed: dict) -> dict:
         lora_a = getattr(layer, "lora_A", None)
         if not isinstance(lora_a, nn.ModuleDict):
             continue
-        name = hf_path(path)
-        base = fixed.get(f"{name}.weight")
+        base_name, out_dim, in_dim = adapted_weight(path, layer)
+        base = fixed.get(base_name)
         if base is None:
             continue
-        out_dim, in_dim = (1, 0) if getattr(layer, "fan_in_fan_out", False) else (0, 1)  # Conv1D: [in, out]
         for adapter in lora_a:
-            a, b = f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight"
+            a, b = f"{path}.lora_A.{adapter}.weight", f"{path}.lora_B.{adapter}.weight"
             if base.is_shard and base.dim == out_dim:
                 why = "LoRA of a column-parallel layer: A whole, B split by its output features"
                 placements[a], placements[b] = (R, why), (base.with_dim(0), why)  # B: [out, r]

@@ -23,7 +23,8 @@ Modes:
   the hidden size per all-reduce (at TP=2, 1024 tokens: 0.67 of the bytes kept without
   checkpointing instead of 0.56). Inside a selective region the all-reduce is the functional
   op, whose output is a new tensor that can be kept (``ops/collectives.py``,
-  ``in_selective_checkpointing``); the in-place ``dist.all_reduce`` could not be.
+  ``in_selective_checkpointing``); the in-place ``dist.all_reduce`` could not be. With sequence
+  parallelism the same holds for its all-gathers and reduce-scatters.
   ``benchmarks/activation_checkpointing.py`` measures both modes against keeping everything.
 
 As in transformers, layers are recomputed only in training mode with gradients enabled.
@@ -36,7 +37,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..ops.collectives import FUNCTIONAL_ALL_REDUCE
+from ..ops.collectives import FUNCTIONAL_ALL_REDUCE, FUNCTIONAL_SEQUENCE
 
 MODES = ("full", "selective")
 
@@ -48,8 +49,9 @@ for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
     _op = getattr(_aten, _name, None)
     if _op is not None:
         _KEPT.add(_op.default)
-# the all-reduces: kept, the recomputation runs no collective (the wait on one is a no-op when recomputed)
-_KEPT.update(FUNCTIONAL_ALL_REDUCE)
+# the all-reduces (and sequence parallelism's gathers and reduce-scatters): kept, the recomputation runs no
+# collective (the wait on one is a no-op when recomputed)
+_KEPT.update(FUNCTIONAL_ALL_REDUCE + FUNCTIONAL_SEQUENCE)
 
 # torch.utils.checkpoint.checkpoint's own options that may be passed through gradient_checkpointing_kwargs
 _PASSED = ("preserve_rng_state", "determinism_check", "debug")

@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import os
 
-from ..errors import ArgumentError
 from ..load.adapter_files import WEIGHTS, stored_name
 
 
-def write_adapter(adapters: dict, state: dict, directory: str) -> None:
-    """``adapters``: {adapter name: LoraConfig}; ``state``: {parameter name: full tensor} of the adapters'
-    matrices (gathered to the writer)."""
+def write_adapter(name: str, config, state: dict, directory: str) -> None:
+    """The adapter ``name`` of LoraConfig ``config``; ``state``: {parameter name: full tensor} of its matrices
+    (gathered to the writer)."""
     from safetensors.torch import save_file
 
-    if len(adapters) != 1:
-        raise ArgumentError(f"save_pretrained: the model holds adapters {sorted(adapters)}; one is supported")
-    (name, config), = adapters.items()
     os.makedirs(directory, exist_ok=True)
     save_file({stored_name(n, name): t.contiguous() for n, t in state.items()},
               os.path.join(directory, WEIGHTS), metadata={"format": "pt"})

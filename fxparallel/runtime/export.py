@@ -269,18 +269,18 @@ def write_pretrained(model, directory: str, scope: ExportScope, *, dtype: Option
     """Gather every tensor over ``scope`` and write ``directory`` on its writer (collective).
     ``save_kwargs`` go to transformers' ``save_pretrained`` (max_shard_size, variant, ...); ``refusal``: this
     rank's arguments were refused (raised on every rank after the first exchange, see ``_route``).
-    With a LoRA adapter attached only the adapter is written, in PEFT's layout, as transformers does
+    With LoRA adapters attached only the active adapter is written, in PEFT's layout, as transformers does
     (``adapter_export.py``). Returns the directory on the writer, None elsewhere."""
     from .adapter_export import write_adapter
 
-    adapters = getattr(model, "peft_config", None) or {}
-    only = is_adapter_parameter if adapters else None
+    adapter = model._attached()  # the active LoRA adapter, or None
+    only = (lambda name: is_adapter_parameter(name, adapter.name)) if adapter is not None else None
     state = _gather_to_writer(model, scope, dtype, refusal, only)
     error = None
     if scope.writer:
         try:
-            if adapters:
-                write_adapter(adapters, state, directory)
+            if adapter is not None:
+                write_adapter(adapter.name, adapter.config, state, directory)
             else:
                 _save(model, state, directory, dtype, save_kwargs)
         except Exception as err:  # noqa: BLE001 - reported to every rank below
