@@ -7,7 +7,8 @@ uneven sizes (positions 33/32 at tp=2, 17/17/17/14 at tp=4; the vocabulary, tied
 64/64/64/63; the MLP 64/63 and 32/32/32/31). Two clipped AdamW steps at dp=2 x tp=2 match one process
 (loss and global grad norm); saved with AdamW state (exp_avg, exp_avg_sq), loaded bit-exactly into tp=4
 and (Phi-3, GPT-2: docs/reference.md's claim) into dp=4 x tp=1; resuming in the saving layout repeats the
-uninterrupted step; the consolidated export loads in transformers with the same logits.
+uninterrupted step; the consolidated export loads in transformers with the same logits. The checkpoint's views of
+fused weights split on dim 1 (GPT-2's) are views of FSDP's chunk (no copy); those split on dim 0 are gathered copies.
 
 Time: capture is most of this test (4 ranks on the CPUs a machine has). The dp replicas of a tp rank plan
 the same graph, so the first replica plans it and the others read it from the session's graph cache, as a
@@ -54,6 +55,7 @@ def _batch(vocab: int, step: int) -> dict:
 
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
+COPIED = {"phi3": {"qkv_proj", "gate_up_proj"}, "gpt_bigcode": {"c_attn"}}  # fused weights split on dim 0
 
 
 def _setup(path, tp, dp):
@@ -116,6 +118,7 @@ def _run(rank, world, paths, root):
         r["history"] = [_step(model, opt, mesh, step) for step in range(2)]
         r["saved"] = full_values(model, mesh)
         r["saved_state"] = _states(model, opt, mesh)
+        r["copied views"] = _copied_segment_views(model, opt, mesh)
         save_checkpoint(ckpt, model, opt, mesh, 2)
         r["next_loss"] = _step(model, opt, mesh, 2)
         export_pretrained(model, mesh, os.path.join(root, name, "export"))
@@ -137,6 +140,19 @@ def _run(rank, world, paths, root):
         else:
             results[name] = {k: r[k] for k in ("next_loss", "resumed_loss")}
     return results
+
+
+def _copied_segment_views(model, opt, mesh) -> list:
+    """The fused weights' checkpoint views (parameters and AdamW states) that are copies rather than views of
+    this rank's FSDP chunk."""
+    from fxparallel.runtime.checkpoint import state_dict_views
+    from fxparallel.runtime.dtensor import local_part
+
+    own = {local_part(t).untyped_storage().data_ptr() for p in model.parameters()
+           for t in [p, *(v for v in opt.state[p].values() if v.dim())]}
+    return sorted(key.rsplit(".segment", 1)[0] for key, view in
+                  state_dict_views(model, opt, mesh, with_optimizer=True).items()
+                  if ".segment" in key and local_part(view).untyped_storage().data_ptr() not in own)
 
 
 def _numpy(value):
@@ -161,6 +177,10 @@ def test_fused_weights_checkpoint_across_layouts(tmp_path):
             assert r["plan"], (name, "expected segmented (fused) shards")
         if name in PLANS:
             assert r["plan"] == PLANS[name], (name, r["plan"])
+        # FSDP splits dim 0: fused weights split along dim 1 (GPT-2's Conv1D c_attn) are views of its chunk, those
+        # along dim 0 (Phi-3's qkv_proj and gate_up_proj, GPT-BigCode's c_attn, the fused biases) gathered copies
+        copied = {n.split(".weight")[0].rsplit(".", 1)[-1] for n in r["copied views"] if ".weight" in n}
+        assert copied == COPIED.get(name, set()), (name, r["copied views"])
         for (loss, norm), (ref_loss, ref_norm) in zip(r["history"], _single_process(paths[name])):
             assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5, (name, r["history"])
         assert max_diff(r["reloaded"], r["saved"]) == 0.0, name

@@ -87,31 +87,34 @@ def segment_views(tensor, plan_param, mesh):
     """A fused weight as one DTensor per segment (each its own full shape, split over tp like a
     plain shard), so any tp size loads it. Returns ({segment index: DTensor}, write_back).
 
-    FSDP's dim-0 chunk of the TP shard can straddle segments, so the views are built on the
-    whole TP shard (gathered over dp x cp, as FSDP does for every forward) and replicated over
-    dp x cp; ``write_back()`` copies a loaded TP shard into this rank's FSDP chunk."""
+    Segments along a dim other than 0 (GPT-2's Conv1D, stacked experts' gate / up): each segment's
+    piece of FSDP's dim-0 chunk is a view of that chunk, split over dp x cp by dim 0 as FSDP splits it,
+    so nothing is copied and DCP reads and loads the parameter itself. Segments along dim 0 (Phi-3's
+    qkv_proj): FSDP's chunk of the TP shard can straddle them, so the views are built on the whole TP
+    shard (gathered over dp x cp, as FSDP does for every forward) and replicated over dp x cp;
+    ``write_back()`` copies a loaded TP shard into this rank's FSDP chunk."""
     refuse_uneven(plan_param)
     p = plan_param.placement
-    tp_shard = tensor.detach()
-    if isinstance(tp_shard, DTensor):
-        tp_shard = tp_shard.full_tensor()
+    tp_shard, dp = tensor.detach(), dp_placement(tensor)
+    if p.dim == 0 and isinstance(tp_shard, DTensor):
+        tp_shard, dp = tp_shard.full_tensor(), Replicate()
+    tp_shard = local_part(tp_shard)
     views, offset = {}, 0
     for i, local in enumerate(p.local_parts(lambda seg: seg // mesh.tp)):
         shape = list(plan_param.shape)
         shape[p.dim] = p.segments[i]
         piece = tp_shard.narrow(p.dim, offset, local)
         tp = Replicate() if i in p.whole else Shard(p.dim)  # a whole segment: the same on every tp rank
-        views[i] = DTensor.from_local(piece, mesh.tp_dp_mesh, (tp, Replicate()), run_check=False,
+        views[i] = DTensor.from_local(piece, mesh.tp_dp_mesh, (tp, dp), run_check=False,
                                       shape=torch.Size(shape), stride=contiguous_stride(tuple(shape)))
         offset += local
 
     def write_back():
-        if isinstance(tensor, DTensor):
-            whole = DTensor.from_local(tp_shard, tensor.device_mesh, [Replicate()] * tensor.device_mesh.ndim,
-                                       run_check=False)
-            local_part(tensor).copy_(local_part(whole.redistribute(tensor.device_mesh, tensor.placements)))
-        elif tp_shard.data_ptr() != tensor.data_ptr():
-            tensor.copy_(tp_shard)
+        if local_part(tensor).data_ptr() == tp_shard.data_ptr():  # the views are the parameter's own storage
+            return
+        whole = DTensor.from_local(tp_shard, tensor.device_mesh, [Replicate()] * tensor.device_mesh.ndim,
+                                   run_check=False)
+        local_part(tensor).copy_(local_part(whole.redistribute(tensor.device_mesh, tensor.placements)))
 
     return views, write_back
 
