@@ -34,11 +34,14 @@ def _pieces(tensor: torch.Tensor, plan, rank: int, tp: int) -> list:
 
 def describe(tensor: torch.Tensor, plan, rank: int, tp: int) -> None:
     """Give ``tensor`` (this rank's shard of ``plan``'s parameter) DCP's checkpointable protocol."""
+    describe_pieces(tensor, _pieces(tensor, plan, rank, tp), torch.Size(plan.shape))
+
+
+def describe_pieces(tensor: torch.Tensor, pieces: list, full: torch.Size) -> None:
+    """Give ``tensor`` DCP's checkpointable protocol: it holds ``pieces`` ([(offsets, sizes, view of tensor)],
+    maybe none) of a tensor of shape ``full``."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-    pieces = _pieces(tensor, plan, rank, tp)
-    full = torch.Size(plan.shape)
 
     def create_write_items(fqn, _obj):
         return [WriteItem(index=MetadataIndex(fqn, offsets, i), type=WriteItemType.SHARD,

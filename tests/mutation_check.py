@@ -36,8 +36,8 @@ class Fault:
 
 FAULTS = (
     Fault("load_checkpoint restores no optimizer state", "fxparallel/runtime/checkpoint.py",
-          "state = state_dict_views(model, optimizer, mesh, with_optimizer, write_backs)",
-          "state = state_dict_views(model, optimizer, mesh, False, write_backs)",
+          "state = state_dict_views(model, optimizer, mesh, with_optimizer)",
+          "state = state_dict_views(model, optimizer, mesh, False)",
           ("tests/test_runtime.py", "-k", "checkpoint_loads or resume_gives")),
     # each reduced-precision case alone must catch it (its bounds are relative to the values)
     Fault("copy_to_tp's backward all-reduce dropped (bfloat16)", "fxparallel/ops/collectives.py",

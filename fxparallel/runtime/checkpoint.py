@@ -109,27 +109,22 @@ def init_optimizer_state(model, optimizer) -> None:
         p.grad = grad
 
 
-def _add_views(state: dict, key: str, tensor, plan, mesh, write_backs: list) -> None:
+def _add_views(state: dict, key: str, tensor, plan, mesh) -> None:
     """``state[key]``: the full-shape DTensor view of ``tensor``; a fused weight (segmented shard)
     gets one entry per segment, ``key.segment<i>`` (see ``dtensor.segment_views``)."""
     if segments_of(plan):
-        views, write_back = segment_views(tensor, plan, mesh)
-        for i, view in views.items():
+        for i, view in segment_views(tensor, plan, mesh).items():
             state[f"{key}.segment{i}"] = view
-        write_backs.append(write_back)
     else:
         state[key] = global_view(tensor, plan, mesh)
 
 
-def state_dict_views(model, optimizer, mesh, with_optimizer: bool, write_backs: Optional[list] = None) -> dict:
-    """Flat {key: tensor} for DCP: full-shape DTensor views, plus scalar optimizer states.
-
-    ``write_backs`` collects what must run after a load to put values that DCP loaded into
-    temporary copies (fused weights under FSDP) back into the parameters."""
+def state_dict_views(model, optimizer, mesh, with_optimizer: bool) -> dict:
+    """Flat {key: tensor} for DCP: full-shape views of the parameters and optimizer states (DCP writes
+    and loads them in place), plus scalar optimizer states."""
     state = {}
-    write_backs = [] if write_backs is None else write_backs
     for name, param, plan in _params(model):
-        _add_views(state, f"model.{name}", param.detach(), plan, mesh, write_backs)
+        _add_views(state, f"model.{name}", param.detach(), plan, mesh)
         if not with_optimizer:
             continue
         for key, value in optimizer.state[param].items():
@@ -138,7 +133,7 @@ def state_dict_views(model, optimizer, mesh, with_optimizer: bool, write_backs: 
                 raise CheckpointError(f"optimizer state {key!r} of {name} is a {type(value).__name__}; "
                                       "only tensor states are supported")
             if tuple(value.shape) == tuple(param.shape):
-                _add_views(state, full_key, value, plan, mesh, write_backs)
+                _add_views(state, full_key, value, plan, mesh)
             elif value.numel() == 1:
                 state[full_key] = value  # e.g. Adam's step: the same on every rank
             else:
@@ -738,9 +733,9 @@ def _check_against_metadata(state: dict, directory: str) -> None:
                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     for key, value in state.items():
         size = getattr(saved[key], "size", None)
-        if size is not None and tuple(size) != tuple(value.shape):
+        if size is not None and tuple(size) != tuple(value.size()):  # the full size (a view's is not its shape)
             raise CheckpointError(f"checkpoint {directory}: {key} has shape {list(size)}, the model's is "
-                                  f"{list(value.shape)}")
+                                  f"{list(value.size())}")
 
 
 def load_checkpoint(path: str, model, optimizer, mesh, *, trust_metadata: bool = False) -> dict:
@@ -765,17 +760,13 @@ def load_checkpoint(path: str, model, optimizer, mesh, *, trust_metadata: bool =
     with_optimizer = optimizer is not None and meta.get("optimizer_state", False)
     if with_optimizer:
         init_optimizer_state(model, optimizer)
-    write_backs = []
-    state = state_dict_views(model, optimizer, mesh, with_optimizer, write_backs)
+    state = state_dict_views(model, optimizer, mesh, with_optimizer)
     _everywhere(mesh, lambda: (_check_against_metadata(state, directory), None), path)
     try:
         dcp.load(state, storage_reader=metadata_reader(directory))
     except dcp.CheckpointException as err:
         raise CheckpointError(f"loading {directory} failed ({_failures(err)}); a file of it may be damaged: restore "
                               "it from a copy, or load another step") from None
-    with torch.no_grad():
-        for write_back in write_backs:
-            write_back()
     if with_optimizer and meta.get("param_groups"):
         groups = meta["param_groups"]
         if len(groups) != len(optimizer.param_groups):

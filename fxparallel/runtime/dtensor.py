@@ -83,40 +83,73 @@ def global_view(tensor, plan_param, mesh) -> DTensor:
                               shape=torch.Size(full), stride=contiguous_stride(full))
 
 
-def segment_views(tensor, plan_param, mesh):
-    """A fused weight as one DTensor per segment (each its own full shape, split over tp like a
-    plain shard), so any tp size loads it. Returns ({segment index: DTensor}, write_back).
+def segment_views(tensor, plan_param, mesh) -> dict:
+    """A fused weight as one view per segment (each of its own full shape, split over tp like a plain
+    shard), so any tp size loads it: {segment index: view}. Each is a view of this rank's own storage,
+    so DCP writes and loads the parameter (or optimizer state) itself, nothing copied.
 
-    Segments along a dim other than 0 (GPT-2's Conv1D, stacked experts' gate / up): each segment's
-    piece of FSDP's dim-0 chunk is a view of that chunk, split over dp x cp by dim 0 as FSDP splits it,
-    so nothing is copied and DCP reads and loads the parameter itself. Segments along dim 0 (Phi-3's
-    qkv_proj): FSDP's chunk of the TP shard can straddle them, so the views are built on the whole TP
-    shard (gathered over dp x cp, as FSDP does for every forward) and replicated over dp x cp;
-    ``write_back()`` copies a loaded TP shard into this rank's FSDP chunk."""
+    Segments along a dim other than 0 (GPT-2's Conv1D, stacked experts' gate / up), or no FSDP: each
+    segment's piece of the tensor (of FSDP's dim-0 chunk) is a DTensor, split over dp x cp by dim 0 as
+    FSDP splits it. Segments along dim 0 under FSDP (Phi-3's qkv_proj), which FSDP's chunk of the TP
+    shard can straddle: each segment's rows in the chunk, described to DCP piece by piece
+    (``_row_pieces``)."""
     refuse_uneven(plan_param)
     p = plan_param.placement
-    tp_shard, dp = tensor.detach(), dp_placement(tensor)
-    if p.dim == 0 and isinstance(tp_shard, DTensor):
-        tp_shard, dp = tp_shard.full_tensor(), Replicate()
-    tp_shard = local_part(tp_shard)
+    tensor, dp = tensor.detach(), dp_placement(tensor)
+    if p.dim == 0 and isinstance(dp, Shard):
+        return _row_pieces(tensor, plan_param, mesh)
+    local = local_part(tensor)  # FSDP's chunk (split on dim 0, not across the segments), or the TP shard
     views, offset = {}, 0
-    for i, local in enumerate(p.local_parts(lambda seg: seg // mesh.tp)):
+    for i, size in enumerate(p.local_parts(lambda seg: seg // mesh.tp)):
         shape = list(plan_param.shape)
         shape[p.dim] = p.segments[i]
-        piece = tp_shard.narrow(p.dim, offset, local)
+        piece = local.narrow(p.dim, offset, size)
         tp = Replicate() if i in p.whole else Shard(p.dim)  # a whole segment: the same on every tp rank
         views[i] = DTensor.from_local(piece, mesh.tp_dp_mesh, (tp, dp), run_check=False,
                                       shape=torch.Size(shape), stride=contiguous_stride(tuple(shape)))
-        offset += local
+        offset += size
+    return views
 
-    def write_back():
-        if local_part(tensor).data_ptr() == tp_shard.data_ptr():  # the views are the parameter's own storage
-            return
-        whole = DTensor.from_local(tp_shard, tensor.device_mesh, [Replicate()] * tensor.device_mesh.ndim,
-                                   run_check=False)
-        local_part(tensor).copy_(local_part(whole.redistribute(tensor.device_mesh, tensor.placements)))
 
-    return views, write_back
+def _row_pieces(tensor: DTensor, plan_param, mesh) -> dict:
+    """{segment index: its rows in this rank's FSDP chunk}, for segments split along dim 0, which that chunk
+    of the TP shard can straddle: each a view of the chunk that tells DCP which rows of its segment it holds
+    (``dcp_state.describe_pieces``; none where the chunk holds no row of it), so DCP writes and loads the
+    chunk in place."""
+    from ..dcp_state import describe_pieces
+
+    local = local_part(tensor)
+    start, stop = _fsdp_rows(tensor, plan_param.local_shape(mesh.tp, mesh.tp_rank)[0])
+    if local.shape[0] != stop - start:
+        raise ValueError(f"{plan_param.name}: FSDP's chunk holds {local.shape[0]} rows where torch.chunk's rows "
+                         f"[{start}, {stop}) of the tp shard were expected")
+    views, segment_start = {}, 0
+    pieces = plan_param.pieces(mesh.tp_rank, mesh.tp)  # one per segment, in order
+    for i, (segment, (src, dst)) in enumerate(zip(plan_param.placement.segments, pieces)):
+        shape = torch.Size([segment, *plan_param.shape[1:]])
+        first, last = max(dst[0].start, start), min(dst[0].stop, stop)
+        described = []
+        if first < last:
+            view = local[first - start:last - start]
+            offsets = torch.Size([src[0].start - segment_start + first - dst[0].start] + [0] * (len(shape) - 1))
+            described.append((offsets, torch.Size([last - first, *shape[1:]]), view))
+        else:
+            view = local[:0]
+        describe_pieces(view, described, shape)
+        views[i] = view
+        segment_start += segment
+    return views
+
+
+def _fsdp_rows(tensor: DTensor, rows: int) -> tuple:
+    """[start, stop) of the rows of the TP shard (``rows`` of them) in this rank's FSDP chunk (torch.chunk's)."""
+    mesh = tensor.device_mesh
+    for dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard) and mesh.size(dim) > 1:
+            size = -(-rows // mesh.size(dim))
+            start = min(mesh.get_local_rank(dim) * size, rows)
+            return start, min(start + size, rows)
+    return 0, rows
 
 
 def tp_of(mesh) -> tuple:
