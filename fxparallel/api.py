@@ -217,18 +217,6 @@ def _position_limit(meta):
     return None
 
 
-def _sliding_window(config):
-    """The smallest window of the model's sliding-window attention layers, or None."""
-    from transformers import StaticCache
-
-    try:
-        layers = StaticCache(config=config, max_cache_len=1 << 30).layers  # allocates nothing yet
-    except Exception:  # noqa: BLE001 - a config transformers cannot build a cache for: generate says so later
-        return None
-    windows = [layer.max_cache_len for layer in layers if getattr(layer, "is_sliding", False)]
-    return min(windows) if windows else None
-
-
 def _generation_config(source, config):
     """The checkpoint's generation_config.json where there is one (as transformers loads it), else the
     defaults the model config implies."""
@@ -326,7 +314,7 @@ def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
     return ModelFacts(
         sequence_parallel=sequence_parallel, vocab_rows=vocab_rows, label_classes=label_classes,
         position_limit=_position_limit(meta), takes_position_ids="position_ids" in forward_parameters,
-        takes_logits_to_keep="logits_to_keep" in forward_parameters, sliding_window=_sliding_window(meta.config),
+        takes_logits_to_keep="logits_to_keep" in forward_parameters,
         generation_config=_generation_config(source, meta.config), embedding_modules=embedding_modules(meta),
         embedding_weights=tuple(f"{path}.weight" for path, m in meta.named_modules()
                                 if isinstance(m, torch.nn.Embedding)),

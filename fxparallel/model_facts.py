@@ -15,7 +15,6 @@ class ModelFacts:
     position_limit: Optional[int] = None  # rows of a learned position table: longest generation
     takes_position_ids: bool = True  # the model's forward has position_ids (else: positions from its cache)
     takes_logits_to_keep: bool = False  # the model's forward has logits_to_keep (generate's prefill keeps 1)
-    sliding_window: Optional[int] = None  # smallest sliding attention window: longest generation
     generation_config: object = None  # the checkpoint's GenerationConfig, as transformers loads it
     embedding_modules: dict = field(default_factory=dict)  # "input"/"output" -> (module path, class, bias)
     embedding_weights: tuple = ()  # the nn.Embedding tables' weights

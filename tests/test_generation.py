@@ -4,6 +4,9 @@ all-reduces per decoded token and no logits gather, sampling identical on every 
 returned by forward(use_cache=True) accepted back, and clear errors for what is not supported."""
 from __future__ import annotations
 
+import os
+import sys
+
 from checks import raised
 from distributed import run_ranks
 
@@ -228,34 +231,47 @@ def _families(rank, tp, paths):
             out["too long"] = raised(lambda: model.generate(input_ids=ids, max_new_tokens=60, pad_token_id=0))
             out["prompt fills the positions"] = raised(lambda: model.generate(input_ids=long[:, :64],
                                                                                max_new_tokens=2, pad_token_id=0))
-        if name == "mistral":  # a window of 32 tokens: the cache would roll
-            out["past window"] = raised(lambda: model.generate(input_ids=ids, max_new_tokens=40, pad_token_id=0))
-            out["prompt fills the window"] = raised(lambda: model.generate(input_ids=long[:, :40], max_new_tokens=2,
-                                                                            pad_token_id=0))
+        if name in WINDOWED:  # three windows past the window, from a prompt shorter and one longer than it
+            graphs = len(model.graphs())
+            for key, prompt, attention in (("past the window", ids, mask), ("prompt past the window", long[:, :12],
+                                                                            torch.ones(2, 12, dtype=torch.long))):
+                kwargs = dict(attention_mask=attention, max_new_tokens=3 * WINDOW + 2, do_sample=False,
+                              pad_token_id=0)
+                out[f"{name} {key}"] = torch.equal(model.generate(input_ids=prompt, **kwargs),
+                                                   ref.generate(input_ids=prompt, **kwargs))
+            out[f"{name} graphs added"] = len(model.graphs()) - graphs
     return out
 
 
+WINDOW = 8
+WINDOWED = ("mistral", "gemma2")
+
+
 def test_generate_learned_positions_and_sliding_window(tmp_path):
-    """GPT-2 (learned positions, fused qkv) and Mistral (sliding window) at TP=2."""
+    """GPT-2 (learned positions, fused qkv), Mistral (every layer a sliding window) and Gemma 2 (sliding and full
+    layers alternating) at TP=2. Past the window transformers' cache rolls (or drops the oldest tokens); the
+    parallel model's keeps them all and attends the window through the mask: the same tokens, three windows past
+    it, from a prompt shorter than the window (left-padded) and one longer, with no graph per step."""
     from transformers import GPT2Config
 
     from models import save_checkpoint, tiny_config
 
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from tiny_configs import tiny_config as any_config
+
     paths = {
         "gpt2": save_checkpoint(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64),
                                 str(tmp_path / "gpt2")),
-        "mistral": save_checkpoint(tiny_config("mistral", sliding_window=32), str(tmp_path / "mistral")),
+        "mistral": save_checkpoint(tiny_config("mistral", sliding_window=WINDOW), str(tmp_path / "mistral")),
+        "gemma2": save_checkpoint(any_config("gemma2", sliding_window=WINDOW, vocab_size=128),
+                                  str(tmp_path / "gemma2")),
     }
     for out in run_ranks(2, _families, paths):
-        assert out["gpt2"] and out["mistral"], out
+        assert out["gpt2"] and out["mistral"] and out["gemma2"], out
         assert "beyond the model's 64 learned positions" in out["too long"], out["too long"]
-        assert "exceed the model's sliding attention window of 32 tokens" in out["past window"], out["past window"]
-        assert out["prompt fills the window"] == (
-            "InputError: generate: the prompt alone fills the model's sliding attention window: 40 tokens, window 32 "
-            "tokens, beyond which its cache rolls, and the parallel model's graphs do not roll it yet, so not one "
-            "token can be generated; shorten the prompt to at most 31 tokens (room for 32 tokens in all, prompt "
-            "included), or generate with the single-device transformers model, whose cache rolls"), \
-            out["prompt fills the window"]
+        for name in WINDOWED:
+            assert out[f"{name} past the window"] and out[f"{name} prompt past the window"], out
+            assert out[f"{name} graphs added"] <= 2, out  # the longer prompt's prefill and decode, at most
         assert out["prompt fills the positions"] == (
             "InputError: generate: the prompt alone fills the model's learned positions: 64 tokens, 64 positions "
             "(max_position_embeddings), so not one token can be generated; shorten the prompt to at most 63 tokens "

@@ -5,7 +5,8 @@ Its tensors (per layer: keys, values, and the count of tokens written) become gr
 the model's own code writes them in place (``index_copy_``, ``add_``), so the rewritten graph
 updates this rank's shard of the cache where the model updates the whole. The cache is first
 filled once eagerly on meta (free: nothing is computed), so each layer allocates its tensors
-with the shapes its own code asks for (any number of kv heads, head size, sliding windows)."""
+with the shapes its own code asks for (any number of kv heads, head size). Sliding-window layers keep the
+whole length too: their window is the attention mask's."""
 from __future__ import annotations
 
 import inspect
@@ -48,7 +49,8 @@ def meta_cache(model, batch: int, length: int):
     """A StaticCache for ``model`` (on meta) whose layers hold their tensors, for ``batch`` rows."""
     from transformers import StaticCache
     from transformers import cache_utils
-    from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
+    from transformers.cache_utils import (STATIC_LAYER_TYPE_MAPPING, StaticLayer, StaticSlidingWindowLayer,
+                                          get_layer_types_and_kwargs)
 
     if _cache_keyword(model) is None:  # GPT-1; RWKV's state, XLNet's mems
         parameters = inspect.signature(model.forward).parameters
@@ -69,6 +71,12 @@ def meta_cache(model, batch: int, length: int):
         raise state_not_carried(model, f"layers of type {recurrent}: the convolution or recurrent state of "
                                        "linear-attention or state-space layers")
     cache = StaticCache(config=model.config, max_cache_len=length)
+    # a sliding-window (or chunked) layer keeps every token, as a full-attention layer does: the window is
+    # the mask's (transformers builds it from the config for that layer type, over the positions of the whole
+    # cache), so the keys a query attends are those of transformers' rolling cache, and no graph depends on
+    # how far generation has gone past the window (the rolling layer chooses its code by a Python count)
+    cache.layers = [StaticLayer(max_cache_len=length) if type(layer) is StaticSlidingWindowLayer else layer
+                    for layer in cache.layers]
     layers = len(cache.layers)
     # under a fake mode, transformers sees a trace (is_tracing) and skips its checks of data meta lacks: padding
     # in the ids, a mask it could leave out; with a shape env, data-dependent sizes (JetMoE's expert counts,
@@ -92,11 +100,6 @@ def meta_cache(model, batch: int, length: int):
         length_so_far = getattr(layer, "cumulative_length", None)
         if isinstance(length_so_far, torch.Tensor):
             layer.cumulative_length = torch.zeros((), dtype=length_so_far.dtype, device="meta")
-        if hasattr(layer, "cumulative_length_int"):  # sliding-window layers also count in Python
-            layer.cumulative_length_int = 0
-            # ... and report that count as the query offset of the mask: read the tensor instead, so the
-            # graph takes the offset from the cache it is given, not the count it was captured at
-            layer.get_seq_length = _tensor_count(layer)
     return cache
 
 
@@ -107,20 +110,6 @@ def _on_meta(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_on_meta(v) for v in value)
     return value
-
-
-def _tensor_count(layer):
-    def get_seq_length():
-        return layer.cumulative_length
-
-    return get_seq_length
-
-
-def sliding_windows(cache) -> list:
-    """The windows of the cache's sliding-window layers. Their code chooses between writing and rolling
-    by a Python count of the tokens so far, which the captured graphs hold as it was at capture (an
-    empty cache): they are right while the tokens fit in the window."""
-    return sorted({layer.max_cache_len for layer in cache.layers if getattr(layer, "is_sliding", False)})
 
 
 def cache_tensors(cache) -> dict:

@@ -191,23 +191,10 @@ def _set_lengths(config, prompt: int, user_max_length) -> None:
 
 
 def _refuse_no_room(model, max_length: int, prompt: int) -> None:
-    """Refuse a max_length with no room after the prompt, or past the model's sliding window or learned
-    positions (the graphs neither roll a cache nor have positions beyond)."""
+    """Refuse a max_length with no room after the prompt, or past the model's learned positions."""
     if max_length <= prompt:
         raise InputError(f"generate: max_length {max_length} leaves no room after the prompt of {prompt} "
                          f"tokens: raise max_new_tokens / max_length")
-    window = model.sliding_window
-    if window is not None and max_length > window:
-        if prompt >= window:  # no max_new_tokens helps: the prompt must be shorter
-            raise InputError(f"generate: the prompt alone fills the model's sliding attention window: {prompt} "
-                             f"tokens, window {window} tokens, beyond which its cache rolls, and the parallel model's "
-                             f"graphs do not roll it yet, so not one token can be generated; shorten the prompt to "
-                             f"at most {window - 1} tokens (room for {window} tokens in all, prompt included), or "
-                             f"generate with the single-device transformers model, whose cache rolls")
-        raise InputError(f"generate: the prompt ({prompt}) plus new tokens ({max_length} in all) exceed the "
-                         f"model's sliding attention window of {window} tokens, beyond which its cache rolls; the "
-                         f"parallel model's graphs do not roll it yet: lower max_new_tokens to at most "
-                         f"{window - prompt}")
     limit = model.position_limit
     if limit is not None and max_length > limit:
         if prompt >= limit:
