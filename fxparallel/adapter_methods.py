@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .capture.adapters import check_lora_config, is_adapter_parameter
+from .capture.adapters import check_lora_config, is_adapter_parameter, without_adapter_name
 from .dtensor_parameters import dtensor_views, follow_requires_grad
 from .errors import ArgumentError
 from .hf_methods import called_from_peft
@@ -127,7 +127,7 @@ class AdapterMethods:
             raise ArgumentError(f"get_adapter_state_dict: adapter_name={adapter_name!r} (the model holds {held}) "
                                 "and state_dict=None are taken")
         group = self.tp_group
-        return {p.name.replace(f".{name}.", "."): full_tensor(self.get_parameter(p.name), p, group).detach()
+        return {without_adapter_name(p.name, name): full_tensor(self.get_parameter(p.name), p, group).detach()
                 for p in self.plan.params if is_adapter_parameter(p.name, name)}
 
     def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False, adapter_names=None):

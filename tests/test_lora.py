@@ -115,19 +115,20 @@ def _second_adapter(adapter: str) -> str:
 
     model = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(adapter), "base"), dtype=torch.float32)
     torch.manual_seed(1)
-    path = os.path.join(os.path.dirname(adapter), "other")
+    path = os.path.join(os.path.dirname(adapter), "second")
     get_peft_model(model, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules="all-linear")
                    ).save_pretrained(path)
     return path
 
 
 def _several(model, base_dir, adapter, other, ids, rank, tp) -> dict:
-    """A second adapter (other targets and rank) loaded on ``model`` (which holds ``adapter`` as "default",
-    trainable) against PeftModel holding both: which is active after loading (the new one, as transformers'
-    injection makes it), logits with each active, ``set_adapter``'s trainable matrices, the loss and every
-    gradient with "default" active (the other's matrices get none), ``get_adapter_state_dict`` of the inactive one,
-    ``save_pretrained`` (the active adapter), ``delete_adapter`` of the active one; a repeated name and two active
-    adapters refused."""
+    """A second adapter (other targets and rank; named "mlp", like a module) loaded on ``model`` (which holds
+    ``adapter`` as "default", trainable) against PeftModel holding both: which is active after loading (the new
+    one, as transformers' injection makes it), logits with each active, ``set_adapter``'s trainable matrices, the
+    loss and every gradient with "default" active (the other's matrices get none), ``get_adapter_state_dict`` of
+    the inactive one, ``save_pretrained`` of the active one loaded by PEFT, ``delete_adapter`` of the active one;
+    a repeated name and two active adapters refused."""
+    import torch.distributed as dist
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
@@ -136,20 +137,20 @@ def _several(model, base_dir, adapter, other, ids, rank, tp) -> dict:
 
     ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), adapter,
                                     is_trainable=True)
-    ref.load_adapter(other, adapter_name="other", is_trainable=True)
+    ref.load_adapter(other, adapter_name="mlp", is_trainable=True)
     model.zero_grad(set_to_none=True)
     out = {"repeated name": raised(lambda: model.load_adapter(other))}
-    model.load_adapter(other, adapter_name="other")
+    model.load_adapter(other, adapter_name="mlp")
     out["active after loading"] = model.active_adapters()
     out["held"] = list(model.peft_config)
     logits = {}
     with torch.no_grad():
-        for name in ("other", "default"):
+        for name in ("mlp", "default"):
             model.set_adapter(name)
             ref.set_adapter(name)
             logits[name] = ref(input_ids=ids).logits
             out[f"logits, {name} active"] = (model(input_ids=ids).logits - logits[name]).abs().max().item()
-    out["effect"] = (logits["other"] - logits["default"]).abs().max().item()
+    out["effect"] = (logits["mlp"] - logits["default"]).abs().max().item()
     ref_params = {hf_name(n.removeprefix("base_model.model.")): p for n, p in ref.named_parameters()}
     out["trainable"] = ([n for n, p in model.named_parameters() if p.requires_grad],
                         [n for n, p in ref_params.items() if p.requires_grad])
@@ -161,12 +162,21 @@ def _several(model, base_dir, adapter, other, ids, rank, tp) -> dict:
                       for n, p in model.named_parameters() if p.requires_grad)
     out["grads"] = ([n for n, p in model.named_parameters() if p.grad is not None],
                     [n for n, p in ref_params.items() if p.grad is not None])
-    ours = model.get_adapter_state_dict("other")
+    ours = model.get_adapter_state_dict("mlp")
     theirs = {k.removeprefix("base_model.model."): v
-              for k, v in get_peft_model_state_dict(ref, adapter_name="other").items()}
+              for k, v in get_peft_model_state_dict(ref, adapter_name="mlp").items()}
     out["state dict of the inactive"] = sorted(ours) == sorted(theirs) and \
         max((ours[k] - theirs[k]).abs().max().item() for k in theirs) < 1e-6
-    out["two active"] = raised(lambda: model.set_adapter(["default", "other"]))
+    out["two active"] = raised(lambda: model.set_adapter(["default", "mlp"]))
+    model.set_adapter("mlp")  # saved: the active adapter alone, under PEFT's names, loaded by PEFT
+    saved = os.path.join(os.path.dirname(adapter), "saved_mlp")
+    model.save_pretrained(saved)
+    dist.barrier()
+    with torch.no_grad():
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                                             saved)
+        out["saved active"] = (reloaded(input_ids=ids).logits - logits["mlp"]).abs().max().item()
+    model.set_adapter("default")
     model.delete_adapter("default")
     ref.delete_adapter("default")  # PEFT makes the remaining one active
     out["after delete"] = (model.active_adapters(), [n for n, _ in model.named_parameters() if ".default." in n])
@@ -436,15 +446,16 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         assert r["added: logits unchanged (B is zero)"] == 0.0 and r["active"] == ["default"], r
         several = r["several"]
         assert "adapter with name 'default' already exists" in several["repeated name"], several
-        assert several["active after loading"] == ["other"] and several["held"] == ["default", "other"], several
-        assert several["logits, other active"] < 1e-5 and several["logits, default active"] < 1e-5, several
+        assert several["active after loading"] == ["mlp"] and several["held"] == ["default", "mlp"], several
+        assert several["logits, mlp active"] < 1e-5 and several["logits, default active"] < 1e-5, several
         assert several["effect"] > 1e-3 and several["loss"] < 1e-5 and several["grad"] < 1e-5, several
         ours, theirs = several["trainable"]
         assert ours == theirs and all(".default." in n for n in ours) and len(ours) == 2 * 2 * len(TARGETS), several
         assert several["grads"][0] == several["grads"][1] == ours, several
         assert several["state dict of the inactive"], several
         assert "asks for several active adapters at once" in several["two active"], several
-        assert several["after delete"] == (["other"], []) and several["logits after delete"] < 1e-5, several
+        assert several["after delete"] == (["mlp"], []) and several["logits after delete"] < 1e-5, several
+        assert several["saved active"] < 1e-5, several
         assert r["logits"] < 1e-5 and r["reloaded"] < 1e-5 and r["trainable by default"] == [], r
         assert r["merged"] < 1e-5 and r["left after merging"] == [], r
         assert all("no adapter loaded; attach one first" in e for e in r["no adapter"]), r["no adapter"]

@@ -66,6 +66,14 @@ def is_adapter_parameter(name: str, adapter: Optional[str] = None) -> bool:
     return any(mark in name for mark in ADAPTER_MARKS)
 
 
+def without_adapter_name(name: str, adapter: str) -> str:
+    """An adapter matrix's name as PEFT stores it, without its adapter's name (``...lora_A.<adapter>.weight`` ->
+    ``...lora_A.weight``; an adapter may be named like a module, "mlp")."""
+    for mark in ADAPTER_MARKS:
+        name = name.replace(f"{mark}{adapter}.", mark)
+    return name
+
+
 def check_lora_config(config, where: str) -> None:
     """Refuse PEFT methods other than LoRA, and LoRA options this library does not support, by name."""
     from peft import LoraConfig

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from ..capture.adapters import check_lora_config
+from ..capture.adapters import check_lora_config, without_adapter_name
 from ..errors import CheckpointError
 from .checkpoint_files import CheckpointFiles, from_file
 
@@ -31,7 +31,7 @@ class AdapterSource:
 
 def stored_name(name: str, adapter: str) -> str:
     """The name PEFT stores the adapter parameter ``name`` under (its adapter name left out)."""
-    return PREFIX + name.replace(f".{adapter}.", ".")
+    return PREFIX + without_adapter_name(name, adapter)
 
 
 def _file(name: str, filename: str, hub_kwargs: dict) -> Optional[str]:
