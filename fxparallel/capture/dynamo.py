@@ -115,6 +115,10 @@ def _fixed_dim(message: str, shape, cache_length):
     return None
 
 
+# with gradients on whatever the caller's mode: a graph planned under no_grad or inference_mode would hold no
+# gradient reduction, and the same graph (cached too) serves calls that train
+@torch.inference_mode(False)
+@torch.enable_grad()
 def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGraph:
     input_names, shape, cache_length = spec.arguments, spec.shape, spec.cache_length
 
@@ -177,9 +181,7 @@ def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGra
         model.train(training)
         plain = (causal_without_mask("position_ids" in input_names, unpadded)
                  if cache is None and (unpadded or "attention_mask" not in input_names) else contextlib.nullcontext())
-        # with gradients on whatever the caller's mode (a graph planned under no_grad would hold no gradient
-        # reduction, and the same graph serves calls that train)
-        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()), plain, torch.enable_grad():
+        with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions()), plain:
             compiled(**{k: v for k, v in example.items() if k not in state})
     except _RunOnMeta as err:
         # captured whole; only running it on meta failed (data-dependent ops have no meta kernel)
