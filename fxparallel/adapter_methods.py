@@ -104,7 +104,8 @@ class AdapterMethods:
         chosen = next((a for a in kept if a.name == active.name), kept[0] if kept else None)
         if chosen is not None:
             chosen = dataclasses.replace(chosen, enabled=active.enabled)
-        factory = self._graph_set.factory.with_adapter(chosen, tuple(a for a in kept if a is not chosen))
+        others = tuple(a for a in kept if chosen is None or a.name != chosen.name)
+        factory = self._graph_set.factory.with_adapter(chosen, others)
         planned = factory.training_graph()  # planned first: a failure changes nothing
         for name in names:
             for p in self.plan.params:
