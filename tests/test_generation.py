@@ -244,12 +244,12 @@ def _families(rank, tp, paths):
 
 
 WINDOW = 8
-WINDOWED = ("mistral", "gemma2")
+WINDOWED = ("mistral", "gemma2", "gpt_oss")
 
 
 def test_generate_learned_positions_and_sliding_window(tmp_path):
-    """GPT-2 (learned positions, fused qkv), Mistral (every layer a sliding window) and Gemma 2 (sliding and full
-    layers alternating) at TP=2. Past the window transformers' cache rolls (or drops the oldest tokens); the
+    """GPT-2 (learned positions, fused qkv), Mistral (every layer a sliding window), Gemma 2 and GPT-OSS (sliding
+    and full layers alternating; GPT-OSS's attention sinks and experts) at TP=2. Past the window transformers' cache rolls (or drops the oldest tokens); the
     parallel model's keeps them all and attends the window through the mask: the same tokens, three windows past
     it, from a prompt shorter than the window (left-padded) and one longer, with no graph per step."""
     from transformers import GPT2Config
@@ -265,9 +265,11 @@ def test_generate_learned_positions_and_sliding_window(tmp_path):
         "mistral": save_checkpoint(tiny_config("mistral", sliding_window=WINDOW), str(tmp_path / "mistral")),
         "gemma2": save_checkpoint(any_config("gemma2", sliding_window=WINDOW, vocab_size=128),
                                   str(tmp_path / "gemma2")),
+        "gpt_oss": save_checkpoint(any_config("gpt_oss", sliding_window=WINDOW, vocab_size=128),
+                                   str(tmp_path / "gpt_oss")),
     }
     for out in run_ranks(2, _families, paths):
-        assert out["gpt2"] and out["mistral"] and out["gemma2"], out
+        assert all(out[name] for name in ("gpt2",) + WINDOWED), out
         assert "beyond the model's 64 learned positions" in out["too long"], out["too long"]
         for name in WINDOWED:
             assert out[f"{name} past the window"] and out[f"{name} prompt past the window"], out
@@ -276,6 +278,31 @@ def test_generate_learned_positions_and_sliding_window(tmp_path):
             "InputError: generate: the prompt alone fills the model's learned positions: 64 tokens, 64 positions "
             "(max_position_embeddings), so not one token can be generated; shorten the prompt to at most 63 tokens "
             "(the model has no position for more, on one device either)"), out["prompt fills the positions"]
+
+
+def _past_the_window(rank, tp, path):
+    import torch
+    import torch.distributed as dist
+
+    import fxparallel
+    from models import reference
+
+    model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    ref = reference(path)
+    ids = torch.randint(3, 120, (2, 12), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=3 * WINDOW + 2, do_sample=False, pad_token_id=0)
+    return {"kv heads per rank": [p.split for p in model.plan.params if p.name.endswith("layers.0.self_attn.k_proj.weight")],
+            "tokens": torch.equal(model.generate(input_ids=ids, **kwargs), ref.generate(input_ids=ids, **kwargs))}
+
+
+def test_generate_past_a_sliding_window_with_heads_split_unevenly(tmp_path):
+    """Mistral at TP=3, its kv heads split unevenly (k_proj rows 16 / 8 / 8): transformers' tokens three windows
+    past the window, from a prompt longer than it."""
+    from models import save_checkpoint, tiny_config
+
+    path = save_checkpoint(tiny_config("mistral", sliding_window=WINDOW), str(tmp_path / "mistral"))
+    for out in run_ranks(3, _past_the_window, path):
+        assert out["tokens"] and out["kv heads per rank"] == [((16, 8, 8),)], out  # k_proj rows: whole heads, uneven
 
 
 def test_cache_states_beyond_keys_and_values_are_refused_by_name():
