@@ -338,7 +338,7 @@ def _first_graph(source, factory: GraphFactory) -> tuple:
     (plan/adapter_placements.py): the factory returned is then the one with the adapter."""
     planned = factory.training_graph()
     if source.adapter is not None:
-        factory = factory.with_adapter(source.adapter)
+        factory = factory.with_adapter(source.adapter, source.inactive_adapters)
         planned = factory.training_graph()
     return factory, planned
 
@@ -438,9 +438,10 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
         load_from_state_dict(module, base_plan, source.state_dict, group.rank, group.size)
     else:
         initialize(module, base_plan, source.config, group.rank, group.size, seed, dtype, source.model_class)
-    if source.adapter is not None:
-        module.bytes_read = getattr(module, "bytes_read", 0) + load_adapter_weights(
-            module, sharding, source.adapter, group.rank, group.size)
+    if source.adapter is not None:  # the active one last: it sets which matrices take gradients
+        for adapter in source.inactive_adapters + (source.adapter,):
+            module.bytes_read = getattr(module, "bytes_read", 0) + load_adapter_weights(
+                module, sharding, adapter, group.rank, group.size)
     timings["load"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - t0
     module.timings = timings

@@ -223,6 +223,18 @@ def _ranks(rank, world, adapter, with_options, other):
     with torch.no_grad():
         model = fxparallel.parallelize(_reference(adapter, trainable=True), dist.group.WORLD, dtype=torch.float32)
     out["peft model"] = _trained(adapter, dist.group.WORLD, rank, world, ids, model=model)
+    # a PeftModel holding two adapters, the second active: both attached, PEFT's active one computing
+    ref = _reference(adapter, trainable=False)
+    ref.load_adapter(other, adapter_name="mlp")
+    ref.set_adapter("mlp")
+    model = fxparallel.parallelize(ref, dist.group.WORLD, dtype=torch.float32)
+    out["peft model, two adapters"] = [model.active_adapters(), list(model.peft_config)]
+    with torch.no_grad():
+        for name in ("mlp", "default"):
+            model.set_adapter(name)
+            ref.set_adapter(name)
+            out["peft model, two adapters"].append((model(input_ids=ids).logits - ref(input_ids=ids).logits
+                                                    ).abs().max().item())
     # inference (PEFT's default): nothing takes gradients; logits and tokens as PeftModel's
     model = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32)
     ref = _reference(adapter, trainable=False)
@@ -443,6 +455,8 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         _check_training(r["load_adapter"])
         _check_training(r["add_adapter"])
         _check_training(r["peft model"])
+        two = r["peft model, two adapters"]
+        assert two[:2] == [["mlp"], ["default", "mlp"]] and max(two[2:]) < 1e-5, two
         assert r["added: logits unchanged (B is zero)"] == 0.0 and r["active"] == ["default"], r
         several = r["several"]
         assert "adapter with name 'default' already exists" in several["repeated name"], several

@@ -51,21 +51,27 @@ def is_adapter(name: str, hub_kwargs: dict) -> bool:
         return False
 
 
-def adapter_of_peft_model(model, is_trainable: bool) -> tuple:
-    """(base PreTrainedModel, AdapterSource) of a ``peft.PeftModel`` with one LoRA adapter. Its matrices come from
-    the model; they take gradients where they do in the model, or with ``is_trainable``."""
+def adapters_of_peft_model(model, is_trainable: bool) -> tuple:
+    """(base PreTrainedModel, its active AdapterSource, the others) of a ``peft.PeftModel`` with LoRA adapters,
+    one active. Their matrices come from the model; the active one takes gradients where it does in the model,
+    or with ``is_trainable``."""
     from ..capture.adapters import hf_name, is_adapter_parameter
 
+    where = f"the {type(model).__name__} passed"
     configs = dict(getattr(model, "peft_config", {}) or {})
-    if len(configs) != 1:
-        raise CheckpointError(f"the {type(model).__name__} passed holds adapters {sorted(configs)}; one is supported")
-    (name, config), = configs.items()
-    check_lora_config(config, f"the {type(model).__name__} passed")
+    active = list(getattr(model, "active_adapters", None) or [])
+    if not configs or len(active) != 1:
+        raise CheckpointError(f"{where} holds adapters {sorted(configs)}, active {active}: one active LoRA adapter "
+                              "is supported")
     base = model.get_base_model()
-    adapter = {hf_name(n): p for n, p in base.named_parameters() if is_adapter_parameter(n)}
-    trainable = is_trainable or any(p.requires_grad for p in adapter.values())
-    state = {n: p.detach() for n, p in adapter.items()}
-    return base, AdapterSource(config, name, None, trainable, f"the {type(model).__name__} passed", state)
+    adapters = {}
+    for name, config in configs.items():
+        check_lora_config(config, where)
+        matrices = {hf_name(n): p for n, p in base.named_parameters() if is_adapter_parameter(n, name)}
+        trainable = name == active[0] and (is_trainable or any(p.requires_grad for p in matrices.values()))
+        state = {n: p.detach() for n, p in matrices.items()}
+        adapters[name] = AdapterSource(config, name, None, trainable, where, state)
+    return base, adapters.pop(active[0]), tuple(adapters.values())
 
 
 def read_adapter(name: str, hub_kwargs: dict, adapter_name: str = "default", trainable: bool = False) -> AdapterSource:

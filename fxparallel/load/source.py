@@ -135,12 +135,12 @@ def resolve_source(model, *, revision=None, cache_dir=None, local_files_only=Non
     hub_kwargs = {k: v for k, v in dict(revision=revision, cache_dir=cache_dir, token=token).items() if v is not None}
     if local_files_only is not None:
         hub_kwargs["local_files_only"] = local_files_only
-    if type(model).__module__.startswith("peft."):  # a PeftModel: its base model and its LoRA adapter
-        from .adapter_files import adapter_of_peft_model
+    if type(model).__module__.startswith("peft."):  # a PeftModel: its base model and its LoRA adapters
+        from .adapter_files import adapters_of_peft_model
 
-        base, adapter = adapter_of_peft_model(model, is_trainable)
+        base, adapter, inactive = adapters_of_peft_model(model, is_trainable)
         source = resolve_source(base, trust_remote_code=trust_remote_code)
-        source.adapter = adapter
+        source.adapter, source.inactive_adapters = adapter, inactive
         return source
     if isinstance(model, PreTrainedModel):
         causal_lm_class(model.config, type(model).__name__, trust_remote_code)
