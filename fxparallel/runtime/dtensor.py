@@ -55,14 +55,18 @@ def segments_of(plan_param):
 
 def dp_placement(tensor):
     """How FSDP laid ``tensor`` out over dp x cp: Shard(0), or Replicate (no FSDP, replicate mode)."""
+    return Replicate() if _fsdp_mesh_dim(tensor) is None else Shard(0)
+
+
+def _fsdp_mesh_dim(tensor):
+    """The dim of its device mesh over which FSDP splits ``tensor``'s dim 0, or None (not split)."""
     if isinstance(tensor, DTensor):
-        mesh = tensor.device_mesh
-        for size, placement in zip(mesh.shape, tensor.placements):
+        for dim, (size, placement) in enumerate(zip(tensor.device_mesh.shape, tensor.placements)):
             if isinstance(placement, Shard) and size > 1:
                 if placement.dim != 0:
                     raise NotImplementedError(f"FSDP sharding on dim {placement.dim}; only dim 0 is supported")
-                return Shard(0)
-    return Replicate()
+                return dim
+    return None
 
 
 def local_part(tensor) -> torch.Tensor:
@@ -143,13 +147,13 @@ def _row_pieces(tensor: DTensor, plan_param, mesh) -> dict:
 
 def _fsdp_rows(tensor: DTensor, rows: int) -> tuple:
     """[start, stop) of the rows of the TP shard (``rows`` of them) in this rank's FSDP chunk (torch.chunk's)."""
+    dim = _fsdp_mesh_dim(tensor)
+    if dim is None:
+        return 0, rows
     mesh = tensor.device_mesh
-    for dim, placement in enumerate(tensor.placements):
-        if isinstance(placement, Shard) and mesh.size(dim) > 1:
-            size = -(-rows // mesh.size(dim))
-            start = min(mesh.get_local_rank(dim) * size, rows)
-            return start, min(start + size, rows)
-    return 0, rows
+    size = -(-rows // mesh.size(dim))
+    start = min(mesh.get_local_rank(dim) * size, rows)
+    return start, min(start + size, rows)
 
 
 def tp_of(mesh) -> tuple:
