@@ -33,7 +33,7 @@ from .capture.repeat_layers import capture_layers_once
 from .capture.spec import EXAMPLE_BATCH, EXAMPLE_SEQ, GraphSpec
 from . import graph_cache
 from .graph_cache import PlannedGraph, graph_key
-from .errors import GroupError
+from .errors import GroupError, ShardingError
 from .group import TPGroup, choose_device, fake_group, resolve_tp_group, shared_devices, uses_nccl
 from .load import (initialize, load_from_files, load_from_state_dict, resolve_checkpoint,
                    resolve_source)
@@ -43,7 +43,7 @@ from .load.dtype import resolve_dtype
 from .model_facts import ModelFacts
 from .module import ParallelCausalLM
 from .ops.local_graph import LocalGraph
-from .plan.layout import ShardLayout, text_config
+from .plan.layout import ShardLayout, expert_counts, text_config
 from .plan.adapter_placements import adapter_placements
 from .plan.options import PlanOptions
 from .plan.saved import check_applied, fixed_placements, read_plan
@@ -98,16 +98,17 @@ def plan_graph(meta_model, spec: GraphSpec, group: TPGroup, device, options: Pla
     if options.cp is not None:
         kind = getattr(meta_model.config, "model_type", type(meta_model).__name__)
         context_parallel_checks.check_graph(captured, kind)
-    # uneven splits by whole heads / columns / rows
-    layout = ShardLayout.for_config(meta_model.config, group.size).add_embedding_rows(meta_model)
+    # uneven splits by whole heads / columns / rows (and experts, with expert parallelism)
+    experts = expert_counts(meta_model) if options.expert_parallel else frozenset()
+    layout = ShardLayout.for_config(meta_model.config, group.size).add_embedding_rows(meta_model).add_experts(experts)
     t = time.perf_counter()
     # a LoRA adapter's matrices follow their base layer's placement (plan/adapter_placements.py)
     adapted = adapter_placements(meta_model, options.fixed)
     fixed = {**{name: placement for name, (placement, _) in adapted.items()}, **options.fixed}
     if captured.few_layers is not None:  # solved on the few layers; the walk over all of them follows it
-        few = solve(captured.few_layers, group.size, fixed=fixed, layout=layout)
+        few = solve(captured.few_layers, group.size, fixed=fixed, layout=layout, experts=experts)
         fixed = {**few.params, **fixed}
-    gplan = solve(captured, group.size, fixed=fixed, layout=layout)
+    gplan = solve(captured, group.size, fixed=fixed, layout=layout, experts=experts)
     if captured.few_layers is not None:
         gplan.reasons.update(few.reasons)  # why each was chosen, not that it was given
     gplan.reasons.update({name: why for name, (_, why) in adapted.items()})
@@ -140,17 +141,34 @@ def _state_shapes(ctx: PassContext) -> dict:
     return shapes
 
 
-def _for_device(config, device: torch.device):
+def _for_device(config, device: torch.device, expert_parallel: bool = False):
     """Model code that picks kernels by device type sees 'meta' at capture; choose for the real one.
 
     transformers' default MoE kernel (grouped_mm) takes an integer histogram path off CPU, which
-    CPU cannot run: on CPU use its batched_mm kernel (same math)."""
-    if device.type == "cpu" and getattr(config, "_experts_implementation", None) in (None, "grouped_mm"):
+    CPU cannot run: on CPU use its batched_mm kernel (same math). Expert parallelism runs batched_mm on
+    every device (its rows are what plan/rules/expert_rows.py splits by expert)."""
+    if (device.type == "cpu" or expert_parallel) and \
+            getattr(config, "_experts_implementation", None) in (None, "grouped_mm"):
         import copy
 
         config = copy.deepcopy(config)  # harmless for models without experts
         config._experts_implementation = "batched_mm"
     return config
+
+
+def check_expert_parallel(meta, tp: int, sequence_parallel: bool, cp) -> None:
+    """``expert_parallel=True`` needs stacked experts, at least one per rank, and plain TP (before any capture)."""
+    kind = getattr(meta.config, "model_type", type(meta).__name__)
+    counts = expert_counts(meta)
+    if not counts:
+        raise ShardingError(f"expert_parallel=True, but the {kind} model has no mixture-of-experts layer with "
+                            "stacked expert weights ([experts, ...] parameters, as transformers' experts modules hold them)")
+    if min(counts) < tp:
+        raise ShardingError(f"expert_parallel=True: the {kind} model has {min(counts)} experts in a layer, fewer "
+                            f"than the tp size {tp}: a rank would hold none")
+    if sequence_parallel or cp is not None:
+        raise NotImplementedError("expert_parallel=True together with sequence_parallel or context parallelism "
+                                  "(cp_group) is not supported yet: use one of them")
 
 
 def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
@@ -345,7 +363,7 @@ def _first_graph(source, factory: GraphFactory) -> tuple:
 
 def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, revision=None,
                cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
-               sequence_parallel: bool = False):
+               sequence_parallel: bool = False, expert_parallel: bool = False):
     """Plan only: capture, solve and rewrite for ``tp`` ranks without processes or weights.
 
     Returns (ShardingPlan, LocalGraph of rank 0). Only the config is read.
@@ -353,16 +371,21 @@ def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, t
     source = resolve_source(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                             token=token, trust_remote_code=trust_remote_code)
     dtype = resolve_dtype(dtype, torch_dtype, config=source.config)
+    if expert_parallel:  # its experts kernel, on any device
+        source.config = _for_device(source.config, torch.device("meta"), expert_parallel)
     base = dataclasses.replace(source, adapter=None)
     meta = _meta_model(base, tp, dtype, trust_remote_code)
-    _, planned = _first_graph(source, GraphFactory(base, meta, dtype, fake_group(tp), torch.device("cpu"),
-                                                   PlanOptions(sequence_parallel=sequence_parallel), trust_remote_code))
+    if expert_parallel:
+        check_expert_parallel(meta, tp, sequence_parallel, None)
+    options = PlanOptions(sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+    _, planned = _first_graph(source, GraphFactory(base, meta, dtype, fake_group(tp), torch.device("cpu"), options,
+                                                   trust_remote_code))
     return planned.plan, planned.local
 
 
 def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, device=None,
                 revision=None, cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
-                seed: int = 0, cp_group=None, sequence_parallel: bool = False,
+                seed: int = 0, cp_group=None, sequence_parallel: bool = False, expert_parallel: bool = False,
                 skip_passes=(), plan=None, is_trainable: bool = False) -> ParallelCausalLM:
     """Make a Hugging Face causal LM tensor-parallel over ``tp_group``.
 
@@ -382,6 +405,10 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     ``sequence_parallel``: keep activations outside attention and MLP sharded along the
     sequence (same communication, less activation memory); the sequence length of every
     call must then divide by the tp size.
+    ``expert_parallel``: each rank holds whole experts of every mixture-of-experts layer (experts
+    [r*E/tp, (r+1)*E/tp) on rank r, the first ranks one more where tp does not divide E), reads only
+    those, and computes them for every token routed to them; the block's one all-reduce sums them with
+    the shared experts (``plan/rules/expert_rows.py``). It runs transformers' batched_mm experts kernel.
     ``skip_passes``: optional rewrite passes to leave out (``rewrite/passes.py``), e.g.
     ``("split_by_layer",)`` to run each graph as one piece (no per-layer FSDP units).
     ``plan``: a saved ShardingPlan (or the path of its JSON, from ``fxparallel plan --json`` or
@@ -401,12 +428,14 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
                             token=token, trust_remote_code=trust_remote_code, is_trainable=is_trainable)
     dtype = resolve_dtype(dtype, torch_dtype, config=source.config)
     device = _choose_device(group, device, cp)
-    source.config = _for_device(source.config, device)
+    source.config = _for_device(source.config, device, expert_parallel)
     if cp is not None:
         context_parallel_checks.check_config(source.config)
     saved = read_plan(plan) if plan is not None else None
     base = dataclasses.replace(source, adapter=None)  # with an adapter: its base model is planned first
     meta = _meta_model(base, group.size, dtype, trust_remote_code)
+    if expert_parallel:
+        check_expert_parallel(meta, group.size, sequence_parallel, cp)
     fixed = _saved_placements(saved, source, meta, group.size, dtype, trust_remote_code) if saved is not None else None
     # resolve (download) the checkpoint before the capture, so a bad checkpoint fails early
     files = None
@@ -415,7 +444,8 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     timings["setup"] = time.perf_counter() - t0
 
     t = time.perf_counter()
-    options = PlanOptions(fixed=fixed or {}, cp=cp, sequence_parallel=sequence_parallel, skip_passes=skip_passes)
+    options = PlanOptions(fixed=fixed or {}, cp=cp, sequence_parallel=sequence_parallel,
+                          expert_parallel=expert_parallel, skip_passes=skip_passes)
     factory, planned = _first_graph(source, GraphFactory(base, meta, dtype, group, device, options, trust_remote_code))
     sharding = planned.plan
     if saved is not None:

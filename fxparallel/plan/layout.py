@@ -130,6 +130,14 @@ class ShardLayout:
                     self._add_rows(module.num_embeddings)
         return self
 
+    def add_experts(self, counts) -> "ShardLayout":
+        """Whole experts per rank (expert parallelism): ``E`` experts over tp ranks, the first ``E % tp``
+        ranks one more."""
+        for experts in sorted(counts):
+            if experts % self.tp:
+                self._add(experts, balanced(experts, self.tp))
+        return self
+
     def _add_rows(self, size) -> None:
         """A split of ``size`` single rows (columns) where tp does not divide it and every rank gets one."""
         if isinstance(size, int) and size % self.tp and size >= self.tp:
@@ -184,6 +192,12 @@ def config_int(config, name) -> Optional[int]:
 # ``intermediate_size_mlp``
 _MLP_WIDTH_SUFFIXES = ("intermediate_size", "ffn_dim", "ffn_hidden_size")
 _MLP_WIDTH_NAMES = ("n_inner", "intermediate_size_mlp")
+
+
+def expert_counts(model) -> frozenset:
+    """The expert counts of ``model``'s mixture-of-experts layers: dim 0 of every parameter stacked by expert
+    (3-D, as transformers' experts modules hold them)."""
+    return frozenset(int(p.shape[0]) for p in model.parameters() if p.dim() == 3)
 
 
 def mlp_widths(config) -> dict:

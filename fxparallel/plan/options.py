@@ -12,11 +12,13 @@ class PlanOptions:
     """``fixed``: parameter name -> Placement decided before the solve (a saved plan, or the first graph's
     placements for every later graph). ``cp``: the context-parallel group (a TPGroup) or None.
     ``sequence_parallel``: activations outside attention and MLP sharded along the sequence (not for
-    generation graphs). ``skip_passes``: rewrite passes left out (rewrite/passes.py)."""
+    generation graphs). ``expert_parallel``: whole experts per rank (plan/rules/expert_rows.py).
+    ``skip_passes``: rewrite passes left out (rewrite/passes.py)."""
 
     fixed: dict = field(default_factory=dict)
     cp: Optional[object] = None
     sequence_parallel: bool = False
+    expert_parallel: bool = False
     skip_passes: tuple = ()
 
     def __post_init__(self):
@@ -35,4 +37,5 @@ class PlanOptions:
         cp = self.cp
         return {"fixed": {name: repr(p) for name, p in sorted(self.fixed.items())},
                 "cp": None if cp is None else [cp.size, cp.rank, cp.handle],
-                "sequence_parallel": bool(self.sequence_parallel), "skip_passes": sorted(self.skip_passes)}
+                "sequence_parallel": bool(self.sequence_parallel), "expert_parallel": bool(self.expert_parallel),
+                "skip_passes": sorted(self.skip_passes)}

@@ -7,6 +7,14 @@ Three layouts are enough for tensor parallelism:
 * ``P``: every rank holds a full-shape tensor and the true value is their sum
   (partial, as after a row-parallel matmul).
 
+Expert parallelism adds a fourth:
+
+* ``E(n)``: expert rows. Every rank holds a full-shape tensor whose leading ``n`` dims
+  are the routed (token, expert) pairs of a mixture of experts; a row is right only on
+  the rank that holds its expert, elsewhere it was computed with a stand-in expert.
+  Row-wise ops keep it (``rules/expert_rows.py``); summing the rows, or making it
+  replicated, first zeroes the rows of other ranks' experts, which makes it a partial sum.
+
 A shard may be *segmented*: dimension ``d`` is the concatenation of segments
 (q, k and v of a fused projection, gate and up) and each segment is split on its
 own, so that each rank holds its chunk of every segment, in segment order. That
@@ -30,17 +38,17 @@ from typing import Optional
 
 @dataclass(frozen=True, order=True)
 class Placement:
-    kind: str  # "R", "S" or "P"
+    kind: str  # "R", "S", "P" or "E"
     dim: Optional[int] = None
     segments: Optional[tuple] = None  # sizes of the segments of a segmented shard
     block: Optional[int] = None  # a blocked shard: the size of the sharded inner factor of ``dim``
     whole: tuple = ()  # indices of the segments every rank holds whole
 
     def __post_init__(self):
-        if self.kind not in ("R", "S", "P"):
+        if self.kind not in ("R", "S", "P", "E"):
             raise ValueError(f"unknown placement kind {self.kind!r}")
-        if (self.kind == "S") != (self.dim is not None):
-            raise ValueError("only a shard placement has a dimension")
+        if (self.kind in ("S", "E")) != (self.dim is not None):
+            raise ValueError("only a shard or expert-rows placement has a dimension")
         if self.block is not None and self.segments:
             raise ValueError("a shard is either segmented or blocked, not both")
         if self.whole and not (self.segments and all(0 <= i < len(self.segments) for i in self.whole)):
@@ -58,7 +66,13 @@ class Placement:
     def is_partial(self) -> bool:
         return self.kind == "P"
 
+    @property
+    def is_expert_rows(self) -> bool:
+        return self.kind == "E"
+
     def __repr__(self) -> str:
+        if self.kind == "E":
+            return f"E({self.dim})"
         if self.kind != "S":
             return self.kind
         if self.segments:
@@ -97,6 +111,8 @@ class Placement:
         text = text.strip()
         if text in ("R", "P"):
             return Placement(text)
+        if text.startswith("E(") and text.endswith(")"):
+            return Placement("E", int(text[2:-1]))
         if text.startswith("S(") and text.endswith("]") and ")[*" in text:
             head, block = text[:-1].split(")[*")
             return Placement("S", int(head[2:]), block=int(block))
@@ -112,6 +128,11 @@ class Placement:
 
 R = Placement("R")
 P = Placement("P")
+
+
+def E(rows: int) -> Placement:
+    """Expert rows over the leading ``rows`` dims."""
+    return Placement("E", rows)
 
 
 def S(dim: int, segments: Optional[tuple] = None, block: Optional[int] = None, whole: tuple = ()) -> Placement:

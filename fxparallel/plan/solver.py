@@ -47,7 +47,7 @@ from ..capture.graph import CapturedGraph
 from .grad_reduction import reduction_point
 from .op_traits import SHAPE_QUERIES, op_name
 from .placement import R, Placement, is_sharded
-from .rules import RuleContext, Strategy, rule_for, tensor_inputs
+from .rules import RuleContext, Strategy, expert_rows, rule_for, tensor_inputs
 from .rules.base import requires_block, requires_grad, requires_whole
 from .layout import ShardLayout  # noqa: I001 (kept apart from the imports above to keep merges clean)
 
@@ -81,11 +81,11 @@ def redistribute_bytes(src: Placement, dst: Placement, nbytes: float) -> float:
     """Bytes a collective moves to turn ``src`` into ``dst`` (partial sums were charged when made)."""
     if dst is None or src == dst:
         return 0.0
-    if dst.is_partial:
+    if dst.is_partial or dst.is_expert_rows:
         return INFEASIBLE
     if src.is_replicate:
         return 0.0  # a local slice
-    return nbytes  # partial -> all-reduce; shard -> replicate or other shard: all-gather
+    return nbytes  # partial or expert rows -> all-reduce; shard -> replicate or other shard: all-gather
 
 
 @dataclass
@@ -117,12 +117,12 @@ class GraphPlan:
 
 class Solver:
     def __init__(self, captured: CapturedGraph, tp: int, fixed: Optional[dict] = None,
-                 layout: Optional[ShardLayout] = None):
+                 layout: Optional[ShardLayout] = None, experts: frozenset = frozenset()):
         self.captured = captured
         self.tp = tp
         self.fixed = dict(fixed or {})
         self.layout = layout or ShardLayout(tp)
-        self.ctx = RuleContext(tp=tp, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ, layout=self.layout)
+        self.ctx = RuleContext(tp=tp, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ, layout=self.layout, experts=experts)
         self.nodes = [n for n in captured.gm.graph.nodes if n.op != "output"]
         self.param_nodes = {}
         for n in self.nodes:
@@ -218,10 +218,12 @@ class Solver:
         if not _has_tensor(value) and op_name(node) != "setitem":  # setitem returns nothing but writes a tensor
             return [((0.0, 0.0, 0, ()), self._non_tensor(node, plan, ins, in_pl))]
         rule = rule_for(node)
+        if any(p is not None and p.is_expert_rows for p in in_pl.values()):  # only rows-aware strategies
+            rule = expert_rows.strategies
         strategies = rule(node, in_pl, self.ctx) if rule else []
-        if rule is None or not rule.handles_blocks:  # a rule unaware of blocked shards must not get one
+        if not getattr(rule, "handles_blocks", False):  # a rule unaware of blocked shards must not get one
             strategies = [s for s in strategies if not requires_block(s)]
-        if rule is None or not rule.handles_whole:  # nor of whole segments
+        if not getattr(rule, "handles_whole", False):  # nor of whole segments
             strategies = [s for s in strategies if not requires_whole(s)]
         options = []
         for index, s in enumerate(strategies):
@@ -418,5 +420,6 @@ def check_layer_symmetry(params: dict) -> list:
 
 
 def solve(captured: CapturedGraph, tp: int, fixed: Optional[dict] = None,
-          layout: Optional[ShardLayout] = None) -> GraphPlan:
-    return Solver(captured, tp, fixed, layout).solve()
+          layout: Optional[ShardLayout] = None, experts: frozenset = frozenset()) -> GraphPlan:
+    """``experts``: the expert counts of a model planned with expert parallelism (rules/expert_rows.py)."""
+    return Solver(captured, tp, fixed, layout, experts).solve()

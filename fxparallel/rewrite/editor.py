@@ -15,8 +15,10 @@ from ..ops import collectives
 
 
 class GraphEditor:
-    def __init__(self, graph: fx.Graph, group: TPGroup, layout: Optional[ShardLayout] = None):
+    def __init__(self, graph: fx.Graph, group: TPGroup, layout: Optional[ShardLayout] = None,
+                 placements: Optional[dict] = None):
         self.graph = graph
+        self.placements = placements or {}  # the plan's placement per node (what a local op traces back)
         self.group = group
         self.tp = group.size
         self.layout = layout or ShardLayout(group.size)  # each rank's part of a sharded size (may be uneven)

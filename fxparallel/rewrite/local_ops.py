@@ -12,6 +12,10 @@ import torch.fx as fx
 from ..plan.placement import Placement
 from ..plan.rules.base import LocalOp, arg
 from .dropout_masks import attention_with_dropout, dropout_on_shards
+from .expert_masks import masked_rows
+from ..ops.expert_parallel import gather_local_experts
+from ..plan.op_traits import op_name
+from ..plan.rules.experts import gather_index
 from .editor import GraphEditor
 from ..ops.vocab_parallel import vocab_parallel_cross_entropy as _vocab_ce
 from ..ops.vocab_parallel import vocab_parallel_embedding as _vocab_embedding
@@ -97,6 +101,21 @@ def segment_slice(node: fx.Node, editor: GraphEditor, placement: Placement, inde
         editor.partial_grad_after(node)
 
 
+def expert_gather(node: fx.Node, editor: GraphEditor, experts: int) -> None:
+    """``W[ids]`` of a weight split by whole experts: this rank's experts (``ops/expert_parallel.py``)."""
+    weight = node.args[0]
+    ids = gather_index(node) if op_name(node) == "getitem" else arg(node, 2, "index")
+    node.target = gather_local_experts
+    node.args = (weight, ids, editor.shard_start(experts), editor.local_size(experts))
+    node.kwargs = {}
+
+
+def mask_foreign_rows(node: fx.Node, editor: GraphEditor, lead: int) -> None:
+    """The sum over expert rows (the top-k combine) adds this rank's experts' rows only: a partial sum."""
+    x = node.args[0]
+    node.replace_input_with(x, masked_rows(editor.graph, x, lead, node, editor.placements))
+
+
 def local_groups(node: fx.Node, editor: GraphEditor, channels: int) -> None:
     """A depthwise convolution on this rank's channels: one group each."""
     args = list(node.args)
@@ -117,6 +136,8 @@ LOCAL_OPS = {
     "block_view_size": block_view_size,
     "segment_slice": segment_slice,
     "local_groups": local_groups,
+    "expert_gather": expert_gather,
+    "mask_foreign_rows": mask_foreign_rows,
     "dropout_on_shards": dropout_on_shards,
     "attention_with_dropout": attention_with_dropout,
 }

@@ -89,7 +89,7 @@ def record_outputs(ctx: PassContext) -> None:
 
 
 def redistribute(ctx: PassContext) -> None:
-    editor = GraphEditor(ctx.graph, ctx.group, ctx.gplan.layout)
+    editor = GraphEditor(ctx.graph, ctx.group, ctx.gplan.layout, ctx.gplan.placements)
     ctx.sharded_consumers = insert_redistributions(ctx.graph, ctx.gplan, editor)
 
 

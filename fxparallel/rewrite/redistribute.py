@@ -17,6 +17,7 @@ from ..plan.placement import R, Placement, is_sharded
 from ..plan.solver import GraphPlan, describe
 from ..ops import collectives
 from .editor import GraphEditor
+from .expert_masks import masked_rows
 from .local_ops import apply_local_op
 
 
@@ -30,10 +31,15 @@ def uneven_sizes(node: fx.Node, p: Placement, layout) -> Optional[tuple]:
 
 
 def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: int, before: fx.Node,
-                  layout=None, rank: int = 0) -> list:
-    """Insert the ops that turn ``node`` from ``src`` into ``dst``; returns the new nodes, last one last."""
+                  layout=None, rank: int = 0, placements=None) -> list:
+    """Insert the ops that turn ``node`` from ``src`` into ``dst``; returns the new nodes, last one last.
+    Expert rows are first masked to a partial sum (``placements``: the plan's, to find their gather)."""
     steps = []
     value = node
+    if src.is_expert_rows:
+        value = masked_rows(graph, node, src.dim, before, placements)
+        steps.append(value)
+        src = Placement("P")
     with graph.inserting_before(before):
         if src.is_partial:
             value = graph.call_function(collectives.all_reduce, (value, handle))
@@ -107,7 +113,8 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, editor: GraphEdito
                 continue
             key = (inp, req)
             if key not in cache:
-                steps = _redistribute(graph, inp, cur, req, group.handle, node, editor.layout, group.rank)
+                steps = _redistribute(graph, inp, cur, req, group.handle, node, editor.layout, group.rank,
+                                      gplan.placements)
                 cache[key] = steps[-1]
                 for step in steps:
                     if step.target is collectives.local_chunk:
@@ -130,12 +137,13 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, editor: GraphEdito
     out = next(n for n in graph.nodes if n.op == "output")
     new_args = []
     for value in out.args[0]:
-        if isinstance(value, fx.Node) and isinstance(gplan.placements.get(value), Placement) and gplan.placements[value].is_partial:
+        placed = gplan.placements.get(value) if isinstance(value, fx.Node) else None
+        if isinstance(placed, Placement) and (placed.is_partial or placed.is_expert_rows):
             if (value, R) in cache:  # already reduced for a consumer inside the graph: one all-reduce serves both
                 value = cache[(value, R)]
             else:
-                with graph.inserting_before(out):
-                    value = graph.call_function(collectives.all_reduce, (value, group.handle))
+                value = _redistribute(graph, value, placed, R, group.handle, out, editor.layout, group.rank,
+                                      gplan.placements)[-1]
         new_args.append(value)
     out.args = (tuple(new_args),)
     return sharded_consumers

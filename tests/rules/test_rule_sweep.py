@@ -42,6 +42,7 @@ FAMILY_TESTS = {
     "elementwise": ["test_rule_elementwise.py"],
     "embedding": ["test_rule_embedding_and_loss.py"],
     "experts": ["test_rule_experts.py"],
+    "expert_rows": ["test_rule_expert_rows.py"],
     "fused": ["test_rule_fused.py", "test_rule_channels.py"],
     "indexing": ["test_rule_indexing.py", "test_rule_writes.py"],
     "linear": ["test_rule_linear.py"],

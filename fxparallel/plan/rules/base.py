@@ -47,7 +47,8 @@ class LocalOp:
     (bias_index, dense), ``local_split_sizes`` (placement), ``mean_of_full`` (parts),
     ``local_view_size`` (dim, full, segmented), ``block_view_size`` (dim, block),
     ``segment_slice`` (placement, position, segment), ``dropout_on_shards`` (placement),
-    ``attention_with_dropout`` (placement), ``local_groups`` (channels)."""
+    ``attention_with_dropout`` (placement), ``local_groups`` (channels), ``expert_gather`` (experts),
+    ``mask_foreign_rows`` (lead)."""
 
     kind: str
     args: tuple = ()  # (name, value) pairs, so the op is hashable and compares by value
@@ -67,6 +68,7 @@ class RuleContext:
     tp: int
     tokens: int = 1  # batch x sequence of the example used at capture
     layout: Optional[ShardLayout] = None  # uneven splits (whole heads, columns, rows); None: even only
+    experts: frozenset = frozenset()  # expert counts of the MoE layers, with expert parallelism (expert_rows.py)
 
     def split_sizes(self, size) -> Optional[tuple]:
         """Each rank's part of a dimension of ``size`` (evenly or in whole units), or None if it cannot be split."""

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from ..placement import P, R, S
 from .base import Strategy, arg, register, tensor_inputs
+from .expert_rows import expert_gather, is_expert_parameter
 from .fused import output_segments, whole_segments
 
 _SEARCH_DEPTH = 4  # users followed from a weight to the matmul output that gets split
@@ -113,7 +114,10 @@ def gather_index(node: fx.Node):
 
 def gather_strategies(node, x, ids, placements, ctx, dim: int = 0) -> list:
     """Rows of ``x`` picked along ``dim`` by replicated ``ids``: other dims keep their shard; a partial stays
-    partial (picking rows is linear)."""
+    partial (picking rows is linear). With expert parallelism, an expert parameter's experts
+    (``expert_rows.py``)."""
+    if dim == 0 and is_expert_parameter(x, ctx):
+        return expert_gather(node, x, ids, ctx)
     ndim, ids_ndim = ctx.ndim(x), ctx.ndim(ids)
     out = ctx.fake(node)
     strategies = []

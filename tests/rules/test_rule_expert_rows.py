@@ -1,0 +1,91 @@
+"""plan/rules/expert_rows.py: with expert parallelism an expert parameter's gather by ids takes whole experts
+(S(0)) and gives expert rows E(n); row-wise ops keep them, the top-k combine sums them into a partial sum after
+masking other ranks' rows, and anything else is left to the solver's fallback (rows made whole). The run-time
+side (ops/expert_parallel.py): two ranks' masked rows sum to the single-device result."""
+import operator
+
+import torch
+import torch.nn.functional as F
+from rule_graphs import capture, inputs_of, node
+
+from fxparallel.ops.expert_parallel import gather_local_experts, mask_foreign_rows
+from fxparallel.plan.layout import ShardLayout
+from fxparallel.plan.placement import E, P, R, S
+from fxparallel.plan.rules import expert_rows, rule_for
+from fxparallel.plan.rules.base import RuleContext
+
+
+def _moe(x, ids, w, gate_up, down):  # transformers' batched_mm kernel, top-k = 2, with the combine
+    h = torch.bmm(gate_up[ids], x.unsqueeze(-1)).squeeze(-1)
+    gate, up = h.chunk(2, dim=-1)
+    o = torch.bmm(down[ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    return (o * w.unsqueeze(-1)).view(3, 2, 16).sum(dim=1)
+
+
+def _graph():
+    return capture(_moe, (6, 16), ("ids", (6,)), (6,), (4, 32, 16), (4, 16, 16), params=(3, 4))
+
+
+def _ctx(experts=frozenset({4})):
+    return RuleContext(tp=2, tokens=1, layout=ShardLayout(2), experts=experts)
+
+
+def test_an_expert_gather_takes_whole_experts_and_gives_expert_rows():
+    gm = _graph()
+    x, ids, w, gate_up, down = inputs_of(gm)
+    gather = next(n for n in gm.graph.nodes if n.target is operator.getitem and n.args[0] is gate_up)
+    found = rule_for(gather)(gather, {gate_up: R, ids: R}, _ctx())
+    assert [(s.name, s.inputs, s.output) for s in found] == [("expert gather", {gate_up: S(0), ids: R}, E(1))]
+    assert found[0].local.kind == "expert_gather" and found[0].local.kwargs() == {"experts": 4}
+    # without expert parallelism (or for another size than the experts') the experts are split inside
+    assert all(s.name != "expert gather" for s in rule_for(gather)(gather, {gate_up: R, ids: R}, _ctx(frozenset())))
+
+
+def test_row_wise_ops_keep_expert_rows_and_the_combine_makes_a_partial_sum():
+    gm = _graph()
+    x, ids, w, gate_up, down = inputs_of(gm)
+    placements = {x: R, ids: R, w: R, gate_up: S(0), down: S(0)}
+    seen = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" and n.op != "call_method":
+            continue
+        inputs = {i: placements.get(i, R) for i in n.all_input_nodes}
+        if n.target is operator.getitem and n.args[0] in (gate_up, down):
+            out = E(1)
+        elif any(p is not None and not isinstance(p, tuple) and p.is_expert_rows for p in inputs.values()):
+            found = expert_rows.strategies(n, inputs, _ctx())
+            assert len(found) == 1, n
+            out = found[0].output
+            seen[n.name] = (found[0].name, out, found[0].local)
+        elif n.target is operator.getitem and isinstance(placements.get(n.args[0]), tuple):
+            out = placements[n.args[0]][n.args[1]]
+        else:
+            out = R
+        placements[n] = out
+    combine = node(gm, "sum")
+    assert placements[combine] == P and seen[combine.name][0] == "expert combine"
+    assert seen[combine.name][2].kind == "mask_foreign_rows" and seen[combine.name][2].kwargs() == {"lead": 2}
+    assert placements[node(gm, "view")] == E(2)  # [6, 16] -> [3, 2, 16]: the rows over two dims
+    assert placements[node(gm, F.silu)] == E(1) and placements[node(gm, "chunk")] == (E(1), E(1))
+
+
+def test_ops_that_mix_rows_are_not_row_wise():
+    gm = capture(lambda h: (h.softmax(dim=0), h.transpose(0, 1), h.sum(dim=-1), h.view(-1)), (6, 16))
+    (h,) = inputs_of(gm)
+    softmax, transpose, over_features, flat = (node(gm, "softmax"), node(gm, "transpose"), node(gm, "sum"),
+                                               node(gm, "view"))
+    for n in (softmax, transpose, flat):
+        assert expert_rows.strategies(n, {h: E(1)}, _ctx()) == [], n
+    assert expert_rows.strategies(over_features, {h: E(1)}, _ctx())[0].output == E(1)
+
+
+def test_masked_rows_of_two_ranks_sum_to_the_full_result():
+    torch.manual_seed(0)
+    weight, ids, x = torch.randn(5, 4, 3), torch.tensor([0, 4, 2, 2, 1, 3]), torch.randn(6, 3)
+    full = torch.bmm(weight[ids], x.unsqueeze(-1)).squeeze(-1).view(3, 2, 4).sum(1)
+    total = 0
+    for start, count in ((0, 3), (3, 2)):  # 5 experts over 2 ranks: 3 / 2
+        rows = torch.bmm(gather_local_experts(weight[start:start + count], ids, start, count),
+                         x.unsqueeze(-1)).squeeze(-1).view(3, 2, 4)
+        total = total + mask_foreign_rows(rows, ids, start, count, 2).sum(1)
+    torch.testing.assert_close(total, full)

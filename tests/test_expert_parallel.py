@@ -1,0 +1,168 @@
+"""Expert parallelism within the tensor-parallel group (``parallelize(..., expert_parallel=True)``): each rank
+holds whole experts (rank r experts [r*E/tp, (r+1)*E/tp), the first ranks one more where tp does not divide E),
+reads only those, and the MoE block keeps its one forward all-reduce. Loss, logits and every gradient equal one
+device for Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE, OLMoE, GPT-OSS (interleaved gate / up, biases) and
+DeepSeek-V3 (shared experts, grouped routing) at tp=2, and an uneven 6 experts at tp=4; greedy generate gives
+transformers' tokens. The rules: ``fxparallel/plan/rules/expert_rows.py``."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from distributed import run_ranks
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+
+TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")
+UNEVEN = ("qwen3_moe", dict(num_experts=6))  # 6 experts at tp=4: 2/2/1/1
+
+
+def _experts(config) -> int:
+    return getattr(config, "n_routed_experts", None) or getattr(config, "num_local_experts", None) \
+        or config.num_experts
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from models import save_checkpoint
+    from tiny_configs import tiny_config
+
+    root = tmp_path_factory.mktemp("ep")
+    paths = {t: save_checkpoint(tiny_config(t), str(root / t)) for t in TYPES}
+    name, overrides = UNEVEN
+    paths["uneven"] = save_checkpoint(tiny_config(name, **overrides), str(root / "uneven"))
+    return paths
+
+
+def _run(rank, tp, paths, generate):
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    import fxparallel
+    from checks import batch, compare
+    from models import reference
+
+    out = {}
+    for name, path in paths.items():
+        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32, expert_parallel=True)
+        ref = reference(path)
+        ids = batch(model.config.vocab_size)
+        errors = compare(model, ref, rank, tp, ids=ids, gather_logits=True)
+        local = dict(model.named_parameters())
+        result = {
+            "errors": {k: errors[k] for k in ("loss", "logits", "grad")},
+            "experts": {n: (str(p.placement), tuple(local[n].shape), tuple(p.shape)) for n, p in
+                        ((p.name, p) for p in model.plan.params) if ".experts." in n},
+            "forward": sorted((c.kind, c.where, c.count, c.bytes_per_token) for c in model.plan.collectives
+                              if c.direction == "forward"),
+            "backward": sorted((c.kind, c.where, c.count, c.bytes_per_token) for c in model.plan.collectives
+                               if c.direction == "backward"),
+            "bytes_read": model.bytes_read,
+            "shard_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+            "count": _experts(model.config),
+            "layers": model.config.num_hidden_layers,
+            "top_k": model.config.num_experts_per_tok,
+        }
+        if name in generate:
+            mask = torch.ones_like(ids[:, :5])
+            mask[0, :2] = 0  # left padding
+            kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+            result["generate"] = torch.equal(model.generate(input_ids=ids[:, :5], **kwargs),
+                                             ref.generate(input_ids=ids[:, :5], **kwargs))
+        out[name] = result
+    return out
+
+
+def _plain_plans(paths: dict, tp: int) -> dict:
+    """Collectives of the same models planned without expert parallelism (each expert split like an MLP)."""
+    import fxparallel
+
+    out = {}
+    for name, path in paths.items():
+        plan, _ = fxparallel.plan_model(path, tp)
+        out[name] = {d: sorted((c.kind, c.where, c.count, c.bytes_per_token) for c in plan.collectives
+                               if c.direction == d) for d in ("forward", "backward")}
+    return out
+
+
+def _assert_rank(name, tp, rank, r, plain):
+    from fxparallel.plan.layout import balanced
+
+    for key, err in r["errors"].items():
+        assert err < 1e-5, (name, tp, key, r["errors"])
+    mine = balanced(r["count"], tp)[rank]
+    assert r["experts"], name
+    for param, (placement, local, full) in r["experts"].items():
+        assert placement == "S(0)", (name, param, placement)
+        assert local == (mine,) + full[1:], (name, param, rank, local, full)
+    # no new collective per layer: forward, the calls of splitting each expert like a dense MLP, no more bytes
+    # (GPT-OSS's down bias made that plan reduce per (token, expert) pair: twice the bytes); backward, at most
+    # the routing weights' gradient (top-k floats per token and layer) more
+    calls = lambda cs: sum(c[2] for c in cs)  # noqa: E731
+    per_token = lambda cs: sum(c[2] * c[3] for c in cs)  # noqa: E731
+    assert calls(r["forward"]) == calls(plain["forward"]), (name, r["forward"], plain["forward"])
+    assert per_token(r["forward"]) <= per_token(plain["forward"]), (name, r["forward"], plain["forward"])
+    assert calls(r["backward"]) <= calls(plain["backward"]) + r["layers"], (name, r["backward"], plain["backward"])
+    assert per_token(r["backward"]) <= per_token(plain["backward"]) + 4 * r["top_k"] * r["layers"], \
+        (name, r["backward"], plain["backward"])
+    # the loader read this rank's experts only (and buffers the checkpoint holds: DeepSeek-V3's routing bias)
+    assert r["shard_bytes"] <= r["bytes_read"] <= r["shard_bytes"] + r["buffer_bytes"], \
+        (name, r["bytes_read"], r["shard_bytes"], r["buffer_bytes"])
+    if "generate" in r:
+        assert r["generate"], name
+
+
+def test_expert_parallel_matches_single_device(checkpoints):
+    paths = {t: checkpoints[t] for t in TYPES}
+    plain = _plain_plans(paths, 2)
+    results = run_ranks(2, _run, paths, ("mixtral", "gpt_oss"), timeout=900)
+    for rank, rank_result in enumerate(results):
+        for name in TYPES:
+            _assert_rank(name, 2, rank, rank_result[name], plain[name])
+
+
+def test_expert_parallel_uneven_expert_count(checkpoints):
+    paths = {"uneven": checkpoints["uneven"]}
+    plain = _plain_plans(paths, 4)
+    results = run_ranks(4, _run, paths, ("uneven",), timeout=900)
+    for rank, rank_result in enumerate(results):
+        _assert_rank("uneven", 4, rank, rank_result["uneven"], plain["uneven"])
+
+
+def test_expert_parallel_plan_report():
+    """GPT-OSS (interleaved gate / up, biases): weights and biases split by whole experts, the plan says why,
+    nothing falls back to gathering, and the MoE block's one forward all-reduce is on [tokens, hidden]."""
+    import fxparallel
+    from tiny_configs import tiny_config
+
+    config = tiny_config("gpt_oss")
+    plan, local = fxparallel.plan_model(config, 2, expert_parallel=True)
+    for i in range(config.num_hidden_layers):
+        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            p = plan.param(f"model.layers.{i}.mlp.experts.{name}")
+            assert str(p.placement) == "S(0)" and p.reason == "expert parallel: whole experts per rank", (name, p)
+    assert not plan.fallbacks
+    assert "gather_local_experts" in local.code and "mask_foreign_rows" in local.code
+    mlp = [c for c in plan.collectives if c.direction == "forward" and c.where == "model.layers.*.mlp"]
+    assert len(mlp) == 1 and mlp[0].count == config.num_hidden_layers
+    assert mlp[0].bytes_per_token == 4 * config.hidden_size
+
+
+def test_expert_parallel_bad_input():
+    """Refused before any capture, naming what is wrong."""
+    import fxparallel
+    from fxparallel.errors import ShardingError
+    from tiny_configs import tiny_config
+
+    with pytest.raises(ShardingError, match="expert_parallel=True, but the llama model has no mixture-of-experts"):
+        fxparallel.plan_model(tiny_config("llama"), 2, expert_parallel=True)
+    with pytest.raises(ShardingError, match="has 2 experts in a layer, fewer than the tp size 4"):
+        fxparallel.plan_model(tiny_config("mixtral", num_experts=2), 4, expert_parallel=True)
+    with pytest.raises(NotImplementedError, match="expert_parallel=True together with sequence_parallel"):
+        fxparallel.plan_model(tiny_config("mixtral"), 2, expert_parallel=True, sequence_parallel=True)
