@@ -141,14 +141,12 @@ def _state_shapes(ctx: PassContext) -> dict:
     return shapes
 
 
-def _for_device(config, device: torch.device, expert_parallel: bool = False):
+def _for_device(config, device: torch.device):
     """Model code that picks kernels by device type sees 'meta' at capture; choose for the real one.
 
     transformers' default MoE kernel (grouped_mm) takes an integer histogram path off CPU, which
-    CPU cannot run: on CPU use its batched_mm kernel (same math). Expert parallelism runs batched_mm on
-    every device (its rows are what plan/rules/expert_rows.py splits by expert)."""
-    if (device.type == "cpu" or expert_parallel) and \
-            getattr(config, "_experts_implementation", None) in (None, "grouped_mm"):
+    CPU cannot run: on CPU use its batched_mm kernel (same math)."""
+    if device.type == "cpu" and getattr(config, "_experts_implementation", None) in (None, "grouped_mm"):
         import copy
 
         config = copy.deepcopy(config)  # harmless for models without experts
@@ -371,8 +369,6 @@ def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, t
     source = resolve_source(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                             token=token, trust_remote_code=trust_remote_code)
     dtype = resolve_dtype(dtype, torch_dtype, config=source.config)
-    if expert_parallel:  # its experts kernel, on any device
-        source.config = _for_device(source.config, torch.device("meta"), expert_parallel)
     base = dataclasses.replace(source, adapter=None)
     meta = _meta_model(base, tp, dtype, trust_remote_code)
     if expert_parallel:
@@ -408,7 +404,9 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     ``expert_parallel``: each rank holds whole experts of every mixture-of-experts layer (experts
     [r*E/tp, (r+1)*E/tp) on rank r, the first ranks one more where tp does not divide E), reads only
     those, and computes them for every token routed to them; the block's one all-reduce sums them with
-    the shared experts (``plan/rules/expert_rows.py``). It runs transformers' batched_mm experts kernel.
+    the shared experts (``plan/rules/expert_rows.py``). With transformers' grouped_mm experts kernel (its
+    default off CPU) a rank computes only its experts' rows; with batched_mm (on CPU) every rank computes
+    every routed row, the others' with a stand-in expert, then masked.
     ``skip_passes``: optional rewrite passes to leave out (``rewrite/passes.py``), e.g.
     ``("split_by_layer",)`` to run each graph as one piece (no per-layer FSDP units).
     ``plan``: a saved ShardingPlan (or the path of its JSON, from ``fxparallel plan --json`` or
@@ -428,7 +426,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
                             token=token, trust_remote_code=trust_remote_code, is_trainable=is_trainable)
     dtype = resolve_dtype(dtype, torch_dtype, config=source.config)
     device = _choose_device(group, device, cp)
-    source.config = _for_device(source.config, device, expert_parallel)
+    source.config = _for_device(source.config, device)
     if cp is not None:
         context_parallel_checks.check_config(source.config)
     saved = read_plan(plan) if plan is not None else None

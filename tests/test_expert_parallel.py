@@ -6,6 +6,7 @@ DeepSeek-V3 (shared experts, grouped routing) at tp=2, and an uneven 6 experts a
 transformers' tokens. The rules: ``fxparallel/plan/rules/expert_rows.py``."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -54,7 +55,9 @@ def _run(rank, tp, paths, generate):
         ids = batch(model.config.vocab_size)
         errors = compare(model, ref, rank, tp, ids=ids, gather_logits=True)
         local = dict(model.named_parameters())
+        code = "".join(g.code for g in model.graphs())
         result = {
+            "kernel": ("roll_to_local_rows" in code, "gather_local_experts" in code),
             "errors": {k: errors[k] for k in ("loss", "logits", "grad")},
             "experts": {n: (str(p.placement), tuple(local[n].shape), tuple(p.shape)) for n, p in
                         ((p.name, p) for p in model.plan.params) if ".experts." in n},
@@ -79,25 +82,43 @@ def _run(rank, tp, paths, generate):
     return out
 
 
-def _plain_plans(paths: dict, tp: int) -> dict:
+def _grouped(rank, tp, paths, generate):
+    """transformers' grouped_mm kernel (its default off CPU), run on CPU as tests/test_moe.py runs it: each rank
+    computes only its experts' rows."""
+    import torch
+
+    import fxparallel.api as api
+
+    histc = torch.histc
+    torch.histc = lambda x, *args, **kwargs: histc(x.float(), *args, **kwargs)
+    api._for_device = lambda config, device: config
+    return _run(rank, tp, paths, generate)
+
+
+def _plain_plans(paths: dict, tp: int, kernel: str = "batched_mm") -> dict:
     """Collectives of the same models planned without expert parallelism (each expert split like an MLP)."""
     import fxparallel
+    from transformers import AutoConfig
 
     out = {}
     for name, path in paths.items():
-        plan, _ = fxparallel.plan_model(path, tp)
+        config = AutoConfig.from_pretrained(path)
+        config._experts_implementation = kernel  # (what parallelize picks on CPU: batched_mm)
+        plan, _ = fxparallel.plan_model(config, tp)
         out[name] = {d: sorted((c.kind, c.where, c.count, c.bytes_per_token) for c in plan.collectives
                                if c.direction == d) for d in ("forward", "backward")}
     return out
 
 
-def _assert_rank(name, tp, rank, r, plain):
+def _assert_rank(name, tp, rank, r, plain, kernel="batched_mm"):
     from fxparallel.plan.layout import balanced
 
     for key, err in r["errors"].items():
         assert err < 1e-5, (name, tp, key, r["errors"])
     mine = balanced(r["count"], tp)[rank]
     assert r["experts"], name
+    # grouped_mm: the kernel runs on this rank's rows, rolled to the front; batched_mm: gathers this rank's experts
+    assert r["kernel"][0] == (kernel == "grouped_mm") and (r["kernel"][1] or kernel == "grouped_mm"), (name, r["kernel"])
     for param, (placement, local, full) in r["experts"].items():
         assert placement == "S(0)", (name, param, placement)
         assert local == (mine,) + full[1:], (name, param, rank, local, full)
@@ -125,6 +146,25 @@ def test_expert_parallel_matches_single_device(checkpoints):
     for rank, rank_result in enumerate(results):
         for name in TYPES:
             _assert_rank(name, 2, rank, rank_result[name], plain[name])
+
+
+@pytest.mark.parametrize("tp, names", [(2, ("qwen2_moe", "gpt_oss", "deepseek_v3")), (4, ("uneven",))])
+def test_expert_parallel_grouped_mm_computes_each_ranks_rows(checkpoints, tmp_path, tp, names):
+    import shutil
+
+    paths = {}
+    for name in names:  # the checkpoints with transformers' grouped_mm kernel chosen in their config
+        paths[name] = shutil.copytree(checkpoints[name], str(tmp_path / name))
+        with open(os.path.join(paths[name], "config.json")) as f:
+            config = json.load(f)
+        config["experts_implementation"] = "grouped_mm"
+        with open(os.path.join(paths[name], "config.json"), "w") as f:
+            json.dump(config, f)
+    plain = _plain_plans(paths, tp, "grouped_mm")
+    results = run_ranks(tp, _grouped, paths, (), timeout=900)  # (meta has no fp32 grouped_mm: generate on CPU uses batched_mm)
+    for rank, rank_result in enumerate(results):
+        for name in names:
+            _assert_rank(name, tp, rank, rank_result[name], plain[name], "grouped_mm")
 
 
 def test_expert_parallel_uneven_expert_count(checkpoints):

@@ -129,7 +129,7 @@ def _grouped_mm(rank, tp, path):
 
     histc = torch.histc
     torch.histc = lambda x, *args, **kwargs: histc(x.float(), *args, **kwargs)
-    api._for_device = lambda config, *_: config
+    api._for_device = lambda config, device: config
     model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
     assert all("grouped_mm" in g.code and "bmm" not in g.code for g in model.graphs())
     errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size), gather_logits=True)

@@ -13,7 +13,7 @@ from ..plan.placement import Placement
 from ..plan.rules.base import LocalOp, arg
 from .dropout_masks import attention_with_dropout, dropout_on_shards
 from .expert_masks import masked_rows
-from ..ops.expert_parallel import gather_local_experts
+from ..ops.expert_parallel import gather_local_experts, roll_to_local_rows, unroll_local_rows
 from ..plan.op_traits import op_name
 from ..plan.rules.experts import gather_index
 from .editor import GraphEditor
@@ -110,6 +110,25 @@ def expert_gather(node: fx.Node, editor: GraphEditor, experts: int) -> None:
     node.kwargs = {}
 
 
+def local_expert_groups(node: fx.Node, editor: GraphEditor, experts: int) -> None:
+    """``grouped_mm(x, W, offs)`` of rows sorted by expert, with whole experts per rank: the kernel runs on this
+    rank's experts' rows only, rolled to the front, with this rank's offsets; the rows are rolled back after."""
+    x, weight = node.args[0], node.args[1]
+    offsets = node.kwargs["offs"] if "offs" in node.kwargs else node.args[2]
+    graph = editor.graph
+    with graph.inserting_before(node):
+        rolled = graph.call_function(roll_to_local_rows, (x, offsets, editor.shard_start(experts),
+                                                          editor.local_size(experts)))
+        rows, local_offsets, back, mine = (graph.call_function(operator.getitem, (rolled, i)) for i in range(4))
+    rows.meta["example_value"] = x.meta.get("example_value")
+    node.args = (rows, weight) + ((local_offsets,) if "offs" not in node.kwargs else ()) + tuple(node.args[3:])
+    if "offs" in node.kwargs:
+        node.kwargs = {**node.kwargs, "offs": local_offsets}
+    with graph.inserting_after(node):
+        unrolled = graph.call_function(unroll_local_rows, (node, mine, back))
+    editor.replace_uses(node, unrolled)
+
+
 def mask_foreign_rows(node: fx.Node, editor: GraphEditor, lead: int) -> None:
     """The sum over expert rows (the top-k combine) adds this rank's experts' rows only: a partial sum."""
     x = node.args[0]
@@ -138,6 +157,7 @@ LOCAL_OPS = {
     "local_groups": local_groups,
     "expert_gather": expert_gather,
     "mask_foreign_rows": mask_foreign_rows,
+    "local_expert_groups": local_expert_groups,
     "dropout_on_shards": dropout_on_shards,
     "attention_with_dropout": attention_with_dropout,
 }

@@ -132,7 +132,9 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, editor: GraphEdito
             for key in [k for k in cache if k[0] is written and cache[k] is not node.args[0]]:
                 del cache[key]
         if strategy.local is not None:
+            users_before = {v: set(v.users) for v in node.all_input_nodes}
             apply_local_op(node, strategy.local, editor)
+            _hand_over_consumers(node, users_before, sharded_consumers)
     # graph outputs: partial sums are reduced; shards stay local (the module gathers on request)
     out = next(n for n in graph.nodes if n.op == "output")
     new_args = []
@@ -147,6 +149,16 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, editor: GraphEdito
         new_args.append(value)
     out.args = (tuple(new_args),)
     return sharded_consumers
+
+
+def _hand_over_consumers(node: fx.Node, users_before: dict, sharded_consumers: dict) -> None:
+    """A local op that moved an input of ``node`` into ops of its own (grouped_mm's rows rolled first): those
+    ops consume it on shards now, so its gradient reduction goes in front of them."""
+    for value, before in users_before.items():
+        if node in sharded_consumers.get(value, ()) and value not in node.all_input_nodes:
+            consumers = sharded_consumers[value]
+            consumers.remove(node)
+            consumers.extend(u for u in value.users if u not in before)
 
 
 def _sum_whole_rows(graph: fx.Graph, gplan: GraphPlan, editor: GraphEditor) -> None:

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from rule_graphs import capture, inputs_of, node
 
-from fxparallel.ops.expert_parallel import gather_local_experts, mask_foreign_rows
+from fxparallel.ops.expert_parallel import (gather_local_experts, mask_foreign_rows, roll_to_local_rows,
+                                            rows_of_experts, unroll_local_rows)
 from fxparallel.plan.layout import ShardLayout
 from fxparallel.plan.placement import E, P, R, S
 from fxparallel.plan.rules import expert_rows, rule_for
@@ -87,5 +88,23 @@ def test_masked_rows_of_two_ranks_sum_to_the_full_result():
     for start, count in ((0, 3), (3, 2)):  # 5 experts over 2 ranks: 3 / 2
         rows = torch.bmm(gather_local_experts(weight[start:start + count], ids, start, count),
                          x.unsqueeze(-1)).squeeze(-1).view(3, 2, 4)
-        total = total + mask_foreign_rows(rows, ids, start, count, 2).sum(1)
+        total = total + mask_foreign_rows(rows, rows_of_experts(ids, start, count), 2).sum(1)
+    torch.testing.assert_close(total, full)
+
+
+def test_each_rank_computes_its_experts_rows_of_a_grouped_product():
+    """Rows sorted by expert (5 experts, 2 / 0 / 3 / 1 / 2 rows): a rank's run of rows rolled to the front,
+    multiplied with its experts only (F.grouped_mm with its offsets), rolled back; others' rows are zero."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(5, 4, 4), torch.randn(8, 4)  # (the CPU kernel takes 16-byte strides)
+    offsets = torch.tensor([2, 2, 5, 6, 8], dtype=torch.int32)
+    full = F.grouped_mm(x, weight, offs=offsets)
+    total = 0
+    for start, count in ((0, 3), (3, 2)):
+        rows, local_offsets, back, mine = roll_to_local_rows(x, offsets, start, count)
+        y = unroll_local_rows(F.grouped_mm(rows, weight[start:start + count], offs=local_offsets), mine, back)
+        first, last = (int(offsets[start - 1]) if start else 0), int(offsets[start + count - 1])
+        assert y[:first].abs().sum() == 0 and y[last:].abs().sum() == 0  # other ranks' rows
+        torch.testing.assert_close(y[first:last], full[first:last])
+        total = total + y
     torch.testing.assert_close(total, full)

@@ -47,12 +47,22 @@ def _numel(sizes):
     return n
 
 
+EXPERT_PARALLEL = "expert parallel: whole experts per rank"
+_GROUPED = frozenset({"grouped_mm", "transformers::grouped_mm_fallback"})
+
+
 def expert_gather(node, x, ids, ctx) -> list:
     """``W[ids]`` of an expert parameter (dim 0 = experts): this rank's experts, rows ``E``."""
     experts = int(ctx.size(x, 0))
-    return [Strategy({x: S(0), ids: R}, E(ctx.ndim(ids)), name="expert gather",
-                     note="expert parallel: whole experts per rank",
+    return [Strategy({x: S(0), ids: R}, E(ctx.ndim(ids)), name="expert gather", note=EXPERT_PARALLEL,
                      local=LocalOp.of("expert_gather", experts=experts))]
+
+
+def expert_groups(node, inputs: dict, ctx) -> Strategy:
+    """``grouped_mm(x, W, offs)`` (rows sorted by expert) with whole experts per rank: this rank's rows, ``E(1)``."""
+    experts = int(ctx.size(node.args[1], 0))
+    return Strategy(inputs, E(1), name="expert groups", note=EXPERT_PARALLEL,
+                    local=LocalOp.of("local_expert_groups", experts=experts))
 
 
 def is_expert_parameter(x, ctx) -> bool:
@@ -72,10 +82,15 @@ def strategies(node, placements, ctx) -> list:
     shape = ctx.fake(rows[0]).shape[:lead]
     if any(placements[i].dim != lead or not _same_shape(ctx.fake(i).shape[:lead], shape) for i in rows):
         return []
+    name = op_name(node)
+    if name in _GROUPED:  # this rank's rows times this rank's experts
+        x, w = node.args[0], node.args[1]
+        if rows != [x] or lead != 1 or not (placements[w] == S(0) or is_expert_parameter(w, ctx)):
+            return []
+        return [expert_groups(node, {i: (E(1) if i is x else S(0) if i is w else R) for i in inputs}, ctx)]
     if any(placements[i] is not None and not placements[i].is_replicate and i not in rows for i in inputs):
         return []
     req = {i: (placements[i] if i in rows else R) for i in inputs}
-    name = op_name(node)
     out = _output(node, name, inputs, rows, lead, shape, ctx)
     if out is None:
         return []
@@ -119,6 +134,11 @@ def _output(node, name, inputs, rows, lead, shape, ctx):
             return None
         return E(lead)
     if name == "getitem":
+        from .experts import gather_index  # (experts.py builds on this file)
+
+        index = gather_index(node)
+        if index is not None:  # rows picked or permuted by an index (grouped_mm's back in token order)
+            return E(ctx.ndim(index)) if lead == 1 and index not in rows else None
         return E(lead) if _keeps_rows(node.args[1], lead, ctx.ndim(x)) else None
     if name in _RESHAPES:
         return _reshaped(x, outs[0], lead, shape, ctx)

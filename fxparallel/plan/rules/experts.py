@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ..placement import P, R, S
 from .base import Strategy, arg, register, tensor_inputs
-from .expert_rows import expert_gather, is_expert_parameter
+from .expert_rows import EXPERT_PARALLEL, expert_gather, expert_groups, is_expert_parameter
 from .fused import output_segments, whole_segments
 
 _SEARCH_DEPTH = 4  # users followed from a weight to the matmul output that gets split
@@ -38,6 +38,13 @@ def is_expert_weight(node) -> bool:
     """A parameter with three or more dimensions (stacked expert weights)."""
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
     return isinstance(value, torch.Tensor) and value.dim() >= 3 and is_weight(node, value.dim())
+
+
+def expert_note(weight, ctx) -> str:
+    """Why an expert weight takes its placement (the plan report's reason)."""
+    if is_expert_parameter(weight, ctx):
+        return EXPERT_PARALLEL
+    return "expert weights (each rank its slice of every expert)" if is_expert_weight(weight) else ""
 
 
 def _static(size):
@@ -72,7 +79,9 @@ def weight_segments(weight: fx.Node, dim: int, tp: int, find=None):
 def weight_choices(weight: fx.Node, ctx, first_dim: int = 1) -> list:
     """Placements a weight may take: a shard of each dim from ``first_dim`` on (an expert weight's dim 0
     is its experts) that splits over the ranks, evenly or by the layout's uneven sizes (every fused
-    part, if the dim is fused), or replicated."""
+    part, if the dim is fused), or replicated. With expert parallelism: whole experts (``expert_rows.py``)."""
+    if first_dim == 1 and is_expert_parameter(weight, ctx):
+        return [S(0)]
     shape = weight.meta["example_value"].shape
     choices = []
     for d in range(first_dim, len(shape)):
@@ -127,8 +136,7 @@ def gather_strategies(node, x, ids, placements, ctx, dim: int = 0) -> list:
         elif p.is_shard and p.dim != dim:
             o = p.dim + ids_ndim - 1 if p.dim > dim else p.dim
             if 0 <= o < out.dim():
-                note = "expert weights (each rank its slice of every expert)" if is_expert_weight(x) else ""
-                strategies.append(Strategy({x: p, ids: R}, p.with_dim(o), note=note, name="gather"))
+                strategies.append(Strategy({x: p, ids: R}, p.with_dim(o), note=expert_note(x, ctx), name="gather"))
     strategies.append(Strategy({x: R, ids: R}, R, name="replicate"))
     return strategies if ndim > dim else []
 
@@ -152,6 +160,8 @@ def _grouped_mm(node, placements, ctx):
     if fx_ is None or fw is None or fx_.dim() != 2 or fw.dim() != 3:
         return []
     rest = {i: R for i in tensor_inputs(node) if i not in (x, w)}
+    if placements[w] == S(0) and ctx.experts or is_expert_parameter(w, ctx):
+        return [expert_groups(node, {x: R, w: S(0), **rest}, ctx)]
     k, n = _static(fw.shape[1]), _static(fw.shape[2])
     strategies = []
     segments = output_segments(node, ctx.tp, ctx.can_split) if n else None

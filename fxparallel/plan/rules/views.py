@@ -13,7 +13,7 @@ from ..op_traits import SIZED_VIEWS, op_name
 from ..placement import R, S
 from .base import LocalOp, Strategy, arg, norm_dim, register, tensor_inputs
 from .dim_maps import _hint, _same, dim_groups, permutation, reshape_shard_dim
-from .experts import input_choices, is_expert_weight, is_weight, weight_choices
+from .experts import expert_note, input_choices, is_expert_weight, is_weight, weight_choices
 
 
 def _view_size(dim: int, full: int, segmented=None) -> LocalOp:
@@ -200,8 +200,7 @@ def _permute(node, placements, ctx):
         if p.is_shard:
             perm = permutation(node, ctx.ndim(x))
             if perm is not None:
-                note = "expert weights (each rank its slice of every expert)" if is_expert_weight(x) else ""
-                strategies.append(Strategy({x: p}, p.with_dim(perm.index(p.dim)), note=note))
+                strategies.append(Strategy({x: p}, p.with_dim(perm.index(p.dim)), note=expert_note(x, ctx)))
     strategies.append(Strategy({x: R}, R))
     return strategies
 
