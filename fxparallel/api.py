@@ -311,6 +311,13 @@ class GraphFactory:
         """The factory of the same model with LoRA adapters (``load/adapter_files.AdapterSource``) injected,
         ``adapter`` the active one (None: without adapters), every placement planned so far kept."""
         source = dataclasses.replace(self.source, adapter=adapter, inactive_adapters=tuple(inactive))
+        if self.options.expert_parallel:
+            for a in (adapter, *inactive):
+                if a is not None and getattr(a.config, "target_parameters", None):
+                    raise NotImplementedError(
+                        f"LoRA adapter {a.name!r} targets parameters {list(a.config.target_parameters)} (expert "
+                        "weights) and the model was parallelized with expert_parallel=True: not supported together "
+                        "yet; parallelize without expert_parallel, or target modules only")
         meta = _meta_model(source, self.group.size, self.dtype, self.trust_remote_code)
         return GraphFactory(source, meta, self.dtype, self.group, self.device, self.options.with_fixed(self.fixed),
                             self.trust_remote_code)

@@ -72,6 +72,13 @@ def _run(rank, tp, paths, generate):
             "layers": model.config.num_hidden_layers,
             "top_k": model.config.num_experts_per_tok,
         }
+        if name == "mixtral":  # LoRA on the expert weights is refused with expert parallelism, naming both
+            from peft import LoraConfig
+
+            from checks import raised
+
+            result["lora_on_experts"] = raised(lambda: model.add_adapter(LoraConfig(
+                r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])), NotImplementedError)
         if name in generate:
             mask = torch.ones_like(ids[:, :5])
             mask[0, :2] = 0  # left padding
@@ -137,6 +144,9 @@ def _assert_rank(name, tp, rank, r, plain, kernel="batched_mm"):
         (name, r["bytes_read"], r["shard_bytes"], r["buffer_bytes"])
     if "generate" in r:
         assert r["generate"], name
+    if "lora_on_experts" in r:
+        assert "targets parameters ['mlp.experts.gate_up_proj']" in r["lora_on_experts"] and \
+            "expert_parallel=True" in r["lora_on_experts"], r["lora_on_experts"]
 
 
 def test_expert_parallel_matches_single_device(checkpoints):
