@@ -216,3 +216,85 @@ def test_expert_parallel_bad_input():
         fxparallel.plan_model(tiny_config("mixtral", num_experts=2), 4, expert_parallel=True)
     with pytest.raises(NotImplementedError, match="expert_parallel=True together with sequence_parallel"):
         fxparallel.plan_model(tiny_config("mixtral"), 2, expert_parallel=True, sequence_parallel=True)
+
+
+# ---- with FSDP over data-parallel ranks, and checkpoints across expert layouts ----------------------------
+STEPS, SAVE_AT, GLOBAL_BATCH, SEQ, MAX_NORM = 3, 2, 8, 16, 0.8
+
+
+def _rows():
+    from fxparallel.runtime import pack_tokens, synthetic_token_stream
+
+    return pack_tokens(synthetic_token_stream(64, 30 * SEQ, seed=3, mean_doc_len=12), SEQ)
+
+
+def _optimizer(params):
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+def _numpy(values: dict) -> dict:
+    return {k: v.numpy() for k, v in values.items()}
+
+
+def _data_parallel(rank, world, path, ckpt):
+    """dp=2 x tp=2 with whole experts per rank and FSDP2 over dp: train, saving a checkpoint; then that
+    checkpoint loaded at tp=4 (one expert per rank) and at dp=2 x tp=2 with the experts split inside."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    import fxparallel
+    from checks import full_values, raised
+    from fxparallel.errors import CheckpointError
+    from fxparallel.runtime import (StepBatches, apply_data_parallel, init_mesh, load_checkpoint, save_checkpoint,
+                                    train_step)
+
+    def setup(tp, dp, ep):
+        mesh = init_mesh(tp=tp, dp=dp, cp=1)
+        model = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32,
+                                                           expert_parallel=ep), mesh)
+        return mesh, model, _optimizer(model.parameters())
+
+    mesh, model, opt = setup(2, 2, True)
+    data = StepBatches(_rows(), GLOBAL_BATCH, mesh.dp_rank, mesh.dp)
+    out = {"history": [], "experts": str(model.plan.param("model.layers.0.mlp.experts.gate_up_proj").placement)}
+    for step in range(STEPS):
+        if step == SAVE_AT:
+            saved = full_values(model, mesh)
+            save_checkpoint(ckpt, model, opt, mesh, SAVE_AT)
+        m = train_step(model, opt, data.batch(step), mesh, max_norm=MAX_NORM)
+        out["history"].append((m.loss, m.grad_norm))
+    params = full_values(model, mesh)
+    if rank == 0:
+        out["saved"], out["params"] = _numpy(saved), _numpy(params)
+    mesh, model, opt = setup(4, 1, True)
+    load_checkpoint(ckpt, model, opt, mesh)
+    loaded = full_values(model, mesh)
+    if rank == 0:
+        out["loaded at tp=4"] = _numpy(loaded)
+    mesh, model, opt = setup(2, 2, False)  # gate / up split inside: stored as two segments, not one tensor
+    out["other form"] = raised(lambda: load_checkpoint(ckpt, model, opt, mesh), CheckpointError)
+    return out
+
+
+def test_expert_parallel_with_fsdp_trains_like_one_process_and_checkpoints_load_at_other_layouts(
+        checkpoints, tmp_path):
+    from checks import max_diff, single_process_training
+
+    path = checkpoints["qwen3_moe"]
+    ranks = run_ranks(4, _data_parallel, path, str(tmp_path / "ckpt"), timeout=900)
+    ref = single_process_training(path, steps=STEPS, save_at=SAVE_AT, optimizer=_optimizer, rows=_rows(),
+                                  global_batch=GLOBAL_BATCH, mask=lambda batch: batch, max_norm=MAX_NORM)
+    assert ranks[0]["experts"] == "S(0)"
+    for r in ranks:  # every rank logs the global loss and the global (clipped) gradient norm
+        for (loss, norm), (ref_loss, ref_norm) in zip(r["history"], ref["history"]):
+            assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5, (r["history"], ref["history"])
+    assert max_diff(ranks[0]["params"], ref["params"]) < 3e-5
+    assert max_diff(ranks[0]["saved"], ref["saved_params"]) < 3e-5
+    assert max_diff(ranks[0]["loaded at tp=4"], ranks[0]["saved"]) == 0  # one expert per rank now
+    for r in ranks:  # loading into experts split inside: refused on every rank, naming the tensor and the way out
+        assert "holds model.model.layers.0.mlp.experts.gate_up_proj in another form" in r["other form"], r["other form"]
+        assert "expert_parallel it was saved with" in r["other form"], r["other form"]

@@ -701,6 +701,18 @@ def _check_metadata_digest(directory: str, meta: dict, trust_metadata: bool) -> 
                               "checkpoint from a copy you trust, or load another step")
 
 
+def _without_segment(key: str) -> str:
+    head, dot, tail = key.rpartition(".segment")
+    return head if dot and tail.isdigit() else key
+
+
+def _fused_elsewhere(key: str, saved) -> bool:
+    """Is ``key`` a fused weight saved in the other form: whole where the model wants segments, or segments where
+    it wants it whole (a layout with whole experts per rank against one that splits their gate / up)?"""
+    whole = _without_segment(key)
+    return (whole != key and whole in saved) or (whole == key and f"{key}.segment0" in saved)
+
+
 def _check_against_metadata(state: dict, directory: str) -> None:
     """Clear errors for a damaged checkpoint or one of another model, before DCP reads any tensor."""
     path = os.path.join(directory, DCP_METADATA)
@@ -728,6 +740,13 @@ def _check_against_metadata(state: dict, directory: str) -> None:
             raise CheckpointError(f"{file} is truncated: {size} bytes, but {path} places tensor data up to byte "
                                   f"{end} in it. Restore {directory} from a complete copy, or load another step")
     missing = [k for k in state if k not in saved]
+    fused = [k for k in missing if _fused_elsewhere(k, saved)]
+    if fused:
+        raise CheckpointError(
+            f"checkpoint {directory} holds {_without_segment(fused[0])} in another form than this model's: one of "
+            "them splits its fused parts (gate / up) over the ranks, the other holds whole experts per rank "
+            "(expert_parallel=True). Load it with the expert_parallel it was saved with (any tp / dp sizes), or "
+            "go through export_pretrained")
     if missing:
         raise CheckpointError(f"checkpoint {directory} lacks {len(missing)} tensor(s) the model needs: "
                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
