@@ -53,3 +53,18 @@ def reduction_point(value: fx.Node, is_replicated) -> fx.Node:
         if _numel(node) and _numel(node) < _numel(best):
             best = node
     return best
+
+
+def hoisted_point(value: fx.Node, is_replicated) -> fx.Node:
+    """Where the rewrite reduces the gradient of ``value`` in the end, for the solver's costs: from
+    ``reduction_point`` on up through ops made from one value that requires grad, each used only by the op
+    before it (``rewrite/gradient_reductions.py`` hoists such reductions: an op's backward is linear in its
+    gradient). The node reached may have other users: its one reduction serves them too. A MoE block's rows
+    ``x[perm // top_k]`` (or ``x.repeat_interleave(top_k)``) are then charged as ``x``, not top_k times ``x``."""
+    node = reduction_point(value, is_replicated)
+    while node.op in ("call_function", "call_method") and len(node.users) == 1:
+        sources = [n for n in node.all_input_nodes if requires_grad(n)]
+        if len(sources) != 1 or not is_replicated(sources[0]):
+            break
+        node = sources[0]
+    return node

@@ -44,7 +44,7 @@ import torch.fx as fx
 
 from ..capture.spec import EXAMPLE_BATCH, EXAMPLE_SEQ
 from ..capture.graph import CapturedGraph
-from .grad_reduction import reduction_point
+from .grad_reduction import hoisted_point
 from .op_traits import SHAPE_QUERIES, op_name
 from .placement import R, Placement, is_sharded
 from .rules import RuleContext, Strategy, expert_rows, rule_for, tensor_inputs
@@ -303,8 +303,8 @@ class Solver:
 
     @staticmethod
     def _reduction_point(value, plan: GraphPlan):
-        return reduction_point(value, lambda n: isinstance(plan.placements.get(n), Placement)
-                               and plan.placements[n].is_replicate)
+        return hoisted_point(value, lambda n: isinstance(plan.placements.get(n), Placement)
+                             and plan.placements[n].is_replicate)
 
     def _grad_bytes(self, param_node) -> float:
         fake = param_node.meta["example_value"]
