@@ -78,6 +78,12 @@ def test_ops_that_mix_rows_are_not_row_wise():
     for n in (softmax, transpose, flat):
         assert expert_rows.strategies(n, {h: E(1)}, _ctx()) == [], n
     assert expert_rows.strategies(over_features, {h: E(1)}, _ctx())[0].output == E(1)
+    # norm(x, p, dim): its dim is the third argument (a norm over the rows is not row-wise)
+    gm = capture(lambda h: (h.norm(2, 0), h.norm(2, -1)), (6, 16))
+    (h,) = inputs_of(gm)
+    over_rows, over_features = [n for n in gm.graph.nodes if n.target == "norm"]
+    assert expert_rows.strategies(over_rows, {h: E(1)}, _ctx()) == []
+    assert expert_rows.strategies(over_features, {h: E(1)}, _ctx())[0].output == E(1)
 
 
 def test_masked_rows_of_two_ranks_sum_to_the_full_result():

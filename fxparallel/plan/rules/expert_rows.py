@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..op_traits import NORMALIZED_SHAPE_ARG, POINTWISE, REDUCTIONS, op_name
 from ..placement import E, P, R, S
 from .base import LocalOp, Strategy, arg, norm_dim, tensor_inputs
+from .reductions import dim_and_keepdim
 
 _ROW_PRODUCTS = frozenset({"bmm", "baddbmm", "matmul"})
 _KEEP_ROWS = frozenset({"unsqueeze", "squeeze", "transpose", "chunk", "split", "contiguous"})
@@ -159,7 +160,7 @@ def _normalized_dims(node) -> int:
 
 
 def _reduced_dims(node, ndim):
-    dim = arg(node, 1, "dim", None)
+    dim, _ = dim_and_keepdim(node)  # (where each reduction's signature puts ``dim``)
     if dim is None:
         return list(range(ndim))
     if isinstance(dim, int):

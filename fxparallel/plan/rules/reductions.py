@@ -13,7 +13,7 @@ from ..placement import P, R
 from .base import LocalOp, Strategy, arg, norm_dim, register, tensor_inputs
 
 
-def _dim_and_keepdim(node) -> tuple:
+def dim_and_keepdim(node) -> tuple:
     """The ``dim`` and ``keepdim`` arguments, where each op's signature puts them: ``norm(x, p, dim, keepdim)``,
     ``std(x, dim, unbiased, keepdim)`` (also ``std(x, unbiased)``), the others ``op(x, dim, keepdim)``."""
     name = op_name(node)
@@ -43,7 +43,7 @@ def _reduce(node, placements, ctx):
     p = placements[x]
     strategies = []
     if p.is_shard:
-        dim, keepdim = _dim_and_keepdim(node)
+        dim, keepdim = dim_and_keepdim(node)
         dims, keepdim = _dims(dim, ctx.ndim(x)), bool(keepdim)
         shape_keeping = op_name(node) in SHAPE_KEEPING
         if dims is not None and p.dim not in dims:
