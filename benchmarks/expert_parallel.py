@@ -32,7 +32,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from ranks import everyone, start, synchronize  # noqa: E402
+from ranks import cpu_run_meta, everyone, render_saved, start, synchronize, write_result  # noqa: E402
 
 SHAPE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
              num_experts=32, num_experts_per_tok=4, moe_intermediate_size=192, intermediate_size=1024,
@@ -183,27 +183,14 @@ def markdown_table(result: dict) -> str:
 def main(argv=None):
     args = parse_args(argv)
     if args.render:
-        with open(args.out) as f:
-            print(markdown_table(json.load(f)))
-        return 0
+        return render_saved(args.out, markdown_table)
     load_start = os.getloadavg()[0]
-    rank, world, path = start(None, args.checkpoint_dir, build)
-    if rank == 0:
-        build(path)
-    dist.barrier()
+    _, world, path = start(None, args.checkpoint_dir, build)  # (rank 0 builds both checkpoints)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     measured = measure(path, args)
     meta = {"tp": world, "shape": SHAPE, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-            "warmup": args.warmup, "decode_batch": args.decode_batch, "new": args.new, "device": "cpu",
-            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "load_average_start": load_start,
-            "load_average_end": os.getloadavg()[0]}
-    if rank == 0:
-        result = {"meta": meta, **measured}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(markdown_table(result))
+            "warmup": args.warmup, "decode_batch": args.decode_batch, "new": args.new, **cpu_run_meta(load_start)}
+    write_result(args.out, {"meta": meta, **measured}, markdown_table)
     dist.destroy_process_group()
     return 0
 

@@ -16,7 +16,6 @@ after --warmup (the slowest rank's). The 1-minute load average is recorded at th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from checkpoints import build_checkpoint as build_default  # noqa: E402
-from ranks import everyone, start, synchronize  # noqa: E402
+from ranks import cpu_run_meta, everyone, render_saved, start, synchronize, write_result  # noqa: E402
 
 SHAPE = dict(hidden=256, layers=8, heads=8, kv_heads=4, intermediate=1024, vocab=2048, positions=1024)
 MiB = 2**20
@@ -122,24 +121,15 @@ def markdown_table(result: dict) -> str:
 def main(argv=None):
     args = parse_args(argv)
     if args.render:
-        with open(args.out) as f:
-            print(markdown_table(json.load(f)))
-        return 0
+        return render_saved(args.out, markdown_table)
     load_start = os.getloadavg()[0]
     rank, world, path = start(args.model, args.checkpoint_dir, lambda d: build_default(
         "llama", d, overrides=dict(use_cache=False, attention_dropout=0.0), **SHAPE))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     runs = measure(path, args)
     meta = {"tp": world, "shape": SHAPE, "r": args.r, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-            "warmup": args.warmup, "device": "cpu", "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-            "load_average_start": load_start, "load_average_end": os.getloadavg()[0]}
-    if rank == 0:
-        result = {"meta": meta, "runs": runs}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(markdown_table(result))
+            "warmup": args.warmup, **cpu_run_meta(load_start)}
+    write_result(args.out, {"meta": meta, "runs": runs}, markdown_table)
     dist.destroy_process_group()
     return 0
 

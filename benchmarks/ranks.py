@@ -66,3 +66,33 @@ def transformers_tp(path: str, world: int, dtype, device: str) -> tuple:
 def short_error(err: BaseException) -> str:
     text = f"{type(err).__name__}: {err}".strip().splitlines()
     return text[0][:400] if text else type(err).__name__
+
+
+def render_saved(path: str, markdown_table) -> int:
+    """``--render``: print the markdown table of a saved result."""
+    import json
+
+    with open(path) as f:
+        print(markdown_table(json.load(f)))
+    return 0
+
+
+def cpu_run_meta(load_start: float) -> dict:
+    """Where and when a CPU run was measured, and the machine's 1-minute load at its start and end."""
+    import time
+
+    return {"device": "cpu", "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "load_average_start": load_start,
+            "load_average_end": os.getloadavg()[0]}
+
+
+def write_result(path: str, result: dict, markdown_table) -> None:
+    """Rank 0 saves ``result`` as JSON at ``path`` and prints its markdown table."""
+    import json
+
+    if dist.get_rank() != 0:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(markdown_table(result))

@@ -26,7 +26,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..op_traits import NORMALIZED_SHAPE_ARG, POINTWISE, REDUCTIONS, op_name
 from ..placement import E, P, R, S
 from .base import LocalOp, Strategy, arg, norm_dim, tensor_inputs
-from .reductions import dim_and_keepdim
+from .reductions import dim_and_keepdim, reduced_dims
 
 _ROW_PRODUCTS = frozenset({"bmm", "baddbmm", "matmul"})
 _KEEP_ROWS = frozenset({"unsqueeze", "squeeze", "transpose", "chunk", "split", "contiguous"})
@@ -144,7 +144,7 @@ def _output(node, name, inputs, rows, lead, shape, ctx):
     if name in _RESHAPES:
         return _reshaped(x, outs[0], lead, shape, ctx)
     if name in REDUCTIONS:
-        dims = _reduced_dims(node, ctx.ndim(x))
+        dims = reduced_dims(dim_and_keepdim(node)[0], ctx.ndim(x))  # (dim where each signature puts it)
         if dims is None:
             return None
         if all(d >= lead for d in dims):
@@ -157,17 +157,6 @@ def _output(node, name, inputs, rows, lead, shape, ctx):
 def _normalized_dims(node) -> int:
     shape = arg(node, NORMALIZED_SHAPE_ARG[op_name(node)], "normalized_shape", ())
     return len(shape) if isinstance(shape, (tuple, list)) else 1
-
-
-def _reduced_dims(node, ndim):
-    dim, _ = dim_and_keepdim(node)  # (where each reduction's signature puts ``dim``)
-    if dim is None:
-        return list(range(ndim))
-    if isinstance(dim, int):
-        return [norm_dim(dim, ndim)]
-    if isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim):
-        return [norm_dim(d, ndim) for d in dim]
-    return None
 
 
 def _keeps_rows(index, lead, ndim) -> bool:

@@ -25,7 +25,8 @@ def dim_and_keepdim(node) -> tuple:
     return arg(node, 1, "dim", None), arg(node, 2, "keepdim", False)
 
 
-def _dims(dim, ndim):
+def reduced_dims(dim, ndim):
+    """The dims a reduction's ``dim`` argument names (all of them for None), or None if not plain ints."""
     if dim is None:
         return list(range(ndim))
     if isinstance(dim, int):
@@ -44,7 +45,7 @@ def _reduce(node, placements, ctx):
     strategies = []
     if p.is_shard:
         dim, keepdim = dim_and_keepdim(node)
-        dims, keepdim = _dims(dim, ctx.ndim(x)), bool(keepdim)
+        dims, keepdim = reduced_dims(dim, ctx.ndim(x)), bool(keepdim)
         shape_keeping = op_name(node) in SHAPE_KEEPING
         if dims is not None and p.dim not in dims:
             out_dim = p.dim if (keepdim or shape_keeping) else p.dim - sum(1 for d in dims if d < p.dim)
