@@ -1,7 +1,7 @@
 """Command line: ``fxparallel plan MODEL --tp N`` prints the sharding plan without any process group.
 
 MODEL is a hub id (only its config is fetched), a local checkpoint directory, or a
-config.json path. ``--sp`` plans sequence parallelism on top. Exit codes: 0 done, 1 the
+config.json path. ``--sp`` plans sequence parallelism on top, ``--ep`` whole experts per rank. Exit codes: 0 done, 1 the
 library refused the input (a one-line message on stderr, no traceback), 2 bad command line.
 """
 from __future__ import annotations
@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp", type=_positive_int, required=True, help="tensor-parallel size")
     plan.add_argument("--sp", action="store_true", help="sequence parallelism: activations outside attention and "
                       "MLP sharded along the sequence (reduce-scatter / all-gather instead of all-reduce)")
+    plan.add_argument("--ep", action="store_true", help="expert parallelism: whole experts of each mixture-of-"
+                      "experts layer per rank instead of a slice of every expert")
     plan.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: the config's, else "
                       "float32)")
     plan.add_argument("--layers", type=_positive_int, default=None, metavar="K",
@@ -73,7 +75,7 @@ def _plan(args):
             override_layers(config, args.layers)
         dtype = resolve_dtype(args.dtype) if args.dtype else None
         plan, _ = plan_model(config, args.tp, dtype=dtype, trust_remote_code=args.trust_remote_code,
-                             sequence_parallel=args.sp)
+                             sequence_parallel=args.sp, expert_parallel=args.ep)
     except StrictDataclassError as err:  # transformers refused a value (e.g. set by --layers)
         raise invalid_config_error(err, repr(args.model), getattr(config, "model_type", None),
                                    type(config).__name__, list(config.to_dict())) from err

@@ -111,3 +111,20 @@ def test_python_dash_m_subprocess(config_dir):
     assert proc.stdout.startswith("fxparallel plan: llama, tp=2, float32")
     assert "model.layers.*.mlp.down_proj.weight" in proc.stdout and "S(1)" in proc.stdout
     assert f"forward: {2 * LAYERS + 2} calls" in proc.stdout
+
+
+def test_ep_prints_whole_experts_per_rank(tmp_path, capsys):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    from tiny_configs import tiny_config as any_tiny_config  # (every model type)
+
+    config_dir = str(tmp_path / "mixtral")
+    any_tiny_config("mixtral").save_pretrained(config_dir)
+    assert main(["plan", config_dir, "--tp", "2", "--ep"]) == 0
+    out = capsys.readouterr().out
+    expected, _ = fxparallel.plan_model(config_dir, 2, expert_parallel=True)
+    assert out.strip() == str(expected).strip()
+    assert "model.layers.*.mlp.experts.gate_up_proj" in out and "expert parallel: whole experts per rank" in out
+    few = str(tmp_path / "two-experts")
+    any_tiny_config("mixtral", num_experts=2).save_pretrained(few)
+    assert main(["plan", few, "--tp", "4", "--ep"]) == 1  # refused, one line
+    assert "has 2 experts in a layer, fewer than the tp size 4" in capsys.readouterr().err

@@ -2,8 +2,10 @@
 holds whole experts (rank r experts [r*E/tp, (r+1)*E/tp), the first ranks one more where tp does not divide E),
 reads only those, and the MoE block keeps its one forward all-reduce. Loss, logits and every gradient equal one
 device for Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE, OLMoE, GPT-OSS (interleaved gate / up, biases) and
-DeepSeek-V3 (shared experts, grouped routing) at tp=2, and an uneven 6 experts at tp=4; greedy generate gives
-transformers' tokens. The rules: ``fxparallel/plan/rules/expert_rows.py``."""
+DeepSeek-V3 (shared experts, grouped routing) at tp=2, and an uneven 6 experts at tp=4, with transformers'
+batched_mm and grouped_mm kernels; greedy generate gives transformers' tokens; save_pretrained writes the weights
+transformers loads; under FSDP2 (dp=2 x tp=2) training equals one process and its checkpoint loads at tp=4. The
+rules: ``fxparallel/plan/rules/expert_rows.py``."""
 from __future__ import annotations
 
 import json
@@ -37,7 +39,7 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
-def _run(rank, tp, paths, generate):
+def _run(rank, tp, paths, generate, export_root=None):
     import warnings
 
     import torch
@@ -72,6 +74,15 @@ def _run(rank, tp, paths, generate):
             "layers": model.config.num_hidden_layers,
             "top_k": model.config.num_experts_per_tok,
         }
+        if export_root is not None:  # save_pretrained gathers whole experts: transformers loads the same weights
+            from transformers import AutoModelForCausalLM
+
+            model.save_pretrained(os.path.join(export_root, name))
+            if rank == 0:
+                saved = AutoModelForCausalLM.from_pretrained(os.path.join(export_root, name), dtype=torch.float32)
+                mine, theirs = saved.state_dict(), ref.state_dict()  # (DeepSeek-V3's routing-bias buffer too)
+                assert set(mine) == set(theirs), set(mine) ^ set(theirs)
+                result["export"] = max((mine[n].float() - t.float()).abs().max().item() for n, t in theirs.items())
         if name == "mixtral":  # LoRA on the expert weights is refused with expert parallelism, naming both
             from peft import LoraConfig
 
@@ -144,15 +155,18 @@ def _assert_rank(name, tp, rank, r, plain, kernel="batched_mm"):
         (name, r["bytes_read"], r["shard_bytes"], r["buffer_bytes"])
     if "generate" in r:
         assert r["generate"], name
+    if "export" in r:
+        assert r["export"] == 0, (name, r["export"])
     if "lora_on_experts" in r:
         assert "targets parameters ['mlp.experts.gate_up_proj']" in r["lora_on_experts"] and \
             "expert_parallel=True" in r["lora_on_experts"], r["lora_on_experts"]
 
 
-def test_expert_parallel_matches_single_device(checkpoints):
+def test_expert_parallel_matches_single_device(checkpoints, tmp_path):
     paths = {t: checkpoints[t] for t in TYPES}
     plain = _plain_plans(paths, 2)
-    results = run_ranks(2, _run, paths, ("mixtral", "gpt_oss"), timeout=900)
+    results = run_ranks(2, _run, paths, ("mixtral", "gpt_oss"), str(tmp_path), timeout=900)
+    assert all("export" in results[0][name] for name in TYPES)
     for rank, rank_result in enumerate(results):
         for name in TYPES:
             _assert_rank(name, 2, rank, rank_result[name], plain[name])
@@ -177,10 +191,11 @@ def test_expert_parallel_grouped_mm_computes_each_ranks_rows(checkpoints, tmp_pa
             _assert_rank(name, tp, rank, rank_result[name], plain[name], "grouped_mm")
 
 
-def test_expert_parallel_uneven_expert_count(checkpoints):
+def test_expert_parallel_uneven_expert_count(checkpoints, tmp_path):
     paths = {"uneven": checkpoints["uneven"]}
     plain = _plain_plans(paths, 4)
-    results = run_ranks(4, _run, paths, ("uneven",), timeout=900)
+    results = run_ranks(4, _run, paths, ("uneven",), str(tmp_path), timeout=900)
+    assert "export" in results[0]["uneven"]
     for rank, rank_result in enumerate(results):
         _assert_rank("uneven", 4, rank, rank_result["uneven"], plain["uneven"])
 

@@ -3,8 +3,8 @@ always correct. Here a real model hits it on real ranks, against the single-devi
 
 The tiny Llama's MLP is patched (in each rank, and in its single-device reference) to use ``torch.flip``,
 which has no rule, twice: on the MLP's hidden units (an activation split across the ranks: gathered, flipped,
-and sliced again for the row-parallel ``down_proj``, whose input gradient is then partial and must be summed
-before the gather's backward takes this rank's part), and on ``down_proj``'s own weight, split on the same
+and used by ``down_proj``, row-parallel (sliced again) or column-parallel, whose input gradient is then partial
+and must be summed before the gather's backward takes this rank's part), and on ``down_proj``'s own weight, split on the same
 dimension (a parameter gathered for the op: its gradient from the replicated branch is complete on every rank
 and is added to the shard's). Loss, logits and every gradient must match at TP=2, and the plan must list both
 fallbacks.
@@ -54,7 +54,8 @@ def test_fallback_on_real_ranks_matches_single_device(fallback_run):
     for errors, _, _, placements in fallback_run:
         # the ops read sharded values: the MLP is split as usual, so the fallback has something to gather
         assert placements["model.layers.0.mlp.up_proj.weight"] == "S(0)", placements
-        assert placements["model.layers.0.mlp.down_proj.weight"] == "S(1)", placements
+        # (row- or column-parallel after the gathered flip: the same bytes either way, the solver may take either)
+        assert placements["model.layers.0.mlp.down_proj.weight"] in ("S(0)", "S(1)"), placements
         assert errors["loss"] < 1e-5 and errors["logits"] < 1e-5 and errors["grad"] < 1e-5, errors
 
 

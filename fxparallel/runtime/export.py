@@ -235,6 +235,10 @@ def _save(model, state: dict, directory: str, dtype: Optional[torch.dtype], save
         hf = cls._from_config(config, dtype=out_dtype) if cls else AutoModelForCausalLM.from_config(
             config, dtype=out_dtype)
     expected = set(hf.state_dict())
+    buffers = dict(model.named_buffers())
+    for name in expected - set(state):  # persistent buffers (DeepSeek-V3's routing bias): whole on every rank
+        if name in buffers:
+            state[name] = buffers[name].detach().cpu()
     missing = sorted(expected - set(state))
     if missing:
         raise CheckpointError(f"export: the parallel model has no tensors for {', '.join(missing[:5])}")
