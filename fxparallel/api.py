@@ -43,7 +43,7 @@ from .load.dtype import resolve_dtype
 from .model_facts import ModelFacts
 from .module import ParallelCausalLM
 from .ops.local_graph import LocalGraph
-from .plan.layout import ShardLayout, expert_counts, text_config
+from .plan.layout import ShardLayout, expert_parameters, text_config
 from .plan.adapter_placements import adapter_placements
 from .plan.options import PlanOptions
 from .plan.saved import check_applied, fixed_placements, read_plan
@@ -99,16 +99,17 @@ def plan_graph(meta_model, spec: GraphSpec, group: TPGroup, device, options: Pla
         kind = getattr(meta_model.config, "model_type", type(meta_model).__name__)
         context_parallel_checks.check_graph(captured, kind)
     # uneven splits by whole heads / columns / rows (and experts, with expert parallelism)
-    experts = expert_counts(meta_model) if options.expert_parallel else frozenset()
-    layout = ShardLayout.for_config(meta_model.config, group.size).add_embedding_rows(meta_model).add_experts(experts)
+    experts = expert_parameters(meta_model) if options.expert_parallel else {}
+    layout = ShardLayout.for_config(meta_model.config, group.size).add_embedding_rows(meta_model).add_experts(
+        set(experts.values()))
     t = time.perf_counter()
     # a LoRA adapter's matrices follow their base layer's placement (plan/adapter_placements.py)
     adapted = adapter_placements(meta_model, options.fixed)
     fixed = {**{name: placement for name, (placement, _) in adapted.items()}, **options.fixed}
     if captured.few_layers is not None:  # solved on the few layers; the walk over all of them follows it
-        few = solve(captured.few_layers, group.size, fixed=fixed, layout=layout, experts=experts)
+        few = solve(captured.few_layers, group.size, fixed=fixed, layout=layout, experts=frozenset(experts))
         fixed = {**few.params, **fixed}
-    gplan = solve(captured, group.size, fixed=fixed, layout=layout, experts=experts)
+    gplan = solve(captured, group.size, fixed=fixed, layout=layout, experts=frozenset(experts))
     if captured.few_layers is not None:
         gplan.reasons.update(few.reasons)  # why each was chosen, not that it was given
     gplan.reasons.update({name: why for name, (_, why) in adapted.items()})
@@ -157,7 +158,7 @@ def _for_device(config, device: torch.device):
 def check_expert_parallel(meta, tp: int, sequence_parallel: bool, cp) -> None:
     """``expert_parallel=True`` needs stacked experts, at least one per rank, and plain TP (before any capture)."""
     kind = getattr(meta.config, "model_type", type(meta).__name__)
-    counts = expert_counts(meta)
+    counts = set(expert_parameters(meta).values())
     if not counts:
         raise ShardingError(f"expert_parallel=True, but the {kind} model has no mixture-of-experts layer with "
                             "stacked expert weights ([experts, ...] parameters, as transformers' experts modules hold them)")

@@ -194,10 +194,19 @@ _MLP_WIDTH_SUFFIXES = ("intermediate_size", "ffn_dim", "ffn_hidden_size")
 _MLP_WIDTH_NAMES = ("n_inner", "intermediate_size_mlp")
 
 
-def expert_counts(model) -> frozenset:
-    """The expert counts of ``model``'s mixture-of-experts layers: dim 0 of every parameter stacked by expert
-    (3-D, as transformers' experts modules hold them)."""
-    return frozenset(int(p.shape[0]) for p in model.parameters() if p.dim() == 3)
+def expert_parameters(model) -> dict:
+    """{name: experts} of the parameters stacked by expert in ``model``'s mixture-of-experts layers: those of
+    transformers' experts modules (``use_experts_implementation`` marks them) whose dim 0 is the experts (the 3-D
+    weights' first size), weights and biases."""
+    found = {}
+    for prefix, module in model.named_modules():
+        if not hasattr(module, "_is_expert_parallel"):
+            continue
+        own = dict(module.named_parameters(recurse=False))
+        counts = {int(p.shape[0]) for p in own.values() if p.dim() == 3}
+        found.update({f"{prefix}.{name}": int(p.shape[0]) for name, p in own.items()
+                      if p.dim() >= 2 and int(p.shape[0]) in counts})
+    return found
 
 
 def mlp_widths(config) -> dict:

@@ -122,7 +122,6 @@ class Solver:
         self.tp = tp
         self.fixed = dict(fixed or {})
         self.layout = layout or ShardLayout(tp)
-        self.ctx = RuleContext(tp=tp, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ, layout=self.layout, experts=experts)
         self.nodes = [n for n in captured.gm.graph.nodes if n.op != "output"]
         self.param_nodes = {}
         for n in self.nodes:
@@ -130,6 +129,8 @@ class Solver:
                 self.param_nodes[n] = captured.params[n.name]
             elif n.op == "placeholder" and n.name in captured.state:  # KV cache: placed like a parameter
                 self.param_nodes[n] = state_name(captured.state[n.name])
+        self.ctx = RuleContext(tp=tp, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ, layout=self.layout,
+                               experts=frozenset(n for n, name in self.param_nodes.items() if name in experts))
         self.negligible = negligible_matrices(self.param_nodes)
         self.best: Optional[GraphPlan] = None
         self.explored = 0
@@ -421,5 +422,5 @@ def check_layer_symmetry(params: dict) -> list:
 
 def solve(captured: CapturedGraph, tp: int, fixed: Optional[dict] = None,
           layout: Optional[ShardLayout] = None, experts: frozenset = frozenset()) -> GraphPlan:
-    """``experts``: the expert counts of a model planned with expert parallelism (rules/expert_rows.py)."""
+    """``experts``: the names of the parameters stacked by expert, with expert parallelism (rules/expert_rows.py)."""
     return Solver(captured, tp, fixed, layout, experts).solve()

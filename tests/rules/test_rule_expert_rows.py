@@ -27,7 +27,8 @@ def _graph():
     return capture(_moe, (6, 16), ("ids", (6,)), (6,), (4, 32, 16), (4, 16, 16), params=(3, 4))
 
 
-def _ctx(experts=frozenset({4})):
+def _ctx(experts=frozenset()):
+    """``experts``: the placeholders of the parameters stacked by expert (with expert parallelism)."""
     return RuleContext(tp=2, tokens=1, layout=ShardLayout(2), experts=experts)
 
 
@@ -35,11 +36,11 @@ def test_an_expert_gather_takes_whole_experts_and_gives_expert_rows():
     gm = _graph()
     x, ids, w, gate_up, down = inputs_of(gm)
     gather = next(n for n in gm.graph.nodes if n.target is operator.getitem and n.args[0] is gate_up)
-    found = rule_for(gather)(gather, {gate_up: R, ids: R}, _ctx())
+    found = rule_for(gather)(gather, {gate_up: R, ids: R}, _ctx(frozenset({gate_up, down})))
     assert [(s.name, s.inputs, s.output) for s in found] == [("expert gather", {gate_up: S(0), ids: R}, E(1))]
     assert found[0].local.kind == "expert_gather" and found[0].local.kwargs() == {"experts": 4}
-    # without expert parallelism (or for another size than the experts') the experts are split inside
-    assert all(s.name != "expert gather" for s in rule_for(gather)(gather, {gate_up: R, ids: R}, _ctx(frozenset())))
+    # without expert parallelism the experts are split inside
+    assert all(s.name != "expert gather" for s in rule_for(gather)(gather, {gate_up: R, ids: R}, _ctx()))
 
 
 def test_row_wise_ops_keep_expert_rows_and_the_combine_makes_a_partial_sum():

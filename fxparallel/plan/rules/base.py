@@ -68,7 +68,7 @@ class RuleContext:
     tp: int
     tokens: int = 1  # batch x sequence of the example used at capture
     layout: Optional[ShardLayout] = None  # uneven splits (whole heads, columns, rows); None: even only
-    experts: frozenset = frozenset()  # expert counts of the MoE layers, with expert parallelism (expert_rows.py)
+    experts: frozenset = frozenset()  # placeholders of the expert-stacked parameters, with expert parallelism
 
     def split_sizes(self, size) -> Optional[tuple]:
         """Each rank's part of a dimension of ``size`` (evenly or in whole units), or None if it cannot be split."""
