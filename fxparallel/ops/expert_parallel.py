@@ -18,8 +18,7 @@ import torch
 
 def gather_local_experts(weight: torch.Tensor, ids: torch.Tensor, start: int, count: int) -> torch.Tensor:
     """``full_weight[ids]`` for ids of this rank's experts; this rank's first expert for the others."""
-    local = ids - start
-    return weight[torch.where((local >= 0) & (local < count), local, torch.zeros_like(local))]
+    return weight[torch.where(rows_of_experts(ids, start, count), ids - start, torch.zeros_like(ids))]
 
 
 def rows_of_experts(ids: torch.Tensor, start: int, count: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.fx as fx
 from ..capture.graph import writes_data
 from ..errors import ShardingError
 from ..plan.layout import uneven_split
-from ..plan.placement import R, Placement, is_sharded
+from ..plan.placement import P, R, Placement, is_sharded
 from ..plan.solver import GraphPlan, describe
 from ..ops import collectives
 from .editor import GraphEditor
@@ -39,7 +39,7 @@ def _redistribute(graph, node: fx.Node, src: Placement, dst: Placement, handle: 
     if src.is_expert_rows:
         value = masked_rows(graph, node, src.dim, before, placements)
         steps.append(value)
-        src = Placement("P")
+        src = P
     with graph.inserting_before(before):
         if src.is_partial:
             value = graph.call_function(collectives.all_reduce, (value, handle))

@@ -65,6 +65,7 @@ META = "fxparallel.json"
 LATEST = "latest"
 FORMAT = "fxparallel-dcp/1"
 DCP_METADATA = ".metadata"
+SEGMENT = ".segment"  # a fused weight's part i is saved as "<name>.segment<i>" (dtensor.segment_views)
 TMP, ASIDE, TRASH = ".tmp-", ".old-", ".trash-"  # prefixes of a step directory's name
 STEP_NAME = re.compile(r"step_([0-9]{8,})")  # step_dir_name's names; nothing else is a checkpoint
 
@@ -114,7 +115,7 @@ def _add_views(state: dict, key: str, tensor, plan, mesh) -> None:
     gets one entry per segment, ``key.segment<i>`` (see ``dtensor.segment_views``)."""
     if segments_of(plan):
         for i, view in segment_views(tensor, plan, mesh).items():
-            state[f"{key}.segment{i}"] = view
+            state[f"{key}{SEGMENT}{i}"] = view
     else:
         state[key] = global_view(tensor, plan, mesh)
 
@@ -702,7 +703,7 @@ def _check_metadata_digest(directory: str, meta: dict, trust_metadata: bool) -> 
 
 
 def _without_segment(key: str) -> str:
-    head, dot, tail = key.rpartition(".segment")
+    head, dot, tail = key.rpartition(SEGMENT)
     return head if dot and tail.isdigit() else key
 
 
@@ -710,7 +711,7 @@ def _fused_elsewhere(key: str, saved) -> bool:
     """Is ``key`` a fused weight saved in the other form: whole where the model wants segments, or segments where
     it wants it whole (a layout with whole experts per rank against one that splits their gate / up)?"""
     whole = _without_segment(key)
-    return (whole != key and whole in saved) or (whole == key and f"{key}.segment0" in saved)
+    return (whole != key and whole in saved) or (whole == key and f"{key}{SEGMENT}0" in saved)
 
 
 def _check_against_metadata(state: dict, directory: str) -> None:

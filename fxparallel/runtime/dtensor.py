@@ -55,10 +55,10 @@ def segments_of(plan_param):
 
 def dp_placement(tensor):
     """How FSDP laid ``tensor`` out over dp x cp: Shard(0), or Replicate (no FSDP, replicate mode)."""
-    return Replicate() if _fsdp_mesh_dim(tensor) is None else Shard(0)
+    return Replicate() if fsdp_mesh_dim(tensor) is None else Shard(0)
 
 
-def _fsdp_mesh_dim(tensor):
+def fsdp_mesh_dim(tensor):
     """The dim of its device mesh over which FSDP splits ``tensor``'s dim 0, or None (not split)."""
     if isinstance(tensor, DTensor):
         for dim, (size, placement) in enumerate(zip(tensor.device_mesh.shape, tensor.placements)):
@@ -147,7 +147,7 @@ def _row_pieces(tensor: DTensor, plan_param, mesh) -> dict:
 
 def _fsdp_rows(tensor: DTensor, rows: int) -> tuple:
     """[start, stop) of the rows of the TP shard (``rows`` of them) in this rank's FSDP chunk (torch.chunk's)."""
-    dim = _fsdp_mesh_dim(tensor)
+    dim = fsdp_mesh_dim(tensor)
     if dim is None:
         return 0, rows
     mesh = tensor.device_mesh

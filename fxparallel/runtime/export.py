@@ -22,12 +22,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ..capture.adapters import is_adapter_parameter
 from ..errors import ArgumentError, CheckpointError
 from ..ops.collectives import gather_full_to, gather_parts_to
-from .dtensor import full_tensor, local_part, tp_of
+from .dtensor import fsdp_mesh_dim, full_tensor, local_part, tp_of
 from .fsdp import reshard
 
 
@@ -175,7 +175,7 @@ def _tp_shard_to(tensor, targets: tuple) -> Optional[torch.Tensor]:
     itself where FSDP does not shard it."""
     if not isinstance(tensor, DTensor):
         return tensor
-    mesh_dim = _shard_mesh_dim(tensor)
+    mesh_dim = fsdp_mesh_dim(tensor)
     if mesh_dim is None:
         return local_part(tensor)
     group = tensor.device_mesh.get_group(mesh_dim)
@@ -190,16 +190,6 @@ def _tp_shard_to(tensor, targets: tuple) -> Optional[torch.Tensor]:
         local = local.new_zeros((0, *tensor.shape[1:]))
     return gather_full_to(local, 0, group, world, dist.get_group_rank(group, holders[0]),
                           sizes if len(set(sizes)) > 1 else None)
-
-
-def _shard_mesh_dim(tensor) -> Optional[int]:
-    """The mesh dimension over which FSDP splits ``tensor`` along dim 0 (None: replicated)."""
-    for i, (size, placement) in enumerate(zip(tensor.device_mesh.shape, tensor.placements)):
-        if isinstance(placement, Shard) and size > 1:
-            if placement.dim != 0:
-                raise NotImplementedError(f"FSDP sharding on dim {placement.dim}; only dim 0 is supported")
-            return i
-    return None
 
 
 def _chunk_sizes(rows: int, parts: int) -> list:
