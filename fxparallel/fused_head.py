@@ -11,7 +11,9 @@ rank's logits shard (the model's own logit scaling and softcapping included, as 
 log-softmax is combined over the tp group, Megatron's vocab-parallel way: a max, a sum of exponentials, the label's
 logit and the sum of p * z per token are each one all-reduce of a number per token (sums with an identity
 backward, so every gradient is the single-device one); top-1 is the first index of the global maximum, as
-``argmax`` picks it. The outputs are TRL's ``FusedCausalLMOutput``, zero where the label is -100.
+``argmax`` picks it. The outputs are TRL's ``FusedCausalLMOutput``, zero where the label is -100. A mixture of
+experts with ``output_router_logits`` (which TRL's trainers turn on) adds the model's load-balancing loss with the
+config's coefficient and returns it as ``aux_loss``, as TRL's fused forward does (router_outputs.py).
 """
 from __future__ import annotations
 
@@ -93,9 +95,10 @@ def fused_forward(model, head: FusedHead, input_ids=None, labels=None, shift_lab
                         "(already shifted), one of them")
     if model.cp_group is not None:
         raise NotImplementedError("TRL's fused LM head with context parallelism (cp_group) is not supported")
-    if getattr(model.config.get_text_config(), "output_router_logits", False) or kwargs.get("output_router_logits"):
-        raise NotImplementedError("TRL's fused LM head with output_router_logits (the MoE load-balancing loss) is not "
-                                  "supported on the parallel model; set config.output_router_logits = False")
+    text_config = model.config.get_text_config()
+    # MoE models: the load-balancing loss as TRL's fused forward adds it (the config's flag and coefficient)
+    if getattr(text_config, "output_router_logits", False):
+        kwargs.setdefault("output_router_logits", True)
     out = model(input_ids=input_ids, gather_logits=False, use_cache=False, **kwargs)
     logits, start = (out.logits, 0) if out.local_logits is None else (out.local_logits, out.vocab_range[0])
     if shift_labels is None:
@@ -107,7 +110,10 @@ def fused_forward(model, head: FusedHead, input_ids=None, labels=None, shift_lab
     fields = _per_token(logits.float() / head.temperature, labels, mask, start, model, head.outputs)
     log_probs = fields["log_probs"]
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    return FusedCausalLMOutput(loss=-log_probs.sum() / count, label_mask=mask, aux_loss=None, **fields)
+    loss = -log_probs.sum() / count
+    if out.aux_loss is not None:
+        loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * out.aux_loss
+    return FusedCausalLMOutput(loss=loss, label_mask=mask, aux_loss=out.aux_loss, **fields)
 
 
 def _per_token(z: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, start: int, model, outputs) -> dict:

@@ -78,7 +78,6 @@ ALTERNATIVES = {
                          "kernels); inspect them on the single-device transformers model",
     "output_hidden_states": "hidden states are not returned (the graphs output the loss and logits only); inspect "
                             "them on the single-device transformers model",
-    "output_router_logits": "router logits are not returned; inspect them on the single-device transformers model",
     "cache_position": "positions come from position_ids (and the KV cache from past_key_values): pass position_ids",
     "num_logits_to_keep": "transformers' older name: pass logits_to_keep=k",
     "token_type_ids": "token type ids are not supported by the parallel model",

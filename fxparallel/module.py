@@ -32,6 +32,7 @@ from .hf_methods import HuggingFaceMethods, refuse_arguments, refuse_inherited
 from .inputs import ARGUMENTS, check_arguments, options_code
 from .items_in_batch import check_items_in_batch, loss_over_items
 from .model_facts import ModelFacts
+from .router_outputs import loss_without_aux, router_logits_asked, split_router_logits
 from .ops import collectives, context_parallel_attention
 from .ops.local_graph import LocalGraph
 from .ops.layer_units import install_layer_units
@@ -54,6 +55,8 @@ class ParallelCausalLMOutput(CausalLMOutputWithPast):
 
     local_logits: Optional[torch.FloatTensor] = None
     vocab_range: Optional[tuple] = None
+    aux_loss: Optional[torch.FloatTensor] = None  # with output_router_logits (router_outputs.py)
+    router_logits: Optional[tuple] = None
 
 
 def _set_path(root: nn.Module, dotted: str, value, kind: str):
@@ -179,14 +182,15 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
     def graphs(self) -> list:
         return list(self._graph_set)
 
-    def _graph_for(self, args: dict, cache=None, logits_to_keep: int = 0, unpadded: bool = False) -> LocalGraph:
-        """The graph for these arguments (and KV cache, logits kept, a mask without padding), captured on first
+    def _graph_for(self, args: dict, cache=None, logits_to_keep: int = 0, unpadded: bool = False,
+                   router_logits: bool = False) -> LocalGraph:
+        """The graph for these arguments (and KV cache, logits kept, a mask without padding, router logits), captured on first
         use of an argument set or a shape outside every graph's guards; a shape seen before costs a dictionary
         lookup."""
         shapes = {k: tuple(v.shape) for k, v in args.items()}
         spec = GraphSpec(tuple(n for n in ARGUMENTS if n in args), shapes["input_ids"],
                          labels_shifted=self.cp_group is not None, logits_to_keep=logits_to_keep, unpadded=unpadded,
-                         cache_length=cache.length if cache is not None else None)
+                         cache_length=cache.length if cache is not None else None, router_logits=router_logits)
         if cache is not None and not cache.layout:  # its layout is that of any graph of its length
             known = self._graph_set.with_cache_length(cache.length)
             if known is None:
@@ -235,7 +239,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
     # ---- forward -------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, gather_logits=None,
                 past_key_values=None, use_cache=None, return_dict=None, check_inputs=True, compile_config=None,
-                logits_to_keep=0, num_items_in_batch=None, fused_lm_head=False, shift_labels=None, **unsupported):
+                logits_to_keep=0, num_items_in_batch=None, fused_lm_head=False, shift_labels=None,
+                output_router_logits=None, **unsupported):
         """The model's forward on this rank's shards: same arguments and outputs as the Hugging Face model
         (see docs/reference.md, "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
         earlier call) runs with a static KV cache sharded by heads (``generation/parallel_cache.py``) and returns
@@ -249,7 +254,9 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         ``num_items_in_batch`` (transformers.Trainer's): the loss is the sum of this call's token losses divided
         by it, as transformers' loss computes it under gradient accumulation; ``fused_lm_head=True`` (with
         ``labels`` or ``shift_labels``), once TRL's ``add_fused_lm_head`` was applied: TRL's per-token outputs,
-        computed across the vocabulary shards (``fused_head.py``)."""
+        computed across the vocabulary shards (``fused_head.py``); ``output_router_logits`` (None: the config's, as
+        in transformers) on a mixture of experts: the loss holds the load-balancing term, ``aux_loss`` and
+        ``router_logits`` are returned (``router_outputs.py``)."""
         if fused_lm_head or shift_labels is not None:
             return fused_head.forward_of(self)(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
@@ -259,9 +266,10 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         gather = (labels is None) if gather_logits is None else bool(gather_logits)
         # the checks of this rank's own arguments: an error is raised only after the exchange in check_arguments,
         # so that an argument given to one rank only never leaves the others waiting in a collective (inputs.py)
-        refused, cache, args = None, None, {}
+        refused, cache, args, router = None, None, {}, False
         try:
             refuse_arguments(unsupported)  # naming each and what to do instead (hf_methods.py)
+            router = router_logits_asked(self, output_router_logits)
             if not isinstance(input_ids, torch.Tensor):
                 raise TypeError("input_ids is required" if input_ids is None else
                                 f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
@@ -277,14 +285,15 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         except Exception as err:  # noqa: BLE001 - raised below, after the other ranks have heard of it
             if not check_inputs:
                 raise
-            refused, cache, logits_to_keep = err, None, 0
+            refused, cache, logits_to_keep, router = err, None, 0, False
         dropout = bool(self.dropout_rates) and self.training and cache is None
         unpadded = False  # an attention mask of all ones: attention as without one (capture/causal_mask.py)
         if check_inputs:
             unpadded = check_arguments(args, self.tp_group, self.vocab_rows, self.label_classes, dropout=dropout,
                                        mask_length=cache.length if cache is not None else None,
                                        options=options_code(gather, dropout, logits_to_keep,
-                                                            cache.length if cache is not None else None, self.dtype_),
+                                                            cache.length if cache is not None else None, self.dtype_,
+                                                            router),
                                        refused=refused, device=self.device_)
             unpadded = unpadded and cache is None and self.cp_group is None
         if self.sequence_parallel and cache is None and input_ids.shape[-1] % self.tp_group.size:
@@ -293,7 +302,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                                 f"pad the batch to a multiple of {self.tp_group.size}")
         if self.cp_group is not None:
             args = context_parallel_attention.prepare_arguments(args, self.cp_group, self.plan.model_type)
-        graph = self._graph_for(args, cache, logits_to_keep, unpadded)
+        graph = self._graph_for(args, cache, logits_to_keep, unpadded, router)
         if cache is not None:
             if not cache.allocated:
                 cache.allocate(input_ids.shape[0], self.device_)
@@ -312,11 +321,16 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             uneven = (tuple(sizes),) if sizes and len(set(sizes)) > 1 else None
             local_logits = logits
             logits = collectives.all_gather(logits, placement.dim, self.tp_group.handle, None, uneven) if gather else None
-        loss = results.get("loss")
+        loss, aux_loss = results.get("loss"), results.get("aux_loss")
         if num_items_in_batch is not None and loss is not None and labels is not None:
-            loss = loss_over_items(loss, args["labels"], num_items_in_batch)
+            # transformers normalizes the language-model loss by the items and adds the load-balancing term after
+            aux = 0.0 if aux_loss is None else self.router_aux_loss_coef * aux_loss
+            loss = loss_over_items(loss_without_aux(loss, aux_loss, self.router_aux_loss_coef), args["labels"],
+                                   num_items_in_batch) + aux
         out = ParallelCausalLMOutput(loss=loss, logits=logits, local_logits=local_logits,
-                                     vocab_range=vocab_range, **{CACHE_FIELD: cache})
+                                     vocab_range=vocab_range, aux_loss=aux_loss,
+                                     router_logits=split_router_logits(results.get("router_logits")),
+                                     **{CACHE_FIELD: cache})
         return out if return_dict is not False else self._as_tuple(out, labels, gather_logits)
 
     @staticmethod
@@ -332,7 +346,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                 f"gathered ({why}; each rank holds its vocabulary shard): pass gather_logits=True for the complete "
                 "logits in the tuple, or leave return_dict unset and read the ParallelCausalLMOutput's .loss and "
                 ".local_logits (this rank's vocabulary rows .vocab_range)")
-        return tuple(v for v in (out.loss, out.logits, getattr(out, CACHE_FIELD)) if v is not None)
+        return tuple(v for v in (out.loss, out.aux_loss, out.logits, getattr(out, CACHE_FIELD), out.router_logits)
+                     if v is not None)
 
     def _cache_for(self, past_key_values, use_cache, input_ids, attention_mask):
         """The KV cache of this call: the one given, a new one (``use_cache=True``), or None."""

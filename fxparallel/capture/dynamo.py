@@ -19,6 +19,7 @@ from ..errors import CaptureError
 from .static_cache import argument_name, cache_argument, cache_tensors, meta_cache, state_not_carried
 from .causal_mask import causal_without_mask
 from .dropout_sites import check_training_graph
+from .router_logits import install_output_recorders, takes_router_logits
 from .adapters import hf_name
 from .graph import CapturedGraph
 from .spec import GraphSpec
@@ -28,6 +29,8 @@ log = logging.getLogger("fxparallel")
 def _forward_fn(model, spec: GraphSpec, cache=None, unpadded: bool = False):
     output_names, logits_to_keep = spec.outputs, spec.logits_to_keep
     labels_shifted = spec.labels_shifted and "labels" in spec.arguments
+    # asked for explicitly either way: a config with output_router_logits=True must not add the term unasked
+    router = {"output_router_logits": spec.router_logits} if takes_router_logits(model) else {}
 
     def run(**kwargs):
         if unpadded:  # the mask is as long as the tokens (inputs.py), so the queries are all the keys
@@ -37,14 +40,20 @@ def _forward_fn(model, spec: GraphSpec, cache=None, unpadded: bool = False):
         if labels_shifted:  # context parallelism: the loss takes labels as given (transformers' shift_labels)
             kwargs["shift_labels"] = kwargs["labels"]
         if cache is not None:
-            out = model(**kwargs, **cache_argument(model, cache), use_cache=True, return_dict=True)
+            out = model(**kwargs, **cache_argument(model, cache), **router, use_cache=True, return_dict=True)
         else:
-            out = model(**kwargs, use_cache=False, return_dict=True)
-        return tuple(getattr(out, name) for name in output_names)
+            out = model(**kwargs, **router, use_cache=False, return_dict=True)
+        return tuple(_output(out, name) for name in output_names)
 
     # A fresh code object per capture: Dynamo caches by code object, so this capture
     # neither reuses nor evicts anything else (no torch._dynamo.reset() needed).
     return types.FunctionType(run.__code__.replace(), run.__globals__, "fxparallel_capture", None, run.__closure__)
+
+
+def _output(out, name: str):
+    if name == "router_logits":  # one tensor per MoE layer, all [tokens, experts]: one graph output
+        return torch.stack(out.router_logits)
+    return getattr(out, name)
 
 
 def _logging_functions() -> set:
@@ -166,6 +175,8 @@ def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGra
         return run_on_meta
 
     unpadded = spec.unpadded and cache is None and "attention_mask" in input_names
+    if spec.router_logits:
+        install_output_recorders(model)
     fn = _forward_fn(model, spec, cache, unpadded)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
     # a model with dropout is captured in training mode (its dropout sites with their rates), except for

@@ -19,7 +19,10 @@ class GraphSpec:
     ``labels_shifted``: labels arrive shifted by one (context parallelism: the loss takes them as given).
     ``cache_length``: a generation graph with a static KV cache of that many tokens (capture/static_cache.py).
     ``logits_to_keep``: the logits of the last that many positions only (0: all; generate's prefill keeps 1).
-    ``unpadded``: for calls whose attention mask holds no padding (capture/causal_mask.py)."""
+    ``unpadded``: for calls whose attention mask holds no padding (capture/causal_mask.py).
+    ``router_logits``: a mixture-of-experts model run with transformers' ``output_router_logits=True``: the
+    loss holds the load-balancing term, and the graph also outputs it (``aux_loss``) and every MoE layer's
+    router logits (``router_logits``, stacked: [layers, tokens, experts])."""
 
     arguments: tuple
     shape: tuple = (EXAMPLE_BATCH, EXAMPLE_SEQ)
@@ -27,6 +30,7 @@ class GraphSpec:
     cache_length: Optional[int] = None
     logits_to_keep: int = 0
     unpadded: bool = False
+    router_logits: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "arguments", tuple(self.arguments))
@@ -34,14 +38,15 @@ class GraphSpec:
 
     @property
     def outputs(self) -> tuple:
-        return ("loss", "logits") if "labels" in self.arguments else ("logits",)
+        plain = ("loss", "logits") if "labels" in self.arguments else ("logits",)
+        return plain + ("aux_loss", "router_logits") if self.router_logits else plain
 
     @property
     def identity(self) -> tuple:
         """What tells two graphs apart apart from the shapes their guards take: a call is served by a graph
         of the same identity whose guards hold for its shapes."""
         return (tuple(sorted(self.arguments)), self.labels_shifted, self.cache_length, self.logits_to_keep,
-                self.unpadded)
+                self.unpadded, self.router_logits)
 
     def at(self, shape) -> "GraphSpec":
         return dataclasses.replace(self, shape=tuple(shape))
@@ -52,7 +57,7 @@ class GraphSpec:
     def to_dict(self) -> dict:
         """Plain JSON data (the graph cache's key and entries)."""
         return {"arguments": list(self.arguments), "shape": list(self.shape), "labels_shifted": self.labels_shifted,
-                "cache_length": self.cache_length, "logits_to_keep": self.logits_to_keep, "unpadded": self.unpadded}
+                "cache_length": self.cache_length, "logits_to_keep": self.logits_to_keep, "unpadded": self.unpadded, "router_logits": self.router_logits}
 
     @classmethod
     def from_dict(cls, d: dict) -> "GraphSpec":

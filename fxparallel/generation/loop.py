@@ -307,6 +307,8 @@ def _step(model, decoding: _Decoding, step_ids: torch.Tensor, step_positions: to
     prefill = step_ids.shape[1] > 1
     if prefill and model.takes_logits_to_keep:  # the last position's logits only, as transformers' prefill
         given["logits_to_keep"] = 1
+    if model.takes_router_logits:  # tokens need no router logits, whatever the config says
+        given["output_router_logits"] = False
     out = model.forward(input_ids=step_ids, attention_mask=decoding.full_mask, past_key_values=decoding.cache,
                         use_cache=True, gather_logits=False, check_inputs=False,
                         compile_config=None if prefill else decoding.compile_config, **given)

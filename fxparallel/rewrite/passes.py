@@ -13,6 +13,7 @@ the report reads only names and the final graph after it).
     context_parallel     sdpa -> attention over the cp group's chunks (with a cp group)
     bind                 parameters, buffers and sizes bound; the graph becomes runnable
     dropout_mode         every dropout site reads the module's ``training`` flag (rewrite/dropout_masks.py)
+    device_kernels       integer histograms chosen on meta counted in float on CPU (rewrite/device_kernels.py)
     split_by_layer       one piece of code per decoder layer (FSDP units), root code calls them
 
 Skip a pass by name (``run_passes(ctx, skip=...)``); add one by adding a row to ``PASSES``.
@@ -33,6 +34,7 @@ from ..plan.placement import Placement
 from ..plan.solver import GraphPlan
 from .bind import bind_inputs
 from .context_parallel import apply_context_parallel
+from .device_kernels import float_histograms_on_cpu
 from .dropout_masks import bind_training_flag, cut_sequence_chunks, replicated_sites
 from .editor import GraphEditor
 from .gradient_reductions import insert_gradient_reductions
@@ -120,6 +122,10 @@ def dropout_mode(ctx: PassContext) -> None:
     bind_training_flag(ctx.graph)
 
 
+def device_kernels(ctx: PassContext) -> None:
+    float_histograms_on_cpu(ctx.graph, ctx.device)
+
+
 def split_by_layer(ctx: PassContext) -> None:
     ctx.forward, ctx.code, ctx.pieces = generate_layered_forward(ctx.graph, ctx.captured.params.values())
 
@@ -139,6 +145,7 @@ PASSES = (
     ("context_parallel", context_parallel, lambda ctx: ctx.cp is not None),
     ("bind", bind, lambda ctx: True),
     ("dropout_mode", dropout_mode, lambda ctx: True),
+    ("device_kernels", device_kernels, lambda ctx: True),
     ("split_by_layer", split_by_layer, lambda ctx: True),
 )
 OPTIONAL = ("sequence_parallel", "context_parallel", "split_by_layer")  # the passes one may skip
