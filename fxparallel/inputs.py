@@ -25,9 +25,13 @@
 * Padding: whether the attention mask holds any, read in the same exchange. A call without a
   cache whose mask holds none runs attention as transformers does then, without the mask
   (``capture/causal_mask.py``).
+* A caller's own number can ride on the same read (``read_with_argument_check``): ``train_step`` reads its
+  global label count there, so a training step reads the host once.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import zlib
 from typing import Optional
 
@@ -47,6 +51,21 @@ FIELDS = 14
 _PRESENCE_BITS = len(FINGERPRINT)
 _KEEP_LIMIT = 1 << 20  # logits_to_keep above this is compared as this (no graph keeps more)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the model's dtype as an index (4: other)
+_RIDER = threading.local()  # read_with_argument_check's value, while its block runs
+
+
+@contextlib.contextmanager
+def read_with_argument_check(value: torch.Tensor):
+    """Within the block, the next argument check reads ``value`` (an integer scalar, the same on every rank of the
+    tp group) on the host with its own exchange, as one more field of the fingerprint (compared across the tp
+    ranks like the others). Yields a dict that then holds it under "value" (nothing when no check ran:
+    ``check_inputs=False``)."""
+    box, previous = {"tensor": value.reshape(1).to(torch.int64)}, getattr(_RIDER, "box", None)
+    _RIDER.box = box
+    try:
+        yield box
+    finally:
+        _RIDER.box = previous
 
 
 def options_code(gather: bool, dropout: bool, logits_to_keep: int, cache_length: Optional[int],
@@ -146,12 +165,17 @@ def check_arguments(args: dict, group, vocab: Optional[int], classes: Optional[i
         problem = None
         mine = torch.zeros(FIELDS, dtype=torch.int64, device=device)
         mine[11] = 1
+    box = getattr(_RIDER, "box", None)
+    if box is not None and "value" not in box:
+        mine = torch.cat([mine, box["tensor"].to(mine.device)])
     if group is not None and group.process_group is not None and group.size > 1:
         rows = [torch.empty_like(mine) for _ in range(group.size)]
         dist.all_gather(rows, mine, group=group.process_group)
         table = torch.stack(rows).cpu().tolist()
     else:
         table = [mine.cpu().tolist()]
+    if len(table[0]) > FIELDS:
+        box["value"] = table[0][FIELDS]
     if refused is not None:
         raise refused
     if problem is not None:

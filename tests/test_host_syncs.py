@@ -1,5 +1,6 @@
 """Host syncs of a training step (a GPU waits for its queue at each; FSDP2's run-ahead stops): train_step makes
-one, the global label count that refuses an empty batch; its metrics are read from the device only when asked.
+one, the forward's argument check, which also reads the global label count that refuses an empty batch; its
+metrics are read from the device only when asked.
 Counted by wrapping every way a tensor reaches the host (item, tolist, numpy, cpu, int/float/bool of a tensor,
 torch.cuda.synchronize), one per source line that reads; torch.optim's reads of its step counters are left out
 (they live on the CPU beside GPU parameters: no sync)."""
@@ -48,6 +49,7 @@ def _steps(rank, world, path):
     import torch
 
     import fxparallel
+    from checks import raised
     from fxparallel.runtime import init_mesh, train_step
 
     mesh = init_mesh(tp=2, dp=1, cp=1)
@@ -65,12 +67,18 @@ def _steps(rank, world, path):
     read = []
     with counting_host_syncs(read):
         values = [(m.loss, m.grad_norm) for m in metrics]
-    return per_step, read, values
+    # a global batch without label tokens: refused (read with the check) before the backward changes anything
+    before = [p.detach().clone() for p in model.parameters()]
+    empty = raised(lambda: train_step(model, opt, {"input_ids": ids, "labels": torch.full_like(ids, -100)}, mesh),
+                   ValueError)
+    unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+    return per_step, read, values, (empty, unchanged)
 
 
 def test_one_host_sync_per_training_step(checkpoints):
-    for per_step, read, values in run_ranks(2, _steps, checkpoints["llama"]):
-        # the forward's argument check (one exchange, read on the host) and the step's label count
-        assert all([w.split(":")[0] for w, _ in c] == ["train.py", "inputs.py"] for c in per_step), per_step
+    for per_step, read, values, (empty, unchanged) in run_ranks(2, _steps, checkpoints["llama"]):
+        assert "the global batch has no label tokens" in empty and unchanged, (empty, unchanged)
+        # the forward's argument check: one exchange, read on the host, the step's global label count riding on it
+        assert all([w.split(":")[0] for w, _ in c] == ["inputs.py"] for c in per_step), per_step
         assert [w.split(":")[0] for w, _ in read] == ["train.py"] * 3, read  # each step's metrics: one read, when asked
         assert values[1][0] < values[0][0] and all(v == v and v > 0 for pair in values for v in pair)

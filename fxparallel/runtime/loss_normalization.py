@@ -46,15 +46,16 @@ def global_label_tokens(labels: torch.Tensor, mesh, shifted: bool = False) -> in
     return int(global_label_count(labels, mesh, shifted).item())
 
 
-def scaled_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, global_tokens: int, shifted: bool = False,
+def scaled_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, global_tokens, shifted: bool = False,
                 **kwargs):
     """Forward; returns (loss to backpropagate, this rank's token-loss sum as a detached tensor).
 
-    A rank without any label token still runs forward and backward (its collectives
-    must match the other ranks'); it contributes zero. Nothing here waits for the device:
-    the rank's own count stays a tensor.
+    ``global_tokens``: an int, or ``global_label_count``'s tensor (then read by nobody here: the caller refuses
+    an empty global batch before the backward, as ``train_step`` does). A rank without any label token still runs
+    forward and backward (its collectives must match the other ranks'); it contributes zero. Nothing here waits
+    for the device: the rank's own count stays a tensor.
     """
-    if global_tokens <= 0:
+    if not isinstance(global_tokens, torch.Tensor) and global_tokens <= 0:
         raise ValueError("the global batch has no label tokens (every label is -100)")
     local = label_tokens(labels, shifted)
     # with no label token the model's mean would be 0/0: give it one dummy token, weighted by zero below
@@ -63,5 +64,7 @@ def scaled_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, global_tok
     labels[where] = torch.where(local == 0, torch.zeros_like(labels[where]), labels[where])
     out = model(input_ids=input_ids, labels=labels, **kwargs)
     local = local.to(out.loss.device)
+    if isinstance(global_tokens, torch.Tensor):
+        global_tokens = global_tokens.to(local.device, torch.float64)
     loss = out.loss * (local.double() / global_tokens).to(out.loss.dtype)  # the ratio rounded once, as a float's
     return loss, (out.loss.detach() * local.to(out.loss.dtype)).float()

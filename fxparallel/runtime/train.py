@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .clip import clip_grad_norm_, global_grad_norm
 from .context_parallel_batches import split_for_context_parallel
+from ..inputs import read_with_argument_check
 from .loss_normalization import global_label_count, scaled_loss
 
 
@@ -78,9 +79,14 @@ def train_step(model, optimizer, batch: dict, mesh, *, max_norm: Optional[float]
     ids = batch["input_ids"].to(mesh.device)
     labels = batch.get("labels", batch["input_ids"]).to(mesh.device)
     shifted = mesh.cp > 1
-    # the step's one host sync: an empty global batch is refused before anything changes
-    global_tokens = int(global_label_count(labels, mesh, shifted=shifted).item())
-    loss, local_sum = scaled_loss(forward, ids, labels, global_tokens, shifted=shifted, **extra)
+    count = global_label_count(labels, mesh, shifted=shifted)
+    # the step's one host sync: the count is read with the forward's argument check (inputs.py), and an empty
+    # global batch is refused before the backward, so before anything changes
+    with read_with_argument_check(count) as read:
+        loss, local_sum = scaled_loss(forward, ids, labels, count, shifted=shifted, **extra)
+    global_tokens = read["value"] if "value" in read else int(count.item())
+    if global_tokens <= 0:
+        raise ValueError("the global batch has no label tokens (every label is -100)")
     loss.backward()
     if max_norm is not None and max_norm > 0:
         norm = clip_grad_norm_(model, max_norm, mesh)
