@@ -181,7 +181,8 @@ def test_expert_parallel_grouped_mm_computes_each_ranks_rows(checkpoints, tmp_pa
         with open(os.path.join(paths[name], "config.json"), "w") as f:
             json.dump(config, f)
     plain = _plain_plans(paths, tp, "grouped_mm")
-    results = run_ranks(tp, _grouped, paths, (), timeout=900)  # (meta has no fp32 grouped_mm: generate on CPU uses batched_mm)
+    # generate too (its static cache is filled on meta with batched_mm: meta's grouped_mm takes bfloat16 only)
+    results = run_ranks(tp, _grouped, paths, ("gpt_oss",) if tp == 2 else (), timeout=900)
     for rank, rank_result in enumerate(results):
         for name in names:
             _assert_rank(name, tp, rank, rank_result[name], plain[name], "grouped_mm")

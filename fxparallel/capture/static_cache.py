@@ -9,6 +9,7 @@ with the shapes its own code asks for (any number of kv heads, head size). Slidi
 whole length too: their window is the attention mask's."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -43,6 +44,22 @@ def state_not_carried(model, what: str) -> CaptureError:
     return CaptureError(f"{type(model).__name__}: its cache keeps a state the parallel model's generation graphs do "
                         f"not carry ({what}; carried: {', '.join(FIELDS)}): generate and use_cache are not supported "
                         "for this model yet; forward and training are")
+
+
+@contextlib.contextmanager
+def _plain_experts(model):
+    """MoE experts run with transformers' batched_mm kernel while the cache is filled: the fill only allocates
+    the cache, and the meta grouped_mm kernel takes bfloat16 only (a float32 model could not fill it)."""
+    configs = [c for c in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
+               if getattr(c, "_experts_implementation", None) in (None, "grouped_mm")]
+    before = [c._experts_implementation for c in configs]
+    try:
+        for c in configs:
+            c._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for c, value in zip(configs, before):
+            c._experts_implementation = value
 
 
 def meta_cache(model, batch: int, length: int):
@@ -82,7 +99,7 @@ def meta_cache(model, batch: int, length: int):
     # in the ids, a mask it could leave out; with a shape env, data-dependent sizes (JetMoE's expert counts,
     # X-MOD's nonzero) are symbols. The tensors the layers allocate come out fake: made meta again
     try:
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), _plain_experts(model):
             ids = torch.zeros(batch, 1, dtype=torch.long, device="meta")
             model(input_ids=ids, use_cache=True, **cache_argument(model, cache))
     except Exception as err:  # noqa: BLE001 - e.g. a deep copy of cache layers (Dory), data read on meta
