@@ -17,8 +17,9 @@ all-reduce, the same total norm on every rank.
 The mode starts when Trainer or accelerate reads ``model.tp_size`` (transformers' sign that a model was
 sharded before they saw it; they then leave it unwrapped, no DistributedDataParallel, and give every tp
 rank the same batch), or with ``use_dtensor_parameters(model)``. Only placements DTensor can state are
-allowed; a fused weight's segmented shard or an uneven split is refused naming the parameter, before
-anything changes."""
+allowed: a fused weight of equal parts (gate / up) is a ``_StridedShard`` (``trainer_placement``); one of unequal
+parts (q / k / v with fewer kv heads) or an uneven split is refused naming the parameter, before anything
+changes."""
 from __future__ import annotations
 
 import functools
@@ -46,7 +47,7 @@ def use_dtensor_parameters(model) -> None:
     from torch.distributed.tensor import DTensor
     from transformers.distributed import DistributedConfig
 
-    from .runtime.dtensor import contiguous_stride, tp_placement
+    from .runtime.dtensor import contiguous_stride
 
     group = model.tp_group
     _refuse_unsupported_layouts(model)
@@ -58,7 +59,7 @@ def use_dtensor_parameters(model) -> None:
                 "ranks): transformers.Trainer cannot train a model under fxparallel's FSDP; train it with "
                 "fxparallel.runtime.train_step")
         try:
-            placements[id(param)] = tp_placement(model.plan.param(name))
+            placements[id(param)] = trainer_placement(model.plan.param(name), group.size)
         except NotImplementedError as err:
             raise DTensorParametersError(
                 f"transformers.Trainer / accelerate need the parallel model's parameters as DTensors, and {err}: "
@@ -76,6 +77,24 @@ def use_dtensor_parameters(model) -> None:
     model.__dict__["_dtensor_views"] = views
     if group.size > 1:  # transformers' record of a sharded model, which Trainer and accelerate read
         model.config.distributed_config = DistributedConfig(tp_size=group.size)
+
+
+def trainer_placement(plan_param, tp: int):
+    """The DTensor placement of a parameter's view: ``tp_placement``'s, and for a fused weight of equal parts split
+    evenly (gate / up, GPT-2's q / k / v, MoE experts' gate_up) ``_StridedShard(d, split_factor=parts)``: rank r
+    holds its piece of each part, which is that placement's layout, so ``full_tensor()``, clipping and the
+    optimizer see the true weight. Unequal parts (q / k / v with fewer kv heads), uneven splits and parts every
+    rank holds whole have no placement: NotImplementedError."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from .runtime.dtensor import tp_placement
+
+    p = plan_param.placement
+    segments = p.segments
+    if not segments or p.whole or p.block is not None or getattr(plan_param, "split", ()) \
+            or len(set(segments)) != 1 or segments[0] % tp:
+        return tp_placement(plan_param)
+    return _StridedShard(p.dim, split_factor=len(segments))
 
 
 def _hook(param, view) -> None:

@@ -203,10 +203,12 @@ class HuggingFaceMethods:
         kept.extend(t for t in tags if t not in kept)
 
     @property
-    def loss_type(self) -> str:
-        """transformers' name of the loss (``LOSS_MAPPING``): the causal-LM loss, which shifts the labels itself;
-        Trainer reads it to count the label tokens of ``num_items_in_batch`` as that loss does."""
-        return "ForCausalLM"
+    def loss_type(self) -> Optional[str]:
+        """transformers' name of the loss (``LOSS_MAPPING``), the Hugging Face model's own: Trainer reads it to count
+        the label tokens of ``num_items_in_batch``, shifted for "ForCausalLM" (the loss shifts the labels itself),
+        all of them for a model whose class name transformers does not map (None: GPT-2's ``GPT2LMHeadModel``),
+        so Trainer normalizes the loss as it does for the Hugging Face model."""
+        return self.hf_loss_type
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False,
                        local: bool = False) -> int:

@@ -22,10 +22,12 @@ Adam's first steps divide each gradient by its own magnitude, which turns fp32 r
 1e-4 weight differences whatever computed them; Trainer's run above uses AdamW.)"""
 from __future__ import annotations
 
+import os
+
 from distributed import run_ranks
 
 
-def _trainer_run(model, out_dir, save_to=None):
+def _trainer_run(model, out_dir, save_to=None, optim="adamw_torch"):
     """Train ``model`` with stock Trainer for 4 optimizer steps (then ``save_model(save_to)``); returns
     (losses, grad norms)."""
     import torch
@@ -41,7 +43,7 @@ def _trainer_run(model, out_dir, save_to=None):
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              max_steps=4, learning_rate=5e-2, lr_scheduler_type="linear", warmup_steps=1,
                              max_grad_norm=0.5, gradient_checkpointing=True, logging_steps=1, report_to=[],
-                             use_cpu=True, save_strategy="no", seed=7, dataloader_num_workers=0)
+                             use_cpu=True, save_strategy="no", seed=7, dataloader_num_workers=0, optim=optim)
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     trainer.train()
     if save_to is not None:
@@ -386,3 +388,55 @@ def test_trainer_stack(checkpoints, tmp_path):
             r["grpo"]["error"] and r["grpo"]["unchanged"], r["grpo"]
     _check_trainer(results[0]["tp1"])
     assert "the world has 2 ranks and the model's tp group 1" in results[0]["tp1"]["smaller_group"]
+
+
+def _fused_weights(rank, world, paths, root):
+    """Stock Trainer on models with fused weights of equal parts (Mixtral's experts split inside, gate / up; GPT-2's
+    c_attn, q / k / v on dim 1) against one process: losses, grad norms, every weight as its view's full_tensor(); and
+    Phi-3 with fewer kv heads (q / k / v of unequal sizes), refused naming the parameter."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    import fxparallel
+    from checks import raised
+    from fxparallel.accelerate_cpu import allow_tensor_parallel_on_cpu
+    from transformers import AutoModelForCausalLM
+
+    allow_tensor_parallel_on_cpu()
+    out = {}
+    for name in ("mixtral", "gpt2"):
+        parallel = fxparallel.parallelize(paths[name], dist.group.WORLD, dtype=torch.float32)
+        # SGD: GPT-2's key bias has a gradient of exactly zero in exact arithmetic (softmax ignores a constant per
+        # query), which AdamW would turn from fp32 rounding into lr-sized steps whatever computed it
+        run = {"trainer": _trainer_run(parallel, f"{root}/{name}-tp{rank}", optim="sgd")}
+        single = AutoModelForCausalLM.from_pretrained(paths[name], dtype=torch.float32)
+        run["trainer_ref"] = _single_process(_trainer_run, single, f"{root}/{name}-single{rank}", None, "sgd")
+        ref_params = dict(single.named_parameters())
+        views = dict(parallel.named_parameters())  # Trainer's DTensor views: whole weights, fused ones included
+        run["trainer_weights"] = max((v.full_tensor() - ref_params[n]).abs().max().item() for n, v in views.items())
+        run["strided"] = sorted(n for n, v in views.items() if isinstance(v.placements[0], _StridedShard))
+        out[name] = run
+    phi3 = fxparallel.parallelize(paths["phi3"], dist.group.WORLD, dtype=torch.float32)
+    out["refused"] = raised(lambda: phi3.tp_size)
+    return out
+
+
+def test_trainer_trains_fused_weights_of_equal_parts(tmp_path):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    from models import save_checkpoint
+    from tiny_configs import tiny_config
+
+    paths = {"mixtral": save_checkpoint(tiny_config("mixtral"), str(tmp_path / "mixtral")),
+             "gpt2": save_checkpoint(tiny_config("gpt2"), str(tmp_path / "gpt2")),
+             "phi3": save_checkpoint(tiny_config("phi3", num_attention_heads=4, num_key_value_heads=2),
+                                     str(tmp_path / "phi3"))}
+    for r in run_ranks(2, _fused_weights, paths, str(tmp_path)):
+        for name in ("mixtral", "gpt2"):
+            _check_trainer(r[name])
+        assert r["mixtral"]["strided"] == [f"model.layers.{i}.mlp.experts.gate_up_proj" for i in range(2)], r["mixtral"]
+        assert any(n.endswith("attn.c_attn.weight") for n in r["gpt2"]["strided"]), r["gpt2"]["strided"]
+        assert "qkv_proj.weight is a segmented shard" in r["refused"] and "DTensor has no placement" in r["refused"], \
+            r["refused"]
