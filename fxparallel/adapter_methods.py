@@ -5,7 +5,7 @@
 layers in them (``capture/adapters.py``), every base parameter's placement kept, and adds shards for the
 adapter's matrices, read from the adapter's file or initialized as PEFT initializes them (A Kaiming-uniform,
 B zero), alike on every rank. Several adapters may be attached: each keeps its shards, the graphs compute the
-active one (the last attached, or the one ``set_adapter`` names). The base model is frozen, as PEFT freezes it."""
+active one(s) (the last attached, or those ``set_adapter`` names). The base model is frozen, as PEFT freezes it."""
 from __future__ import annotations
 
 import copy
@@ -57,26 +57,23 @@ class AdapterMethods:
         return {a.name: a.config for a in attached}
 
     def active_adapters(self) -> list:
-        return [self._adapter("active_adapters").name]
+        return [self._adapter("active_adapters").name, *self._graph_set.factory.source.co_active]
 
     def set_adapter(self, adapter_name) -> None:
-        """Make ``adapter_name`` the active adapter (the graphs re-planned with it, every adapter's matrices kept;
-        collective over the tp group) and, as PEFT's ``set_adapter`` does, the only trainable one."""
+        """Make ``adapter_name`` (a name, or a list: their outputs add up, as in PEFT) the active adapter(s) (the
+        graphs re-planned with them, every adapter's matrices kept; collective over the tp group) and, as PEFT's
+        ``set_adapter`` does, the only trainable ones."""
         active = self._adapter("set_adapter")
         names = list(adapter_name) if isinstance(adapter_name, (list, tuple)) else [adapter_name]
         attached = {a.name: a for a in self._all_adapters()}
         missing = [n for n in names if n not in attached]
-        if missing:
-            raise ArgumentError(f"set_adapter: adapter(s) {missing} not found; the model holds {list(attached)}")
-        if len(names) != 1:
-            raise ArgumentError(f"set_adapter: {names} asks for several active adapters at once; the parallel model "
-                                "runs one at a time")
-        if names[0] != active.name:
-            chosen = dataclasses.replace(attached[names[0]], enabled=active.enabled)
-            others = tuple(a for a in self._all_adapters() if a.name != chosen.name)
-            factory = self._graph_set.factory.with_adapter(chosen, others)
-            self._replace_graphs(factory, factory.training_graph(), keep_plan=True)
-        set_trainable(self, names[0], True)
+        if missing or not names:
+            raise ArgumentError(f"set_adapter: adapter(s) {missing or names} not found; the model holds "
+                                f"{list(attached)}")
+        names = list(dict.fromkeys(names))
+        if names != self.active_adapters():
+            self._activate(attached[names[0]], names[1:], active.enabled)
+        set_trainable(self, names, True)
         follow_requires_grad(self)  # Trainer's DTensor views, when it took them
 
     def disable_adapters(self) -> None:
@@ -105,7 +102,9 @@ class AdapterMethods:
         if chosen is not None:
             chosen = dataclasses.replace(chosen, enabled=active.enabled)
         others = tuple(a for a in kept if chosen is None or a.name != chosen.name)
-        factory = self._graph_set.factory.with_adapter(chosen, others)
+        co_active = tuple(n for n in self._graph_set.factory.source.co_active
+                          if n not in names and chosen is not None and n != chosen.name)
+        factory = self._graph_set.factory.with_adapter(chosen, others, co_active)
         planned = factory.training_graph()  # planned first: a failure changes nothing
         for name in names:
             for p in self.plan.params:
@@ -113,7 +112,7 @@ class AdapterMethods:
                     _drop_path(self, p.name.rsplit(".", 1)[0])
         self._replace_graphs(factory, planned)
         if chosen is not None and chosen.name != active.name:
-            set_trainable(self, chosen.name, True)
+            set_trainable(self, [chosen.name, *co_active], True)
 
     def get_adapter_state_dict(self, adapter_name=None, state_dict=None) -> dict:
         """The matrices of the adapter named (the active one by default) as full tensors under PEFT's names for a
@@ -132,9 +131,9 @@ class AdapterMethods:
                 for p in self.plan.params if is_adapter_parameter(p.name, name)}
 
     def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False, adapter_names=None):
-        """PEFT's ``merge_and_unload``: fold the active adapter into the base model's shards (each rank its pieces
-        of ``scaling * B @ A``) and re-plan the graphs without adapters (the others dropped, as PEFT unloads them);
-        returns the model (collective over the tp group)."""
+        """PEFT's ``merge_and_unload``: fold the active adapter(s) into the base model's shards (each rank its
+        pieces of ``scaling * B @ A``) and re-plan the graphs without adapters (the others dropped, as PEFT unloads
+        them); returns the model (collective over the tp group)."""
         adapter = self._adapter("merge_and_unload")
         if safe_merge or adapter_names is not None:
             raise ArgumentError("merge_and_unload: safe_merge and adapter_names are not supported on the parallel model")
@@ -145,8 +144,11 @@ class AdapterMethods:
         plain = factory.with_adapter(None)  # planned without the adapters first: a failure changes nothing
         planned = plain.training_graph()
         # the LoRA layers' scaling and layout from a meta model with the adapter in (disabled or not)
-        adapted = factory.with_adapter(dataclasses.replace(adapter, enabled=True)).meta
-        _merge(self, adapted, adapter.name)
+        source = factory.source
+        adapted = factory.with_adapter(dataclasses.replace(adapter, enabled=True), source.inactive_adapters,
+                                       source.co_active).meta
+        for name in self.active_adapters():
+            _merge(self, adapted, name)
         for path in {p.name.split(".lora_")[0] for p in self.plan.params if is_adapter_parameter(p.name)}:
             parent = self.get_submodule(path)
             parent._modules.pop("lora_A", None)
@@ -172,10 +174,15 @@ class AdapterMethods:
 
     def _switch_adapter(self, where: str, enabled: bool) -> None:
         adapter = self._adapter(where)
-        if adapter.enabled == enabled:
-            return
-        factory = self._graph_set.factory.with_adapter(dataclasses.replace(adapter, enabled=enabled),
-                                                       self._graph_set.factory.source.inactive_adapters)
+        if adapter.enabled != enabled:
+            self._activate(adapter, self._graph_set.factory.source.co_active, enabled)
+
+    def _activate(self, adapter: AdapterSource, co_active, enabled: bool) -> None:
+        """Re-plan the graphs with ``adapter`` active (and the adapters named ``co_active`` beside it), enabled or
+        not; every adapter's matrices and every placement kept."""
+        chosen = dataclasses.replace(adapter, enabled=enabled)
+        others = tuple(a for a in self._all_adapters() if a.name != chosen.name)
+        factory = self._graph_set.factory.with_adapter(chosen, others, tuple(co_active))
         self._replace_graphs(factory, factory.training_graph(), keep_plan=True)
 
     def _refuse_parameter_views(self, where: str, instead: str) -> None:

@@ -178,7 +178,7 @@ def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
     check_splittable(source.config, tp, meta)
     if source.adapter is not None and source.adapter.enabled:
         attached = source.inactive_adapters + (source.adapter,)
-        meta = adapters.inject(meta, [(a.config, a.name) for a in attached], source.adapter.name)
+        meta = adapters.inject(meta, [(a.config, a.name) for a in attached], [source.adapter.name, *source.co_active])
     return meta
 
 
@@ -308,10 +308,12 @@ class GraphFactory:
         return GraphFactory(self.source, meta, dtype, self.group, self.device, self.options.with_fixed(self.fixed),
                             self.trust_remote_code)
 
-    def with_adapter(self, adapter, inactive: tuple = ()) -> "GraphFactory":
+    def with_adapter(self, adapter, inactive: tuple = (), co_active: tuple = ()) -> "GraphFactory":
         """The factory of the same model with LoRA adapters (``load/adapter_files.AdapterSource``) injected,
-        ``adapter`` the active one (None: without adapters), every placement planned so far kept."""
-        source = dataclasses.replace(self.source, adapter=adapter, inactive_adapters=tuple(inactive))
+        ``adapter`` the active one (None: without adapters), ``co_active`` the names of inactive ones that compute
+        beside it, every placement planned so far kept."""
+        source = dataclasses.replace(self.source, adapter=adapter, inactive_adapters=tuple(inactive),
+                                     co_active=tuple(co_active))
         if self.options.expert_parallel:
             for a in (adapter, *inactive):
                 if a is not None and getattr(a.config, "target_parameters", None):

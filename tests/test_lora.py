@@ -8,7 +8,7 @@ at TP=3 (heads split unevenly) and TP=1; the adapters add only rank-r sized coll
 transformers' names on a parallel base model: ``load_adapter`` (same checks), ``add_adapter`` (logits unchanged,
 B being zero; loss and gradients as PEFT's with the same A), ``active_adapters``, a second adapter (other
 targets and rank) loaded beside the first and switched with ``set_adapter``, trained, read and deleted against a
-PeftModel holding both,
+PeftModel holding both, both active at once (their outputs added, trained, merged; saving refused),
 ``get_adapter_state_dict``, ``disable_adapters`` / ``enable_adapters`` and ``set_adapter`` against what PEFT gives
 for them, ``get_peft_model`` on the parallel model refused naming the way, transformers' errors without an
 adapter; ``lora_dropout`` and ``use_rslora`` trained with the layers recomputed (activation checkpointing); ``parallelize(peft_model)`` (same checks); ``merge_and_unload`` (PEFT's merged logits, no adapter left); GPT-2's
@@ -167,7 +167,8 @@ def _several(model, base_dir, adapter, other, ids, rank, tp) -> dict:
               for k, v in get_peft_model_state_dict(ref, adapter_name="mlp").items()}
     out["state dict of the inactive"] = sorted(ours) == sorted(theirs) and \
         max((ours[k] - theirs[k]).abs().max().item() for k in theirs) < 1e-6
-    out["two active"] = raised(lambda: model.set_adapter(["default", "mlp"]))
+    out["two active"] = _two_active(model, ref, ref_params, ids, rank, tp, adapter, other)
+    out["two active"]["vs default alone"] = (out["two active"].pop("expected") - logits["default"]).abs().max().item()
     model.set_adapter("mlp")  # saved: the active adapter alone, under PEFT's names, loaded by PEFT
     saved = os.path.join(os.path.dirname(adapter), "saved_mlp")
     model.save_pretrained(saved)
@@ -182,6 +183,54 @@ def _several(model, base_dir, adapter, other, ids, rank, tp) -> dict:
     out["after delete"] = (model.active_adapters(), [n for n, _ in model.named_parameters() if ".default." in n])
     with torch.no_grad():
         out["logits after delete"] = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+    return out
+
+
+def _two_active(model, ref, ref_params, ids, rank, tp, adapter, other) -> dict:
+    """Both adapters active (their outputs add up) against PeftModel's LoRA model with both active: logits, the
+    trainable matrices (both adapters'), loss and every gradient; save_pretrained refused as transformers refuses
+    it; merge_and_unload folds both (on a copy of ``model``'s state: a new model with the same adapters)."""
+    import torch.distributed as dist
+
+    import fxparallel
+    from checks import raised
+
+    both = ["default", "mlp"]
+    model.zero_grad(set_to_none=True)
+    for p in ref.parameters():
+        p.grad = None
+    model.set_adapter(both)
+    ref.base_model.set_adapter(both)
+    out = {"active": model.active_adapters(),
+           "trainable": ([n for n, p in model.named_parameters() if p.requires_grad],
+                         [n for n, p in ref_params.items() if p.requires_grad])}
+    with torch.no_grad():
+        expected = ref(input_ids=ids).logits
+        out["logits"] = (model(input_ids=ids).logits - expected).abs().max().item()
+    loss, ref_loss = (m(input_ids=ids, labels=ids).loss for m in (model, ref))
+    loss.backward()
+    ref_loss.backward()
+    out["loss"] = (loss - ref_loss).abs().item()
+    out["grad"] = max((p.grad - model.plan.param(n).shard_of(ref_params[n].grad, rank, tp)).abs().max().item()
+                      for n, p in model.named_parameters() if p.requires_grad)
+    out["saved"] = raised(lambda: model.save_pretrained(os.path.join(os.path.dirname(adapter), "both")))
+    copy = fxparallel.parallelize(os.path.join(os.path.dirname(adapter), "base"), dist.group.WORLD,
+                                  dtype=torch.float32)
+    for name, path in zip(both, (adapter, other)):
+        copy.load_adapter(path, adapter_name=name)
+    with torch.no_grad():
+        for n, p in copy.named_parameters():
+            if ".lora_" in n:
+                p.copy_(model.get_parameter(n))
+    copy.set_adapter(both)
+    copy.merge_and_unload()
+    with torch.no_grad():
+        out["merged"] = (copy(input_ids=ids).logits - expected).abs().max().item()
+    out["merged names"] = [n for n, _ in copy.named_parameters() if "lora" in n]
+    out["expected"] = expected
+    model.zero_grad(set_to_none=True)
+    for p in ref.parameters():
+        p.grad = None
     return out
 
 
@@ -467,7 +516,13 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         assert ours == theirs and all(".default." in n for n in ours) and len(ours) == 2 * 2 * len(TARGETS), several
         assert several["grads"][0] == several["grads"][1] == ours, several
         assert several["state dict of the inactive"], several
-        assert "asks for several active adapters at once" in several["two active"], several
+        two = several["two active"]
+        assert two["active"] == ["default", "mlp"] and two["logits"] < 1e-5 and two["merged"] < 1e-5, two
+        assert two["loss"] < 1e-5 and two["grad"] < 1e-5 and two["merged names"] == [], two
+        assert two["vs default alone"] > 1e-3, two  # the second adapter's output counts
+        ours, theirs = two["trainable"]
+        assert ours == theirs and any(".mlp." in n for n in ours) and any(".default." in n for n in ours), two
+        assert "adapters ['default', 'mlp'] are active together" in two["saved"], two
         assert several["after delete"] == (["mlp"], []) and several["logits after delete"] < 1e-5, several
         assert several["saved active"] < 1e-5, several
         assert r["logits"] < 1e-5 and r["reloaded"] < 1e-5 and r["trainable by default"] == [], r

@@ -31,8 +31,9 @@ def load_adapter_weights(module, plan, adapter, rank: int, tp: int) -> int:
     return nbytes
 
 
-def set_trainable(module, adapter: str, trainable: bool) -> None:
-    """The base model and every other adapter frozen; the matrices of the adapter named ``adapter`` take gradients
-    when ``trainable`` (PEFT's ``set_adapter``)."""
+def set_trainable(module, adapter, trainable: bool) -> None:
+    """The base model and every other adapter frozen; the matrices of the adapter(s) named ``adapter`` (a name or
+    a list) take gradients when ``trainable`` (PEFT's ``set_adapter``)."""
+    names = [adapter] if isinstance(adapter, str) else list(adapter)
     for name, param in module.named_parameters():
-        param.requires_grad_(trainable and is_adapter_parameter(name, adapter))
+        param.requires_grad_(trainable and any(is_adapter_parameter(name, a) for a in names))

@@ -31,6 +31,7 @@ class ModelSource:
     hub_kwargs: dict = field(default_factory=dict)
     adapter: Optional[object] = None  # the active LoRA adapter on the model (load/adapter_files.AdapterSource)
     inactive_adapters: tuple = ()  # the other adapters attached (AdapterSource), in the order they were attached
+    co_active: tuple = ()  # names of inactive_adapters that compute beside the active one (set_adapter([...]))
 
 
 def causal_lm_class(config, where: str, trust_remote_code: bool) -> Optional[type]:

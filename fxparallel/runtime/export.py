@@ -268,6 +268,10 @@ def write_pretrained(model, directory: str, scope: ExportScope, *, dtype: Option
     from .adapter_export import write_adapter
 
     adapter = model._attached()  # the active LoRA adapter, or None
+    if adapter is not None and len(model.active_adapters()) > 1:  # every rank alike: raised before any exchange
+        raise ArgumentError(f"save_pretrained: adapters {model.active_adapters()} are active together; as "
+                            "transformers, the parallel model saves one active adapter: save each after "
+                            "model.set_adapter(name)")
     only = (lambda name: is_adapter_parameter(name, adapter.name)) if adapter is not None else None
     state = _gather_to_writer(model, scope, dtype, refusal, only)
     error = None
