@@ -178,7 +178,8 @@ def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
     check_splittable(source.config, tp, meta)
     if source.adapter is not None and source.adapter.enabled:
         attached = source.inactive_adapters + (source.adapter,)
-        meta = adapters.inject(meta, [(a.config, a.name) for a in attached], [source.adapter.name, *source.co_active])
+        computing = [source.adapter.name, *source.co_active]
+        meta = adapters.inject(meta, [(a.config, a.name) for a in attached], computing)
     return meta
 
 
@@ -341,7 +342,8 @@ def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
         sequence_parallel=sequence_parallel, vocab_rows=vocab_rows, label_classes=label_classes,
         position_limit=_position_limit(meta), takes_position_ids="position_ids" in forward_parameters,
         takes_logits_to_keep="logits_to_keep" in forward_parameters,
-        takes_router_logits="output_router_logits" in forward_parameters, hf_loss_type=getattr(meta, "loss_type", None),
+        takes_router_logits="output_router_logits" in forward_parameters,
+        hf_loss_type=getattr(meta, "loss_type", None),
         router_aux_loss_coef=float(getattr(meta, "router_aux_loss_coef", 0.0) or 0.0),
         generation_config=_generation_config(source, meta.config), embedding_modules=embedding_modules(meta),
         embedding_weights=tuple(f"{path}.weight" for path, m in meta.named_modules()

@@ -184,9 +184,9 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
 
     def _graph_for(self, args: dict, cache=None, logits_to_keep: int = 0, unpadded: bool = False,
                    router_logits: bool = False) -> LocalGraph:
-        """The graph for these arguments (and KV cache, logits kept, a mask without padding, router logits), captured on first
-        use of an argument set or a shape outside every graph's guards; a shape seen before costs a dictionary
-        lookup."""
+        """The graph for these arguments (and KV cache, logits kept, a mask without padding, router logits),
+        captured on first use of an argument set or a shape outside every graph's guards; a shape seen before costs
+        a dictionary lookup."""
         shapes = {k: tuple(v.shape) for k, v in args.items()}
         spec = GraphSpec(tuple(n for n in ARGUMENTS if n in args), shapes["input_ids"],
                          labels_shifted=self.cp_group is not None, logits_to_keep=logits_to_keep, unpadded=unpadded,

@@ -121,6 +121,20 @@ def _second_adapter(adapter: str) -> str:
     return path
 
 
+def _step_against(model, ref, ref_params, ids, rank, tp) -> dict:
+    """The trainable matrices of ``model`` and of PEFT's ``ref``, and the loss and every trainable gradient against
+    it."""
+    out = {"trainable": ([n for n, p in model.named_parameters() if p.requires_grad],
+                         [n for n, p in ref_params.items() if p.requires_grad])}
+    loss, ref_loss = (m(input_ids=ids, labels=ids).loss for m in (model, ref))
+    loss.backward()
+    ref_loss.backward()
+    out["loss"] = (loss - ref_loss).abs().item()
+    out["grad"] = max((p.grad - model.plan.param(n).shard_of(ref_params[n].grad, rank, tp)).abs().max().item()
+                      for n, p in model.named_parameters() if p.requires_grad)
+    return out
+
+
 def _several(model, base_dir, adapter, other, ids, rank, tp) -> dict:
     """A second adapter (other targets and rank; named "mlp", like a module) loaded on ``model`` (which holds
     ``adapter`` as "default", trainable) against PeftModel holding both: which is active after loading (the new
@@ -152,14 +166,7 @@ def _several(model, base_dir, adapter, other, ids, rank, tp) -> dict:
             out[f"logits, {name} active"] = (model(input_ids=ids).logits - logits[name]).abs().max().item()
     out["effect"] = (logits["mlp"] - logits["default"]).abs().max().item()
     ref_params = {hf_name(n.removeprefix("base_model.model.")): p for n, p in ref.named_parameters()}
-    out["trainable"] = ([n for n, p in model.named_parameters() if p.requires_grad],
-                        [n for n, p in ref_params.items() if p.requires_grad])
-    loss, ref_loss = (m(input_ids=ids, labels=ids).loss for m in (model, ref))
-    loss.backward()
-    ref_loss.backward()
-    out["loss"] = (loss - ref_loss).abs().item()
-    out["grad"] = max((p.grad - model.plan.param(n).shard_of(ref_params[n].grad, rank, tp)).abs().max().item()
-                      for n, p in model.named_parameters() if p.requires_grad)
+    out.update(_step_against(model, ref, ref_params, ids, rank, tp))
     out["grads"] = ([n for n, p in model.named_parameters() if p.grad is not None],
                     [n for n, p in ref_params.items() if p.grad is not None])
     ours = model.get_adapter_state_dict("mlp")
@@ -201,18 +208,11 @@ def _two_active(model, ref, ref_params, ids, rank, tp, adapter, other) -> dict:
         p.grad = None
     model.set_adapter(both)
     ref.base_model.set_adapter(both)
-    out = {"active": model.active_adapters(),
-           "trainable": ([n for n, p in model.named_parameters() if p.requires_grad],
-                         [n for n, p in ref_params.items() if p.requires_grad])}
+    out = {"active": model.active_adapters()}
     with torch.no_grad():
         expected = ref(input_ids=ids).logits
         out["logits"] = (model(input_ids=ids).logits - expected).abs().max().item()
-    loss, ref_loss = (m(input_ids=ids, labels=ids).loss for m in (model, ref))
-    loss.backward()
-    ref_loss.backward()
-    out["loss"] = (loss - ref_loss).abs().item()
-    out["grad"] = max((p.grad - model.plan.param(n).shard_of(ref_params[n].grad, rank, tp)).abs().max().item()
-                      for n, p in model.named_parameters() if p.requires_grad)
+    out.update(_step_against(model, ref, ref_params, ids, rank, tp))
     out["saved"] = raised(lambda: model.save_pretrained(os.path.join(os.path.dirname(adapter), "both")))
     copy = fxparallel.parallelize(os.path.join(os.path.dirname(adapter), "base"), dist.group.WORLD,
                                   dtype=torch.float32)

@@ -93,10 +93,10 @@ def check_lora_config(config, where: str) -> None:
 
 def inject(meta_model, adapters, active):
     """``meta_model`` (on the meta device) with the LoRA layers of ``adapters`` ((LoraConfig, name) pairs, in the
-    order they were attached), ``active`` the name(s) of those the layers compute (PEFT's ``set_adapter``; the others' matrices
-    are in the model but not in its graphs). Every parameter is captured as one that takes gradients (as
-    build_meta_model leaves them), so the plan holds the reductions of any parameter a user trains; the module
-    freezes the others at run time."""
+    order they were attached), ``active`` the name(s) of those the layers compute (PEFT's ``set_adapter``; the
+    others' matrices are in the model but not in its graphs). Every parameter is captured as one that takes
+    gradients (as build_meta_model leaves them), so the plan holds the reductions of any parameter a user trains;
+    the module freezes the others at run time."""
     import copy
 
     from peft import inject_adapter_in_model

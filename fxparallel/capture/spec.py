@@ -57,7 +57,8 @@ class GraphSpec:
     def to_dict(self) -> dict:
         """Plain JSON data (the graph cache's key and entries)."""
         return {"arguments": list(self.arguments), "shape": list(self.shape), "labels_shifted": self.labels_shifted,
-                "cache_length": self.cache_length, "logits_to_keep": self.logits_to_keep, "unpadded": self.unpadded, "router_logits": self.router_logits}
+                "cache_length": self.cache_length, "logits_to_keep": self.logits_to_keep, "unpadded": self.unpadded,
+                "router_logits": self.router_logits}
 
     @classmethod
     def from_dict(cls, d: dict) -> "GraphSpec":

@@ -99,7 +99,8 @@ def meta_cache(model, batch: int, length: int):
     # in the ids, a mask it could leave out; with a shape env, data-dependent sizes (JetMoE's expert counts,
     # X-MOD's nonzero) are symbols. The tensors the layers allocate come out fake: made meta again
     try:
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), _plain_experts(model):
+        with torch.no_grad(), _plain_experts(model), \
+                FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
             ids = torch.zeros(batch, 1, dtype=torch.long, device="meta")
             model(input_ids=ids, use_cache=True, **cache_argument(model, cache))
     except Exception as err:  # noqa: BLE001 - e.g. a deep copy of cache layers (Dory), data read on meta
