@@ -4,7 +4,8 @@
 # Stages, in this order:
 #   tests                     the gpu-marked tests (tests/test_cuda.py: TP=1 over NCCL against transformers in
 #                             fp32/bf16/fp16, greedy generation eager / compiled / CUDA graphs, a compiled
-#                             training step, checkpointing with deterministic kernels);
+#                             training step, checkpointing with deterministic kernels, a mixture of experts with
+#                             the grouped_mm kernel and its load-balancing loss in fp32 / bf16);
 #   generate-fp32, -bf16      benchmarks/generate.py on CUDA at TP=1: every system (static cache, compile, CUDA
 #                             graphs) on the small default Llama in fp32, then bf16 on a 160M-parameter one;
 #   compile                   benchmarks/compile.py (training step, eager against compiled, both systems);
@@ -44,7 +45,7 @@ session() {
     echo "== $name: exit $rc after $((SECONDS - start)) s"
     [ "$rc" = 0 ] || failed+=("$name")
   }
-  stage tests 95 python3 -m pytest -q -m gpu tests/test_cuda.py -p no:cacheprovider
+  stage tests 120 python3 -m pytest -q -m gpu tests/test_cuda.py -p no:cacheprovider
   stage generate-fp32 130 "${run1[@]}" benchmarks/generate.py --device cuda --systems cuda --repeats 3 \
     --out "$out/generate_tp1.json"
   stage generate-bf16 140 "${run1[@]}" benchmarks/generate.py --device cuda --repeats 3 --dtype bfloat16 \

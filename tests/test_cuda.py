@@ -1,5 +1,6 @@
 """On a CUDA device (skipped without one): TP=1 over NCCL against transformers on the same GPU, for the forward
-and gradients in each dtype, greedy generation (eager, compiled, CUDA graphs) and a compiled training step.
+and gradients in each dtype, greedy generation (eager, compiled, CUDA graphs), a compiled training step, and a
+mixture of experts with transformers' grouped_mm kernel and its load-balancing loss.
 Run on a lent GPU by ``benchmarks/gpu_session.sh``; CI has no GPU."""
 from __future__ import annotations
 
@@ -129,3 +130,37 @@ def test_cuda_checkpointing_bit_identical_with_deterministic_kernels(checkpoints
             assert all(torch.equal(g, plain[n]) for n, g in grads().items()), mode
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_cuda_moe_grouped_mm_with_router_logits(tmp_path, nccl, dtype_name):
+    """A mixture of experts with transformers' grouped_mm kernel (its default on CUDA, never run on CPU): loss with
+    the load-balancing term, aux_loss, router logits and every gradient as transformers' on the same GPU, and greedy
+    generate's tokens (its static cache filled on meta with batched_mm: meta's grouped_mm takes bfloat16 only)."""
+    import os
+    import sys
+
+    import fxparallel
+    from checks import batch
+    from models import save_checkpoint
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    from tiny_configs import tiny_config
+
+    dtype = getattr(torch, dtype_name)
+    path = save_checkpoint(tiny_config("qwen3_moe", output_router_logits=True), str(tmp_path / "moe"))
+    model = fxparallel.parallelize(path, nccl, dtype=dtype)
+    assert all("grouped_mm" in g.code for g in model.graphs())
+    ref = _reference(path, dtype)
+    ids = batch(model.config.vocab_size, 2, 9).cuda()
+    out, r = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    out.loss.backward()
+    r.loss.backward()
+    tol = 1e-4 if dtype == torch.float32 else 64 * torch.finfo(dtype).eps
+    assert (out.loss.float() - r.loss.float()).abs().item() < tol
+    assert (out.aux_loss.float() - r.aux_loss.float()).abs().item() < tol
+    assert max((a.float() - b.float()).abs().max().item() for a, b in zip(out.router_logits, r.router_logits)) < tol
+    assert _max_grad_error(model, ref)[0] < tol, _max_grad_error(model, ref)
+    if dtype == torch.float32:
+        kwargs = dict(input_ids=ids[:, :5], max_new_tokens=8, do_sample=False)
+        assert torch.equal(model.generate(**kwargs), ref.generate(**kwargs))
