@@ -329,7 +329,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                                    num_items_in_batch) + aux
         out = ParallelCausalLMOutput(loss=loss, logits=logits, local_logits=local_logits,
                                      vocab_range=vocab_range, aux_loss=aux_loss,
-                                     router_logits=split_router_logits(results.get("router_logits")),
+                                     router_logits=split_router_logits(results.get("router_logits"),
+                                                                       graph.output_placements.get("router_logits")),
                                      **{CACHE_FIELD: cache})
         return out if return_dict is not False else self._as_tuple(out, labels, gather_logits)
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .errors import ArgumentError
+from .errors import ArgumentError, ShardingError
 
 
 def router_logits_asked(model, argument) -> bool:
@@ -36,6 +36,13 @@ def loss_without_aux(loss: Optional[torch.Tensor], aux_loss: Optional[torch.Tens
     return loss - coefficient * aux_loss.to(loss.dtype)
 
 
-def split_router_logits(stacked: Optional[torch.Tensor]) -> Optional[tuple]:
-    """transformers' ``router_logits``: one [tokens, experts] tensor per MoE layer (the graph stacks them)."""
-    return None if stacked is None else tuple(stacked.unbind(0))
+def split_router_logits(stacked: Optional[torch.Tensor], placement) -> Optional[tuple]:
+    """transformers' ``router_logits``: one [tokens, experts] tensor per MoE layer (the graph stacks them).
+    ``placement``: the graph output's; the routers' inputs are whole on every rank, so a shard here would be a
+    plan this code does not expect, refused rather than returned as if whole."""
+    if stacked is None:
+        return None
+    if placement is not None and placement.is_shard:
+        raise ShardingError(f"router_logits came out of the graph split ({placement}) where the whole logits are "
+                            "expected; output_router_logits is not supported for this plan")
+    return tuple(stacked.unbind(0))

@@ -1,6 +1,7 @@
 """transformers' ``output_router_logits`` on the parallel model (``fxparallel/router_outputs.py``): a
 mixture-of-experts model trained with the load-balancing loss. At tp=2 the loss (holding the term), ``aux_loss``,
-every layer's ``router_logits`` and every gradient equal the single-device model's, whether the flag comes from
+every layer's ``router_logits`` and every gradient equal the single-device model's (and with sequence
+parallelism the loss, term and router logits), whether the flag comes from
 the checkpoint's config, the argument, or the config changed after ``parallelize``; with Trainer's
 ``num_items_in_batch`` the term is added after the normalization, as transformers adds it; the tuple of
 ``return_dict=False`` is transformers'; generate's tokens are unchanged; a dense model is refused by name. Stock
@@ -89,6 +90,12 @@ def _run(rank, tp, paths):
         tuple_kinds=([type(v).__name__ for v in as_tuple], [type(v).__name__ for v in ref_tuple]),
         tuple_aux=(as_tuple[1] - ref_tuple[1]).abs().item())
 
+    # sequence parallelism: the MoE blocks keep whole rows, so the routers' logits are whole too
+    model = fxparallel.parallelize(paths["qwen3_moe"], group, dtype=torch.float32, sequence_parallel=True)
+    even = ids[:, :8]
+    out, expected = (m(input_ids=even, labels=even, output_router_logits=True) for m in (model, ref))
+    results["sequence_parallel"] = dict(_router_errors(out, expected), loss=(out.loss - expected.loss).abs().item())
+
     dense = fxparallel.parallelize(paths["llama"], group, dtype=torch.float32)
     results["refused"] = raised(lambda: dense(input_ids=ids % 128, output_router_logits=True))
     results["sft"] = _sft(rank, tp, paths["sft"])
@@ -130,6 +137,8 @@ def test_router_logits_and_load_balancing_loss(router_checkpoints):
         for name in ("mixtral", "gpt_oss"):
             assert r[name]["term"] > 1e-4, r[name]  # the loss holds a load-balancing term the test can see
             assert r[name]["tokens"][0] == r[name]["tokens"][1], r[name]["tokens"]
+        sp = r["sequence_parallel"]
+        assert max(sp["loss"], sp["aux"], sp["router"]) < 1e-5 and sp["layers"] == (2, 2), sp
         q = r["qwen3_moe"]
         assert q["items"] < 1e-5 and q["off"] < 1e-5, q
         assert q["off_fields"] == (None, None), q["off_fields"]
