@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .capture import adapters, build_meta_model, capture
 from .capture.derive import without_labels
+from .capture.expert_counts import experts_modules
 from .capture.repeat_layers import capture_layers_once
 from .capture.spec import EXAMPLE_BATCH, EXAMPLE_SEQ, GraphSpec
 from . import graph_cache
@@ -345,6 +346,7 @@ def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
         takes_router_logits="output_router_logits" in forward_parameters,
         hf_loss_type=getattr(meta, "loss_type", None),
         router_aux_loss_coef=float(getattr(meta, "router_aux_loss_coef", 0.0) or 0.0),
+        moe_layers=len(experts_modules(meta)),
         generation_config=_generation_config(source, meta.config), embedding_modules=embedding_modules(meta),
         embedding_weights=tuple(f"{path}.weight" for path, m in meta.named_modules()
                                 if isinstance(m, torch.nn.Embedding)),

@@ -69,24 +69,24 @@ def read_with_argument_check(value: torch.Tensor):
 
 
 def options_code(gather: bool, dropout: bool, logits_to_keep: int, cache_length: Optional[int],
-                 dtype: Optional[torch.dtype] = None, router_logits: bool = False) -> int:
+                 dtype: Optional[torch.dtype] = None, router_logits: bool = False, expert_counts: bool = False) -> int:
     """The options of one call that change which collectives run, as one integer: whether the logits are
     gathered, whether dropout masks are drawn (training mode), the model's dtype (``model.to(dtype)`` on one
-    rank only), logits_to_keep, whether router logits are output and the KV cache's length."""
+    rank only), logits_to_keep, whether router logits and expert counts are output and the KV cache's length."""
     keep = min(int(logits_to_keep), _KEEP_LIMIT - 1)
     cache = 0 if cache_length is None else int(cache_length) + 1
     kind = 0 if dtype is None else (_DTYPES.index(dtype) + 1 if dtype in _DTYPES else len(_DTYPES) + 1)
     return int(bool(gather)) | int(bool(dropout)) << 1 | kind << 2 | keep << 5 | int(bool(router_logits)) << 25 \
-        | cache << 26
+        | int(bool(expert_counts)) << 26 | cache << 27
 
 
 def _options(code: int) -> dict:
     """``options_code``'s integer read back, as the option names a user passes."""
-    cache, kind = code >> 26, code >> 2 & 7
+    cache, kind = code >> 27, code >> 2 & 7
     dtype = str(_DTYPES[kind - 1]).replace("torch.", "") if 0 < kind <= len(_DTYPES) else ("other" if kind else None)
     return {"gather_logits": bool(code & 1), "training mode with dropout (model.train())": bool(code >> 1 & 1),
             "the model's dtype": dtype, "logits_to_keep": code >> 5 & (_KEEP_LIMIT - 1),
-            "output_router_logits": bool(code >> 25 & 1),
+            "output_router_logits": bool(code >> 25 & 1), "output_tokens_per_expert": bool(code >> 26 & 1),
             "KV cache (use_cache / past_key_values) length": cache - 1 if cache else None}
 
 

@@ -19,6 +19,7 @@ class ModelFacts:
     # the model's forward has output_router_logits (a mixture of experts), and the load-balancing loss's weight
     takes_router_logits: bool = False
     router_aux_loss_coef: float = 0.0
+    moe_layers: int = 0  # transformers' experts modules (output_tokens_per_expert counts for each)
     generation_config: object = None  # the checkpoint's GenerationConfig, as transformers loads it
     embedding_modules: dict = field(default_factory=dict)  # "input"/"output" -> (module path, class, bias)
     embedding_weights: tuple = ()  # the nn.Embedding tables' weights

@@ -32,7 +32,7 @@ from .hf_methods import HuggingFaceMethods, refuse_arguments, refuse_inherited
 from .inputs import ARGUMENTS, check_arguments, options_code
 from .items_in_batch import check_items_in_batch, loss_over_items
 from .model_facts import ModelFacts
-from .router_outputs import loss_without_aux, router_logits_asked, split_router_logits
+from .router_outputs import expert_counts_asked, loss_without_aux, router_logits_asked, split_router_logits
 from .ops import collectives, context_parallel_attention
 from .ops.local_graph import LocalGraph
 from .ops.layer_units import install_layer_units
@@ -57,6 +57,7 @@ class ParallelCausalLMOutput(CausalLMOutputWithPast):
     vocab_range: Optional[tuple] = None
     aux_loss: Optional[torch.FloatTensor] = None  # with output_router_logits (router_outputs.py)
     router_logits: Optional[tuple] = None
+    tokens_per_expert: Optional[torch.LongTensor] = None  # with output_tokens_per_expert: [MoE layers, experts]
 
 
 def _set_path(root: nn.Module, dotted: str, value, kind: str):
@@ -183,14 +184,15 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         return list(self._graph_set)
 
     def _graph_for(self, args: dict, cache=None, logits_to_keep: int = 0, unpadded: bool = False,
-                   router_logits: bool = False) -> LocalGraph:
-        """The graph for these arguments (and KV cache, logits kept, a mask without padding, router logits),
+                   router_logits: bool = False, expert_counts: bool = False) -> LocalGraph:
+        """The graph for these arguments (and KV cache, logits kept, a mask without padding, MoE outputs),
         captured on first use of an argument set or a shape outside every graph's guards; a shape seen before costs
         a dictionary lookup."""
         shapes = {k: tuple(v.shape) for k, v in args.items()}
         spec = GraphSpec(tuple(n for n in ARGUMENTS if n in args), shapes["input_ids"],
                          labels_shifted=self.cp_group is not None, logits_to_keep=logits_to_keep, unpadded=unpadded,
-                         cache_length=cache.length if cache is not None else None, router_logits=router_logits)
+                         cache_length=cache.length if cache is not None else None, router_logits=router_logits,
+                         expert_counts=expert_counts)
         if cache is not None and not cache.layout:  # its layout is that of any graph of its length
             known = self._graph_set.with_cache_length(cache.length)
             if known is None:
@@ -240,7 +242,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, gather_logits=None,
                 past_key_values=None, use_cache=None, return_dict=None, check_inputs=True, compile_config=None,
                 logits_to_keep=0, num_items_in_batch=None, fused_lm_head=False, shift_labels=None,
-                output_router_logits=None, **unsupported):
+                output_router_logits=None, output_tokens_per_expert=False, **unsupported):
         """The model's forward on this rank's shards: same arguments and outputs as the Hugging Face model
         (see docs/reference.md, "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
         earlier call) runs with a static KV cache sharded by heads (``generation/parallel_cache.py``) and returns
@@ -256,7 +258,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         ``labels`` or ``shift_labels``), once TRL's ``add_fused_lm_head`` was applied: TRL's per-token outputs,
         computed across the vocabulary shards (``fused_head.py``); ``output_router_logits`` (None: the config's, as
         in transformers) on a mixture of experts: the loss holds the load-balancing term, ``aux_loss`` and
-        ``router_logits`` are returned (``router_outputs.py``)."""
+        ``router_logits`` are returned (``router_outputs.py``); ``output_tokens_per_expert=True``: the tokens routed
+        to each expert of every MoE layer, ``tokens_per_expert`` [layers, experts], for any router."""
         if fused_lm_head or shift_labels is not None:
             return fused_head.forward_of(self)(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
@@ -266,10 +269,11 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         gather = (labels is None) if gather_logits is None else bool(gather_logits)
         # the checks of this rank's own arguments: an error is raised only after the exchange in check_arguments,
         # so that an argument given to one rank only never leaves the others waiting in a collective (inputs.py)
-        refused, cache, args, router = None, None, {}, False
+        refused, cache, args, router, counts = None, None, {}, False, False
         try:
             refuse_arguments(unsupported)  # naming each and what to do instead (hf_methods.py)
             router = router_logits_asked(self, output_router_logits)
+            counts = expert_counts_asked(self, output_tokens_per_expert)
             if not isinstance(input_ids, torch.Tensor):
                 raise TypeError("input_ids is required" if input_ids is None else
                                 f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
@@ -285,7 +289,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         except Exception as err:  # noqa: BLE001 - raised below, after the other ranks have heard of it
             if not check_inputs:
                 raise
-            refused, cache, logits_to_keep, router = err, None, 0, False
+            refused, cache, logits_to_keep, router, counts = err, None, 0, False, False
         dropout = bool(self.dropout_rates) and self.training and cache is None
         unpadded = False  # an attention mask of all ones: attention as without one (capture/causal_mask.py)
         if check_inputs:
@@ -293,7 +297,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                                        mask_length=cache.length if cache is not None else None,
                                        options=options_code(gather, dropout, logits_to_keep,
                                                             cache.length if cache is not None else None, self.dtype_,
-                                                            router),
+                                                            router, counts),
                                        refused=refused, device=self.device_)
             unpadded = unpadded and cache is None and self.cp_group is None
         if self.sequence_parallel and cache is None and input_ids.shape[-1] % self.tp_group.size:
@@ -302,7 +306,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                                 f"pad the batch to a multiple of {self.tp_group.size}")
         if self.cp_group is not None:
             args = context_parallel_attention.prepare_arguments(args, self.cp_group, self.plan.model_type)
-        graph = self._graph_for(args, cache, logits_to_keep, unpadded, router)
+        graph = self._graph_for(args, cache, logits_to_keep, unpadded, router, counts)
         if cache is not None:
             if not cache.allocated:
                 cache.allocate(input_ids.shape[0], self.device_)
@@ -331,6 +335,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                                      vocab_range=vocab_range, aux_loss=aux_loss,
                                      router_logits=split_router_logits(results.get("router_logits"),
                                                                        graph.output_placements.get("router_logits")),
+                                     tokens_per_expert=results.get("tokens_per_expert"),
                                      **{CACHE_FIELD: cache})
         return out if return_dict is not False else self._as_tuple(out, labels, gather_logits)
 

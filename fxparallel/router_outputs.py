@@ -1,5 +1,6 @@
 """transformers' ``output_router_logits`` on the parallel model: the mixture-of-experts load-balancing loss and
-the routers' logits, as the Hugging Face model returns them.
+the routers' logits, as the Hugging Face model returns them; and ``output_tokens_per_expert``: the tokens routed to
+each expert of every MoE layer, for any router (capture/expert_counts.py).
 
 Asked for by the argument or, when it is None, by ``config.output_router_logits`` read at each call (as
 transformers reads it), so a config changed after ``parallelize`` is followed: such calls run a graph captured
@@ -26,6 +27,19 @@ def router_logits_asked(model, argument) -> bool:
     if model.cp_group is not None:
         raise ArgumentError(f"{where} is not supported with context parallelism: the load-balancing loss is a "
                             f"product of means over all tokens of the batch, and each cp rank holds chunks of them")
+    return True
+
+
+def expert_counts_asked(model, argument) -> bool:
+    """Whether this call counts the tokens routed to each expert (``output_tokens_per_expert``), or why not."""
+    if not argument:
+        return False
+    if not model.moe_layers:
+        raise ArgumentError(f"output_tokens_per_expert=True: {model.config.model_type} has no experts modules "
+                            f"(transformers' stacked experts) to count tokens for")
+    if model.cp_group is not None:
+        raise ArgumentError("output_tokens_per_expert=True is not supported with context parallelism (each cp rank "
+                            "routes its own chunks of the tokens)")
     return True
 
 

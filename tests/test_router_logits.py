@@ -6,7 +6,9 @@ the checkpoint's config, the argument, or the config changed after ``parallelize
 ``num_items_in_batch`` the term is added after the normalization, as transformers adds it; the tuple of
 ``return_dict=False`` is transformers'; generate's tokens are unchanged; a dense model is refused by name. Stock
 TRL ``SFTTrainer``, which turns the loss on for every MoE model (its fused LM head then adds it), gives the
-single-device SFTTrainer's losses, grad norms, entropy, token accuracy and weights (whole experts per rank)."""
+single-device SFTTrainer's losses, grad norms, entropy, token accuracy and weights (whole experts per rank).
+``output_tokens_per_expert=True`` counts the tokens routed to each expert of every MoE layer as the single-device
+model's experts modules receive them (DeepSeek-V3's biased grouped routing, experts per rank; Qwen3-MoE)."""
 from __future__ import annotations
 
 import os
@@ -37,6 +39,7 @@ def router_checkpoints(tmp_path_factory):
         "mixtral": save_checkpoint(tiny_config("mixtral", output_router_logits=True), str(root / "mixtral")),
         "qwen3_moe": save_checkpoint(tiny_config("qwen3_moe"), str(root / "qwen3_moe")),
         "gpt_oss": save_checkpoint(tiny_config("gpt_oss"), str(root / "gpt_oss")),
+        "deepseek_v3": save_checkpoint(tiny_config("deepseek_v3"), str(root / "deepseek_v3")),
         "llama": save_checkpoint(dense(), str(root / "llama")),
     }
 
@@ -96,10 +99,34 @@ def _run(rank, tp, paths):
     out, expected = (m(input_ids=even, labels=even, output_router_logits=True) for m in (model, ref))
     results["sequence_parallel"] = dict(_router_errors(out, expected), loss=(out.loss - expected.loss).abs().item())
 
+    # tokens per expert, for any router: DeepSeek-V3's grouped routing with its bias (no router logits in
+    # transformers) with experts per rank, and Qwen3-MoE's top-k of a softmax
+    for name, expert_parallel in (("deepseek_v3", True), ("qwen3_moe", False)):
+        model = fxparallel.parallelize(paths[name], group, dtype=torch.float32, expert_parallel=expert_parallel)
+        results[f"counts {name}"] = _counts(model, reference(paths[name]), batch(model.config.vocab_size, 2, 16))
+
     dense = fxparallel.parallelize(paths["llama"], group, dtype=torch.float32)
     results["refused"] = raised(lambda: dense(input_ids=ids % 128, output_router_logits=True))
+    results["counts refused"] = raised(lambda: dense(input_ids=ids % 128, output_tokens_per_expert=True))
     results["sft"] = _sft(rank, tp, paths["sft"])
     return results
+
+
+def _counts(model, ref, ids) -> dict:
+    """``tokens_per_expert`` against the experts the single-device model's experts modules are given (counted by a
+    hook on them), and the loss of the same call against one without counting."""
+    import torch
+
+    from fxparallel.capture.expert_counts import experts_modules
+
+    seen = []
+    for _, module, experts in experts_modules(ref):
+        module.register_forward_pre_hook(
+            lambda m, args, experts=experts: seen.append(torch.bincount(args[1].flatten(), minlength=experts)))
+    out = model(input_ids=ids, labels=ids, output_tokens_per_expert=True)
+    ref(input_ids=ids, labels=ids)
+    return {"ours": out.tokens_per_expert.tolist(), "theirs": torch.stack(seen).tolist(),
+            "loss": (out.loss - model(input_ids=ids, labels=ids).loss).abs().item()}
 
 
 def _sft(rank, tp, path):
@@ -137,6 +164,11 @@ def test_router_logits_and_load_balancing_loss(router_checkpoints):
         for name in ("mixtral", "gpt_oss"):
             assert r[name]["term"] > 1e-4, r[name]  # the loss holds a load-balancing term the test can see
             assert r[name]["tokens"][0] == r[name]["tokens"][1], r[name]["tokens"]
+        for name, layers in (("deepseek_v3", 1), ("qwen3_moe", 2)):  # (DeepSeek-V3's first layer is dense)
+            got = r[f"counts {name}"]
+            assert got["ours"] == got["theirs"] and len(got["ours"]) == layers and got["loss"] == 0, (name, got)
+            assert sum(got["ours"][0]) == 2 * 16 * 2, got  # every token's top-2 choices
+        assert "output_tokens_per_expert=True: llama has no experts modules" in r["counts refused"], r["counts refused"]
         sp = r["sequence_parallel"]
         assert max(sp["loss"], sp["aux"], sp["router"]) < 1e-5 and sp["layers"] == (2, 2), sp
         q = r["qwen3_moe"]

@@ -19,6 +19,7 @@ from ..errors import CaptureError
 from .static_cache import argument_name, cache_argument, cache_tensors, meta_cache, state_not_carried
 from .causal_mask import causal_without_mask
 from .dropout_sites import check_training_graph
+from .expert_counts import Collector, install_counters
 from .router_logits import install_output_recorders, takes_router_logits
 from .adapters import hf_name
 from .graph import CapturedGraph
@@ -33,6 +34,8 @@ def _forward_fn(model, spec: GraphSpec, cache=None, unpadded: bool = False):
     router = {"output_router_logits": spec.router_logits} if takes_router_logits(model) else {}
 
     def run(**kwargs):
+        if spec.expert_counts:  # the experts modules' counting hooks append to it (capture/expert_counts.py)
+            Collector.counts = []
         if unpadded:  # the mask is as long as the tokens (inputs.py), so the queries are all the keys
             torch._check(kwargs["attention_mask"].shape[-1] == kwargs["input_ids"].shape[-1])
         if logits_to_keep:  # the logits of the last positions only (the model slices before its head)
@@ -43,7 +46,10 @@ def _forward_fn(model, spec: GraphSpec, cache=None, unpadded: bool = False):
             out = model(**kwargs, **cache_argument(model, cache), **router, use_cache=True, return_dict=True)
         else:
             out = model(**kwargs, **router, use_cache=False, return_dict=True)
-        return tuple(_output(out, name) for name in output_names)
+        counts = None
+        if spec.expert_counts:
+            counts, Collector.counts = torch.stack(Collector.counts), None
+        return tuple(counts if name == "tokens_per_expert" else _output(out, name) for name in output_names)
 
     # A fresh code object per capture: Dynamo caches by code object, so this capture
     # neither reuses nor evicts anything else (no torch._dynamo.reset() needed).
@@ -177,6 +183,8 @@ def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGra
     unpadded = spec.unpadded and cache is None and "attention_mask" in input_names
     if spec.router_logits:
         install_output_recorders(model)
+    if spec.expert_counts:
+        install_counters(model)
     fn = _forward_fn(model, spec, cache, unpadded)
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
     # a model with dropout is captured in training mode (its dropout sites with their rates), except for

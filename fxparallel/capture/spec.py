@@ -22,7 +22,9 @@ class GraphSpec:
     ``unpadded``: for calls whose attention mask holds no padding (capture/causal_mask.py).
     ``router_logits``: a mixture-of-experts model run with transformers' ``output_router_logits=True``: the
     loss holds the load-balancing term, and the graph also outputs it (``aux_loss``) and every MoE layer's
-    router logits (``router_logits``, stacked: [layers, tokens, experts])."""
+    router logits (``router_logits``, stacked: [layers, tokens, experts]).
+    ``expert_counts``: also the tokens routed to each expert of every MoE layer (``tokens_per_expert``: [layers,
+    experts], capture/expert_counts.py)."""
 
     arguments: tuple
     shape: tuple = (EXAMPLE_BATCH, EXAMPLE_SEQ)
@@ -31,6 +33,7 @@ class GraphSpec:
     logits_to_keep: int = 0
     unpadded: bool = False
     router_logits: bool = False
+    expert_counts: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "arguments", tuple(self.arguments))
@@ -39,14 +42,14 @@ class GraphSpec:
     @property
     def outputs(self) -> tuple:
         plain = ("loss", "logits") if "labels" in self.arguments else ("logits",)
-        return plain + ("aux_loss", "router_logits") if self.router_logits else plain
+        return plain + ("aux_loss", "router_logits") * self.router_logits + ("tokens_per_expert",) * self.expert_counts
 
     @property
     def identity(self) -> tuple:
         """What tells two graphs apart apart from the shapes their guards take: a call is served by a graph
         of the same identity whose guards hold for its shapes."""
         return (tuple(sorted(self.arguments)), self.labels_shifted, self.cache_length, self.logits_to_keep,
-                self.unpadded, self.router_logits)
+                self.unpadded, self.router_logits, self.expert_counts)
 
     def at(self, shape) -> "GraphSpec":
         return dataclasses.replace(self, shape=tuple(shape))
@@ -58,7 +61,7 @@ class GraphSpec:
         """Plain JSON data (the graph cache's key and entries)."""
         return {"arguments": list(self.arguments), "shape": list(self.shape), "labels_shifted": self.labels_shifted,
                 "cache_length": self.cache_length, "logits_to_keep": self.logits_to_keep, "unpadded": self.unpadded,
-                "router_logits": self.router_logits}
+                "router_logits": self.router_logits, "expert_counts": self.expert_counts}
 
     @classmethod
     def from_dict(cls, d: dict) -> "GraphSpec":
