@@ -352,8 +352,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                 f"gathered ({why}; each rank holds its vocabulary shard): pass gather_logits=True for the complete "
                 "logits in the tuple, or leave return_dict unset and read the ParallelCausalLMOutput's .loss and "
                 ".local_logits (this rank's vocabulary rows .vocab_range)")
-        return tuple(v for v in (out.loss, out.aux_loss, out.logits, getattr(out, CACHE_FIELD), out.router_logits)
-                     if v is not None)
+        return tuple(v for v in (out.loss, out.aux_loss, out.logits, getattr(out, CACHE_FIELD), out.router_logits,
+                                 out.tokens_per_expert) if v is not None)
 
     def _cache_for(self, past_key_values, use_cache, input_ids, attention_mask):
         """The KV cache of this call: the one given, a new one (``use_cache=True``), or None."""
