@@ -156,8 +156,9 @@ def _for_device(config, device: torch.device):
     return config
 
 
-def check_expert_parallel(meta, tp: int, sequence_parallel: bool, cp) -> None:
-    """``expert_parallel=True`` needs stacked experts, at least one per rank, and plain TP (before any capture)."""
+def check_expert_parallel(meta, tp: int, cp) -> None:
+    """``expert_parallel=True`` needs stacked experts, at least one per rank, and no context parallelism (before
+    any capture). (Sequence parallelism keeps the MoE blocks' rows whole, so it composes.)"""
     kind = getattr(meta.config, "model_type", type(meta).__name__)
     counts = set(expert_parameters(meta).values())
     if not counts:
@@ -166,9 +167,9 @@ def check_expert_parallel(meta, tp: int, sequence_parallel: bool, cp) -> None:
     if min(counts) < tp:
         raise ShardingError(f"expert_parallel=True: the {kind} model has {min(counts)} experts in a layer, fewer "
                             f"than the tp size {tp}: a rank would hold none")
-    if sequence_parallel or cp is not None:
-        raise NotImplementedError("expert_parallel=True together with sequence_parallel or context parallelism "
-                                  "(cp_group) is not supported yet: use one of them")
+    if cp is not None:
+        raise NotImplementedError("expert_parallel=True together with context parallelism (cp_group) is not "
+                                  "supported yet: use one of them")
 
 
 def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
@@ -388,7 +389,7 @@ def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, t
     base = dataclasses.replace(source, adapter=None)
     meta = _meta_model(base, tp, dtype, trust_remote_code)
     if expert_parallel:
-        check_expert_parallel(meta, tp, sequence_parallel, None)
+        check_expert_parallel(meta, tp, None)
     options = PlanOptions(sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     _, planned = _first_graph(source, GraphFactory(base, meta, dtype, fake_group(tp), torch.device("cpu"), options,
                                                    trust_remote_code))
@@ -449,7 +450,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     base = dataclasses.replace(source, adapter=None)  # with an adapter: its base model is planned first
     meta = _meta_model(base, group.size, dtype, trust_remote_code)
     if expert_parallel:
-        check_expert_parallel(meta, group.size, sequence_parallel, cp)
+        check_expert_parallel(meta, group.size, cp)
     fixed = _saved_placements(saved, source, meta, group.size, dtype, trust_remote_code) if saved is not None else None
     # resolve (download) the checkpoint before the capture, so a bad checkpoint fails early
     files = None

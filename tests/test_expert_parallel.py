@@ -226,8 +226,39 @@ def test_expert_parallel_bad_input():
         fxparallel.plan_model(tiny_config("llama"), 2, expert_parallel=True)
     with pytest.raises(ShardingError, match="has 2 experts in a layer, fewer than the tp size 4"):
         fxparallel.plan_model(tiny_config("mixtral", num_experts=2), 4, expert_parallel=True)
-    with pytest.raises(NotImplementedError, match="expert_parallel=True together with sequence_parallel"):
-        fxparallel.plan_model(tiny_config("mixtral"), 2, expert_parallel=True, sequence_parallel=True)
+
+
+def _sequence_parallel(rank, tp, paths):
+    import torch
+    import torch.distributed as dist
+
+    import fxparallel
+    from checks import batch, compare
+    from models import reference
+
+    out = {}
+    for name, path in paths.items():
+        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32, expert_parallel=True,
+                                       sequence_parallel=True)
+        errors = compare(model, reference(path), rank, tp, ids=batch(model.config.vocab_size, 2, 8),
+                         gather_logits=True)
+        code = "".join(g.code for g in model.graphs())
+        out[name] = dict(errors, scattered=code.count("collectives_reduce_scatter_seq("),
+                         experts=str(model.plan.param(next(p.name for p in model.plan.params
+                                                           if p.name.endswith("experts.gate_up_proj"))).placement))
+    return out
+
+
+def test_expert_parallel_with_sequence_parallelism(checkpoints):
+    """Sequence parallelism keeps the MoE blocks' rows whole (plain TP there), so whole experts per rank compose
+    with it: loss, logits and every gradient as one device; DeepSeek-V3's dense first layer and attention run on
+    sequence shards (reduce-scatters in its code)."""
+    paths = {name: checkpoints[name] for name in ("qwen3_moe", "deepseek_v3")}
+    for r in run_ranks(2, _sequence_parallel, paths, timeout=600):
+        for name, got in r.items():
+            assert got["loss"] < 1e-5 and got["logits"] < 1e-5 and got["grad"] < 1e-5, (name, got)
+            assert got["experts"].startswith("S(0)"), (name, got["experts"])
+        assert r["deepseek_v3"]["scattered"] > 0, r["deepseek_v3"]
 
 
 # ---- with FSDP over data-parallel ranks, and checkpoints across expert layouts ----------------------------
