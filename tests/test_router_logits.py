@@ -1,8 +1,8 @@
 """transformers' ``output_router_logits`` on the parallel model (``fxparallel/router_outputs.py``): a
 mixture-of-experts model trained with the load-balancing loss. At tp=2 the loss (holding the term), ``aux_loss``,
-every layer's ``router_logits`` and every gradient equal the single-device model's (and with sequence
-parallelism the loss, term and router logits), whether the flag comes from
-the checkpoint's config, the argument, or the config changed after ``parallelize``; with Trainer's
+every layer's ``router_logits`` and every gradient equal the single-device model's (and with sequence parallelism
+the loss, term and router logits), whether the flag comes from the checkpoint's config, the argument, or the config
+changed after ``parallelize``; with Trainer's
 ``num_items_in_batch`` the term is added after the normalization, as transformers adds it; the tuple of
 ``return_dict=False`` is transformers'; generate's tokens are unchanged; a dense model is refused by name. Stock
 TRL ``SFTTrainer``, which turns the loss on for every MoE model (its fused LM head then adds it), gives the
