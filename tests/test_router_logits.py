@@ -130,8 +130,8 @@ def _counts(model, ref, ids) -> dict:
 
 
 def _sft(rank, tp, path):
-    """Stock SFTTrainer on the parallel Mixtral at tp=2 (whole experts per rank: Trainer needs every parameter as a
-    DTensor, which experts split by gate / up segments are not) and on transformers' in a job of one process."""
+    """Stock SFTTrainer on the parallel Mixtral at tp=2 (whole experts per rank; experts split inside train through
+    Trainer too: tests/test_trainer_stack.py) and on transformers' in a job of one process."""
     import tempfile
 
     import torch
