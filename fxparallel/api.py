@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .capture import adapters, build_meta_model, capture
 from .capture.derive import without_labels
 from .capture.expert_counts import experts_modules
+from .capture.router_logits import takes_router_logits
 from .capture.repeat_layers import capture_layers_once
 from .capture.spec import EXAMPLE_BATCH, EXAMPLE_SEQ, GraphSpec
 from . import graph_cache
@@ -344,7 +345,7 @@ def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
         sequence_parallel=sequence_parallel, vocab_rows=vocab_rows, label_classes=label_classes,
         position_limit=_position_limit(meta), takes_position_ids="position_ids" in forward_parameters,
         takes_logits_to_keep="logits_to_keep" in forward_parameters,
-        takes_router_logits="output_router_logits" in forward_parameters,
+        takes_router_logits=takes_router_logits(meta),
         hf_loss_type=getattr(meta, "loss_type", None),
         router_aux_loss_coef=float(getattr(meta, "router_aux_loss_coef", 0.0) or 0.0),
         moe_layers=len(experts_modules(meta)),

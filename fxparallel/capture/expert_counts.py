@@ -15,7 +15,8 @@ class Collector:
 
 
 def experts_modules(model) -> list:
-    """[(path, module, experts)] of ``model``'s experts modules, in forward order of their layers."""
+    """[(path, module, experts)] of ``model``'s experts modules (those ``use_experts_implementation`` marks) that
+    hold weights stacked by expert, ``experts`` their first size, in the order of the model's modules."""
     found = []
     for path, module in model.named_modules():
         if hasattr(module, "_is_expert_parallel"):

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..capture.expert_counts import experts_modules
+
 
 def balanced(units: int, parts: int) -> tuple:
     """``units`` whole units over ``parts`` ranks, the first ``units % parts`` taking one more."""
@@ -199,13 +201,9 @@ def expert_parameters(model) -> dict:
     transformers' experts modules (``use_experts_implementation`` marks them) whose dim 0 is the experts (the 3-D
     weights' first size), weights and biases."""
     found = {}
-    for prefix, module in model.named_modules():
-        if not hasattr(module, "_is_expert_parallel"):
-            continue
-        own = dict(module.named_parameters(recurse=False))
-        counts = {int(p.shape[0]) for p in own.values() if p.dim() == 3}
-        found.update({f"{prefix}.{name}": int(p.shape[0]) for name, p in own.items()
-                      if p.dim() >= 2 and int(p.shape[0]) in counts})
+    for prefix, module, experts in experts_modules(model):
+        found.update({f"{prefix}.{name}": experts for name, p in module.named_parameters(recurse=False)
+                      if p.dim() >= 2 and int(p.shape[0]) == experts})
     return found
 
 

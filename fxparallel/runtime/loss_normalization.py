@@ -46,6 +46,11 @@ def global_label_tokens(labels: torch.Tensor, mesh, shifted: bool = False) -> in
     return int(global_label_count(labels, mesh, shifted).item())
 
 
+def refuse_empty_batch(global_tokens: int) -> None:
+    if global_tokens <= 0:
+        raise ValueError("the global batch has no label tokens (every label is -100)")
+
+
 def scaled_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, global_tokens, shifted: bool = False,
                 **kwargs):
     """Forward; returns (loss to backpropagate, this rank's token-loss sum as a detached tensor).
@@ -55,8 +60,8 @@ def scaled_loss(model, input_ids: torch.Tensor, labels: torch.Tensor, global_tok
     forward and backward (its collectives must match the other ranks'); it contributes zero. Nothing here waits
     for the device: the rank's own count stays a tensor.
     """
-    if not isinstance(global_tokens, torch.Tensor) and global_tokens <= 0:
-        raise ValueError("the global batch has no label tokens (every label is -100)")
+    if not isinstance(global_tokens, torch.Tensor):
+        refuse_empty_batch(global_tokens)
     local = label_tokens(labels, shifted)
     # with no label token the model's mean would be 0/0: give it one dummy token, weighted by zero below
     labels = labels.clone()

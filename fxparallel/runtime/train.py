@@ -13,10 +13,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..inputs import read_with_argument_check
 from .clip import clip_grad_norm_, global_grad_norm
 from .context_parallel_batches import split_for_context_parallel
-from ..inputs import read_with_argument_check
-from .loss_normalization import global_label_count, scaled_loss
+from .loss_normalization import global_label_count, refuse_empty_batch, scaled_loss
 
 
 @dataclass
@@ -85,8 +85,7 @@ def train_step(model, optimizer, batch: dict, mesh, *, max_norm: Optional[float]
     with read_with_argument_check(count) as read:
         loss, local_sum = scaled_loss(forward, ids, labels, count, shifted=shifted, **extra)
     global_tokens = read["value"] if "value" in read else int(count.item())
-    if global_tokens <= 0:
-        raise ValueError("the global batch has no label tokens (every label is -100)")
+    refuse_empty_batch(global_tokens)
     loss.backward()
     if max_norm is not None and max_norm > 0:
         norm = clip_grad_norm_(model, max_norm, mesh)
