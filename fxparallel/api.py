@@ -33,6 +33,7 @@ from .capture.expert_counts import experts_modules
 from .capture.router_logits import takes_router_logits
 from .capture.repeat_layers import capture_layers_once
 from .capture.spec import EXAMPLE_BATCH, EXAMPLE_SEQ, GraphSpec
+from .capture.static_cache import keeps_states
 from . import graph_cache
 from .graph_cache import PlannedGraph, graph_key
 from .errors import GroupError, ShardingError
@@ -111,7 +112,8 @@ def plan_graph(meta_model, spec: GraphSpec, group: TPGroup, device, options: Pla
     if captured.few_layers is not None:  # solved on the few layers; the walk over all of them follows it
         few = solve(captured.few_layers, group.size, fixed=fixed, layout=layout, experts=frozenset(experts))
         fixed = {**few.params, **fixed}
-    gplan = solve(captured, group.size, fixed=fixed, layout=layout, experts=frozenset(experts))
+    gplan = solve(captured, group.size, fixed=fixed, layout=layout, experts=frozenset(experts),
+                  trains=spec.cache_length is None)
     if captured.few_layers is not None:
         gplan.reasons.update(few.reasons)  # why each was chosen, not that it was given
     gplan.reasons.update({name: why for name, (_, why) in adapted.items()})
@@ -348,7 +350,7 @@ def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
         takes_router_logits=takes_router_logits(meta),
         hf_loss_type=getattr(meta, "loss_type", None),
         router_aux_loss_coef=float(getattr(meta, "router_aux_loss_coef", 0.0) or 0.0),
-        moe_layers=len(experts_modules(meta)),
+        moe_layers=len(experts_modules(meta)), recurrent_cache=keeps_states(meta.config),
         generation_config=_generation_config(source, meta.config), embedding_modules=embedding_modules(meta),
         embedding_weights=tuple(f"{path}.weight" for path, m in meta.named_modules()
                                 if isinstance(m, torch.nn.Embedding)),

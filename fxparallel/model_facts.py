@@ -19,6 +19,8 @@ class ModelFacts:
     # the model's forward has output_router_logits (a mixture of experts), and the load-balancing loss's weight
     takes_router_logits: bool = False
     router_aux_loss_coef: float = 0.0
+    # transformers' cache for it keeps linear-attention / state-space states (generation: GraphSpec.fresh_cache)
+    recurrent_cache: bool = False
     moe_layers: int = 0  # transformers' experts modules (output_tokens_per_expert counts for each)
     generation_config: object = None  # the checkpoint's GenerationConfig, as transformers loads it
     embedding_modules: dict = field(default_factory=dict)  # "input"/"output" -> (module path, class, bias)

@@ -193,6 +193,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                          labels_shifted=self.cp_group is not None, logits_to_keep=logits_to_keep, unpadded=unpadded,
                          cache_length=cache.length if cache is not None else None, router_logits=router_logits,
                          expert_counts=expert_counts)
+        if cache is not None and self.recurrent_cache and not cache.started:  # the recurrent states start here
+            spec = dataclasses.replace(spec, fresh_cache=True)
         if cache is not None and not cache.layout:  # its layout is that of any graph of its length
             known = self._graph_set.with_cache_length(cache.length)
             if known is None:
@@ -311,9 +313,10 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             if not cache.allocated:
                 cache.allocate(input_ids.shape[0], self.device_)
             args.update(cache.tensors)
+            cache.started = True
         self._graph_set.last = graph
         run = graph.forward if compile_config is None else self._graph_set.compiled(graph, compile_config)
-        results = dict(zip(graph.outputs, run(self, **args)))
+        results = dict(zip(graph.outputs, run(self, **graph.read(args))))
         logits = results["logits"]
         placement = graph.output_placements.get("logits")
         local_logits, vocab_range = None, None
@@ -365,6 +368,12 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                                 f"model.new_cache() makes), got {type(past_key_values).__name__}")
             if use_cache is False:
                 raise TypeError("past_key_values was given with use_cache=False")
+            if past_key_values.started and self.recurrent_cache and input_ids.shape[-1] > 1:
+                raise ShardingError(
+                    f"a forward of {input_ids.shape[-1]} tokens on a cache already written, whose linear-attention / "
+                    f"state-space layers keep recurrent states ({self.config.model_type}): the parallel model "
+                    f"continues those states one token at a time only; pass the tokens one per call, or all "
+                    f"of them in the cache's first forward")
             return past_key_values
         if not use_cache:
             return None

@@ -305,11 +305,9 @@ def test_generate_past_a_sliding_window_with_heads_split_unevenly(tmp_path):
         assert out["tokens"] and out["kv heads per rank"] == [((16, 8, 8),)], out  # k_proj rows: whole heads, uneven
 
 
-def test_cache_states_beyond_keys_and_values_are_refused_by_name():
-    """A linear-attention or state-space layer's cache keeps convolution and recurrent states the generation
-    graphs do not carry: refused before the capture, naming the model and the layer type (Bailing hybrid;
-    Mamba, whose mask of the current tokens failed inside Dynamo before), in one process; a model whose cache
-    graph Dynamo cannot capture whole is refused for generation only (RoFormer)."""
+def test_a_cache_graph_dynamo_cannot_capture_is_refused_for_generation_only():
+    """A model whose cache graph Dynamo cannot capture whole is refused for generation only, by name (RoFormer).
+    (Linear-attention and state-space caches, refused before, generate: test_generate_recurrent.py.)"""
     import os
     import sys
 
@@ -323,11 +321,6 @@ def test_cache_states_beyond_keys_and_values_are_refused_by_name():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from tiny_configs import tiny_config
 
-    for model_type, name in (("bailing_hybrid", "BailingHybridForCausalLM"), ("mamba", "MambaForCausalLM")):
-        meta = build_meta_model(_for_device(tiny_config(model_type), torch.device("cpu")), dtype=torch.float32)
-        with pytest.raises(CaptureError, match=name + r": its cache keeps a state .*layers of type \['linear_attention'\]"
-                                                      r".*generate and use_cache are not supported for this model yet"):
-            capture(meta, GraphSpec(("input_ids", "attention_mask"), (2, 9), cache_length=128))
     # RoFormer reads its position offset from the cache's count as data: Dynamo cannot capture that whole
     meta = build_meta_model(_for_device(tiny_config("roformer"), torch.device("cpu")), dtype=torch.float32)
     with pytest.raises(CaptureError, match=r"RoFormerForCausalLM could not be captured as one graph with a KV cache: "

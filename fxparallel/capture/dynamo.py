@@ -16,7 +16,8 @@ import torch
 import torch._dynamo
 
 from ..errors import CaptureError
-from .static_cache import argument_name, cache_argument, cache_tensors, meta_cache, state_not_carried
+from .static_cache import (argument_name, cache_argument, cache_tensors, meta_cache, set_fresh,
+                           state_not_carried)
 from .causal_mask import causal_without_mask
 from .dropout_sites import check_training_graph
 from .expert_counts import Collector, install_counters
@@ -27,11 +28,30 @@ from .spec import GraphSpec
 
 log = logging.getLogger("fxparallel")
 
+def _decodes_without_mask(model, cache, batch: int, length: int) -> bool:
+    """Does transformers' generate leave the attention mask out of a decode step of this model (its
+    ``prepare_inputs_for_generation`` says: Mamba, whose layers would mask the new token with the whole mask)?"""
+    try:
+        step = model.prepare_inputs_for_generation(
+            torch.zeros(batch, 1, dtype=torch.long, device="meta"), use_cache=True, is_first_iteration=False,
+            attention_mask=torch.ones(batch, length, dtype=torch.long, device="meta"),
+            **cache_argument(model, cache))
+    except Exception:  # noqa: BLE001 - a model whose preparation needs more: the mask is passed as it is
+        return False
+    return "attention_mask" in step and step["attention_mask"] is None
+
+
 def _forward_fn(model, spec: GraphSpec, cache=None, unpadded: bool = False):
     output_names, logits_to_keep = spec.outputs, spec.logits_to_keep
     labels_shifted = spec.labels_shifted and "labels" in spec.arguments
     # asked for explicitly either way: a config with output_router_logits=True must not add the term unasked
     router = {"output_router_logits": spec.router_logits} if takes_router_logits(model) else {}
+    # a fresh cache's forward (the prompt's) on a model with recurrent states: the mask given spans the cache,
+    # the model's is the prompt's, as transformers' first forward gets it (its recurrent layers take the mask's
+    # last positions as the tokens'); the slots after the prompt are not written yet, so attention loses nothing
+    prompt_mask = cache is not None and spec.fresh_cache
+    no_mask = cache is not None and not spec.fresh_cache and spec.shape[1] == 1 and \
+        _decodes_without_mask(model, cache, spec.shape[0], spec.cache_length)
 
     def run(**kwargs):
         if spec.expert_counts:  # the experts modules' counting hooks append to it (capture/expert_counts.py)
@@ -42,6 +62,10 @@ def _forward_fn(model, spec: GraphSpec, cache=None, unpadded: bool = False):
             kwargs["logits_to_keep"] = logits_to_keep
         if labels_shifted:  # context parallelism: the loss takes labels as given (transformers' shift_labels)
             kwargs["shift_labels"] = kwargs["labels"]
+        if no_mask:  # read by no op: the graph takes no mask (ops/local_graph.py)
+            kwargs.pop("attention_mask", None)
+        if prompt_mask and "attention_mask" in kwargs:
+            kwargs["attention_mask"] = kwargs["attention_mask"][:, :kwargs["input_ids"].shape[1]]
         if cache is not None:
             out = model(**kwargs, **cache_argument(model, cache), **router, use_cache=True, return_dict=True)
         else:
@@ -144,6 +168,7 @@ def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGra
     example, state, cache = {}, {}, None
     if cache_length is not None:
         cache = meta_cache(model, shape[0], cache_length)
+        set_fresh(cache, spec.fresh_cache)
         for name, t in cache_tensors(cache).items():
             if shape[0] > 1 and t.dim() > 0:
                 dynamic(t, 0)
@@ -249,6 +274,9 @@ def _argument_of_source(source_name: str, example: dict):
     found = re.search(r"\.layers\[(\d+)\]\.(\w+)$", source_name)
     if found and argument_name(int(found.group(1)), found.group(2)) in example:
         return argument_name(int(found.group(1)), found.group(2))
+    found = re.search(r"\.layers\[(\d+)\]\.(\w+)\[(\d+)\]$", source_name)  # a recurrent layer's state i
+    if found and argument_name(int(found.group(1)), f"{found.group(2)}_{found.group(3)}") in example:
+        return argument_name(int(found.group(1)), f"{found.group(2)}_{found.group(3)}")
     return None
 
 

@@ -24,7 +24,10 @@ class GraphSpec:
     loss holds the load-balancing term, and the graph also outputs it (``aux_loss``) and every MoE layer's
     router logits (``router_logits``, stacked: [layers, tokens, experts]).
     ``expert_counts``: also the tokens routed to each expert of every MoE layer (``tokens_per_expert``: [layers,
-    experts], capture/expert_counts.py)."""
+    experts], capture/expert_counts.py).
+    ``fresh_cache``: a generation graph whose cache has linear-attention or state-space layers, run on the
+    cache's first forward (the prompt's): those layers start their states (transformers' code for a first
+    forward); without it they continue them (one token at a time)."""
 
     arguments: tuple
     shape: tuple = (EXAMPLE_BATCH, EXAMPLE_SEQ)
@@ -34,6 +37,7 @@ class GraphSpec:
     unpadded: bool = False
     router_logits: bool = False
     expert_counts: bool = False
+    fresh_cache: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "arguments", tuple(self.arguments))
@@ -49,7 +53,7 @@ class GraphSpec:
         """What tells two graphs apart apart from the shapes their guards take: a call is served by a graph
         of the same identity whose guards hold for its shapes."""
         return (tuple(sorted(self.arguments)), self.labels_shifted, self.cache_length, self.logits_to_keep,
-                self.unpadded, self.router_logits, self.expert_counts)
+                self.unpadded, self.router_logits, self.expert_counts, self.fresh_cache)
 
     def at(self, shape) -> "GraphSpec":
         return dataclasses.replace(self, shape=tuple(shape))
@@ -61,7 +65,8 @@ class GraphSpec:
         """Plain JSON data (the graph cache's key and entries)."""
         return {"arguments": list(self.arguments), "shape": list(self.shape), "labels_shifted": self.labels_shifted,
                 "cache_length": self.cache_length, "logits_to_keep": self.logits_to_keep, "unpadded": self.unpadded,
-                "router_logits": self.router_logits, "expert_counts": self.expert_counts}
+                "router_logits": self.router_logits, "expert_counts": self.expert_counts,
+                "fresh_cache": self.fresh_cache}
 
     @classmethod
     def from_dict(cls, d: dict) -> "GraphSpec":

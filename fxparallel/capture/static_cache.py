@@ -6,7 +6,10 @@ the model's own code writes them in place (``index_copy_``, ``add_``), so the re
 updates this rank's shard of the cache where the model updates the whole. The cache is first
 filled once eagerly on meta (free: nothing is computed), so each layer allocates its tensors
 with the shapes its own code asks for (any number of kv heads, head size). Sliding-window layers keep the
-whole length too: their window is the attention mask's."""
+whole length too: their window is the attention mask's. Linear-attention and state-space layers keep a
+convolution and a recurrent state per row (``STATE_FIELDS``), written whole (``copy_``) by the model; which
+code the model runs (a first forward that starts them, or one that continues them) follows a Python flag of
+the layer, set per graph (``set_fresh``)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +23,8 @@ from ..errors import CaptureError
 
 # argument names of the cache tensors in the generated code: past_<layer>_<field>
 FIELDS = ("keys", "values", "cumulative_length", "indexer_keys", "indexer_cumulative_length")  # the last two: DSA indexers
+# linear-attention and state-space layers: per state index i, past_<layer>_<field>_<i>
+STATE_FIELDS = ("conv_states", "recurrent_states")
 
 
 def argument_name(layer: int, field: str) -> str:
@@ -42,7 +47,7 @@ def cache_argument(model, cache) -> dict:
 def state_not_carried(model, what: str) -> CaptureError:
     """The refusal of a model whose cache keeps a state beyond keys, values and lengths."""
     return CaptureError(f"{type(model).__name__}: its cache keeps a state the parallel model's generation graphs do "
-                        f"not carry ({what}; carried: {', '.join(FIELDS)}): generate and use_cache are not supported "
+                        f"not carry ({what}; carried: {', '.join(FIELDS + STATE_FIELDS)}): generate and use_cache are not supported "
                         "for this model yet; forward and training are")
 
 
@@ -65,7 +70,6 @@ def _plain_experts(model):
 def meta_cache(model, batch: int, length: int):
     """A StaticCache for ``model`` (on meta) whose layers hold their tensors, for ``batch`` rows."""
     from transformers import StaticCache
-    from transformers import cache_utils
     from transformers.cache_utils import (STATIC_LAYER_TYPE_MAPPING, StaticLayer, StaticSlidingWindowLayer,
                                           get_layer_types_and_kwargs)
 
@@ -82,11 +86,6 @@ def meta_cache(model, batch: int, length: int):
         raise CaptureError(f"{type(model).__name__} has layers of type {missing}, for which transformers has no "
                            "static cache layer: generate and use_cache are not supported for this model; its "
                            "forward without a cache is")
-    linear = getattr(cache_utils, "LinearAttentionLayer", None)  # (older transformers: _bind's check still refuses)
-    recurrent = sorted(t for t in set(layer_types) if linear and issubclass(STATIC_LAYER_TYPE_MAPPING[t], linear))
-    if recurrent:  # refused before capture: Mamba's mask would not even fit a cache-long one
-        raise state_not_carried(model, f"layers of type {recurrent}: the convolution or recurrent state of "
-                                       "linear-attention or state-space layers")
     cache = StaticCache(config=model.config, max_cache_len=length)
     # a sliding-window (or chunked) layer keeps every token, as a full-attention layer does: the window is
     # the mask's (transformers builds it from the config for that layer type, over the positions of the whole
@@ -114,11 +113,46 @@ def meta_cache(model, batch: int, length: int):
     for layer in cache.layers:
         for name, value in list(vars(layer).items()):
             setattr(layer, name, _on_meta(value))
+        for name in STATE_FIELDS:
+            states = getattr(layer, name, None)
+            if isinstance(states, dict):
+                for i, value in states.items():
+                    states[i] = _on_meta(value)
     for layer in cache.layers:  # back to empty: the graph is captured for a cache that is being filled
         length_so_far = getattr(layer, "cumulative_length", None)
         if isinstance(length_so_far, torch.Tensor):
             layer.cumulative_length = torch.zeros((), dtype=length_so_far.dtype, device="meta")
     return cache
+
+
+def keeps_states(config) -> bool:
+    """Does transformers' cache for ``config`` hold linear-attention or state-space layers' states (a convolution
+    and a recurrent state per row) beside or instead of keys and values?"""
+    from transformers import cache_utils
+
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    try:
+        layer_types, _ = cache_utils.get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    except Exception:  # noqa: BLE001 - a config transformers builds no cache for: generation refuses it later
+        return False
+    mapping = cache_utils.STATIC_LAYER_TYPE_MAPPING
+    return mixin is not None and any(t in mapping and issubclass(mapping[t], mixin) for t in set(layer_types))
+
+
+def set_fresh(cache, fresh: bool) -> None:
+    """Mark the linear-attention / state-space layers' states as not yet written (``fresh``: the graph starts
+    them, as transformers' first forward with a cache does) or written (the graph continues them). The models
+    choose their code by this Python flag (a chunked scan, or a recurrent step), so each is a graph of its own."""
+    for layer in cache.layers:
+        flags = getattr(layer, "has_previous_state", None)
+        if isinstance(flags, dict):
+            for i in flags:
+                flags[i] = not fresh
+
+
+def has_states(cache) -> bool:
+    """Does the cache hold linear-attention or state-space layers' states?"""
+    return any(isinstance(getattr(layer, "has_previous_state", None), dict) for layer in cache.layers)
 
 
 def _on_meta(value):
@@ -138,4 +172,8 @@ def cache_tensors(cache) -> dict:
             value = getattr(layer, field, None)
             if isinstance(value, torch.Tensor):
                 found[argument_name(i, field)] = value
+        for field in STATE_FIELDS:
+            for index, value in (getattr(layer, field, None) or {}).items():
+                if isinstance(value, torch.Tensor):
+                    found[argument_name(i, f"{field}_{index}")] = value
     return found

@@ -6,7 +6,13 @@ heads where attention is (each rank holds 1/TP of the cache, uneven head splits 
 forward), replicated where the kv heads are (more ranks than kv heads). The tensors are
 allocated on a call's first step for its batch and a length rounded up to ``LENGTH_STEP``, so
 prompts of other lengths reuse the same graphs (a compiled ``generate`` keeps its cache for the
-next call of its shape: ``generation/loop.py``)."""
+next call of its shape: ``generation/loop.py``).
+
+Linear-attention and state-space layers (Mamba, gated delta nets) keep a convolution state and a recurrent
+state per row instead of keys and values: fixed-size tensors (``past_<layer>_conv_states_<i>``,
+``past_<layer>_recurrent_states_<i>``), split by the channels and heads each rank computes, as the forward
+splits them. The model runs other code on a cache's first forward (the prompt's: the states start) than on the
+next ones (one token at a time: the states continue), so those are two graphs (``GraphSpec.fresh_cache``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -28,6 +34,7 @@ class ParallelCache:
         self.layout: dict = {}  # argument name -> (full shape, this rank's shape, dtype); None: the batch dim
         self.tensors: dict = {}
         self.batch: Optional[int] = None
+        self.started = False  # a forward has written it (the recurrent layers continue their states)
 
     def allocate(self, batch: int, device) -> None:
         self.batch = batch
@@ -44,6 +51,7 @@ class ParallelCache:
         """Empty again, in place (the same tensors: compiled decode steps replay on their addresses)."""
         for tensor in self.tensors.values():
             tensor.zero_()
+        self.started = False
 
     @property
     def allocated(self) -> bool:
@@ -55,5 +63,5 @@ class ParallelCache:
         return int(lengths[0]) if lengths else 0
 
     def nbytes(self) -> int:
-        """Bytes this rank holds (keys and values)."""
+        """Bytes this rank holds (keys and values; convolution and recurrent states)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())

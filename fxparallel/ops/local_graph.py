@@ -1,6 +1,8 @@
 """What the module keeps of one rewritten graph: its generated code and what calling it needs."""
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -27,3 +29,12 @@ class LocalGraph:
     @property
     def cache_length(self) -> Optional[int]:
         return self.spec.cache_length
+
+    @functools.cached_property
+    def _reads(self) -> frozenset:
+        return frozenset(inspect.signature(self.forward).parameters)
+
+    def read(self, arguments: dict) -> dict:
+        """The arguments the code reads (a decode step of a state-space model reads no attention mask: its
+        graph has no such input)."""
+        return {k: v for k, v in arguments.items() if k in self._reads}

@@ -60,7 +60,8 @@ SPELLINGS = {
         "contiguous")},
     # ---- in place (methods) ---------------------------------------------------------------------
     **{name: (name,) for name in (
-        "add_", "sub_", "mul_", "div_", "neg_", "masked_fill_", "fill_", "zero_", "requires_grad_", "index_copy_")},
+        "add_", "sub_", "mul_", "div_", "neg_", "masked_fill_", "fill_", "zero_", "requires_grad_", "index_copy_",
+        "copy_")},
     # ---- reductions along ``dim`` ---------------------------------------------------------------
     **{name: (getattr(torch, name), name) for name in ("mean", "sum", "amax", "argmax", "logsumexp", "cumsum")},
     **{name: (name,) for name in (

@@ -117,8 +117,9 @@ class GraphPlan:
 
 class Solver:
     def __init__(self, captured: CapturedGraph, tp: int, fixed: Optional[dict] = None,
-                 layout: Optional[ShardLayout] = None, experts: frozenset = frozenset()):
+                 layout: Optional[ShardLayout] = None, experts: frozenset = frozenset(), trains: bool = True):
         self.captured = captured
+        self.backward_weight = 1.0 if trains else 0.0  # of the gradient reductions' bytes in a plan's cost
         self.tp = tp
         self.fixed = dict(fixed or {})
         self.layout = layout or ShardLayout(tp)
@@ -275,7 +276,11 @@ class Solver:
                 fake = i.meta["example_value"]
                 current = self._placement_of_param(i, plan)
                 if current is not None:
-                    if current != req:
+                    if current.is_replicate and req.is_shard:
+                        # a whole weight read by shards: sliced locally (free), its gradient then partial: reduced
+                        if fake.requires_grad and i not in plan.grad_reduced:
+                            comm += self._grad_bytes(i) * self.backward_weight
+                    elif current != req:
                         if s.name != "fallback":
                             return None
                         # an op without a rule reads a weight already split: gather it
@@ -286,7 +291,7 @@ class Solver:
                     if fake.dim() >= 2:
                         decision.append((layer_pattern(self.param_nodes[i]), req))
                 if req.is_replicate and out_sharded and fake.requires_grad and i not in plan.grad_reduced:
-                    comm += self._grad_bytes(i)
+                    comm += self._grad_bytes(i) * self.backward_weight
                 continue
             cost = redistribute_bytes(in_pl[i], req, self.ctx.bytes_per_token(i))
             if cost == INFEASIBLE:
@@ -296,10 +301,11 @@ class Solver:
             if in_pl[i] is not None and in_pl[i].is_replicate and (out_sharded or (req is not None and req.is_shard)):
                 point = self._reduction_point(i, plan)
                 if requires_grad(i) and point not in plan.grad_reduced and not _whole_segment(point, plan):
-                    comm += self.ctx.bytes_per_token(point)
+                    comm += self.ctx.bytes_per_token(point) * self.backward_weight
             elif _made_whole_for_shards(in_pl[i], req, out_sharded) and requires_grad(i) \
                     and (i, R) not in plan.grad_reduced:
-                comm += self.ctx.bytes_per_token(i)  # the gathered / reduced copy's gradient is partial: all-reduced
+                # the gathered / reduced copy's gradient is partial: all-reduced
+                comm += self.ctx.bytes_per_token(i) * self.backward_weight
         return (replicated, comm, index, tuple(sorted(decision)))
 
     @staticmethod
@@ -421,6 +427,8 @@ def check_layer_symmetry(params: dict) -> list:
 
 
 def solve(captured: CapturedGraph, tp: int, fixed: Optional[dict] = None,
-          layout: Optional[ShardLayout] = None, experts: frozenset = frozenset()) -> GraphPlan:
-    """``experts``: the names of the parameters stacked by expert, with expert parallelism (rules/expert_rows.py)."""
-    return Solver(captured, tp, fixed, layout, experts).solve()
+          layout: Optional[ShardLayout] = None, experts: frozenset = frozenset(), trains: bool = True) -> GraphPlan:
+    """``experts``: the names of the parameters stacked by expert, with expert parallelism (rules/expert_rows.py).
+    ``trains=False``: a graph that serves generation (a KV cache's): its plan still reduces every gradient, but
+    the reductions of the backward it does not run cost nothing in the choice."""
+    return Solver(captured, tp, fixed, layout, experts, trains).solve()

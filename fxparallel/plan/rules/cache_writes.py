@@ -1,10 +1,14 @@
-"""Writing into a KV cache: ``cache.index_copy_(dim, positions, new)`` (transformers' StaticCache).
+"""Writing into a KV cache: ``cache.index_copy_(dim, positions, new)`` (transformers' StaticCache), and a
+linear-attention / state-space layer's state written whole: ``state.copy_(new)`` (its convolution window and
+recurrent state: each rank keeps the channels or heads it computes, as the forward splits them).
 
 The cache is state the solver places like a parameter (``capture/static_cache.py``): written with the
 new keys / values of a sharded attention, it is sharded the same way (each rank caches its own
 kv heads); written with replicated ones (more ranks than kv heads), it is replicated. Positions
 index the sequence dim, which is never the sharded one."""
 from __future__ import annotations
+
+import torch.fx as fx
 
 from ..placement import R
 from .base import Strategy, arg, norm_dim, register
@@ -25,3 +29,19 @@ def _index_copy(node, placements, ctx):
 
 
 register("index_copy_")(_index_copy)
+
+
+def _state_copy(node, placements, ctx):
+    state, new = node.args[0], arg(node, 1, "src")
+    if not isinstance(state, fx.Node) or state.op != "placeholder" or not isinstance(new, fx.Node):
+        return []  # only the cache's own tensors (graph inputs the solver places): a copy into a computed value
+        # would write a redistributed copy of it, not it
+    p = placements[new]
+    strategies = []
+    if p.is_shard and p.block is None:
+        strategies.append(Strategy({state: p, new: p}, p, note="state written by its shard", name="shard"))
+    strategies.append(Strategy({state: R, new: R}, R, note="replicated state", name="replicate"))
+    return strategies
+
+
+register("copy_")(_state_copy)

@@ -1,0 +1,104 @@
+"""model.generate on models whose cache keeps recurrent states instead of (or beside) keys and values: pure
+Mamba, a Mamba-2 hybrid (Bamba) and a gated-delta-net hybrid (Qwen3-Next). Greedy tokens equal single-device
+transformers' from a left-padded batch; two graphs per cache length (the prompt's, which starts the states,
+and one token's, which continues them); a decode step communicates what a forward does (no gather); each
+rank keeps the states of the channels / heads it computes (1/TP of transformers' states where the forward
+splits the layer); a multi-token forward on a cache already written is refused by name."""
+from __future__ import annotations
+
+import os
+import sys
+
+from checks import raised
+from distributed import run_ranks
+
+NEW_TOKENS = 8
+
+
+def _state_bytes(cache_layers) -> int:
+    """Bytes of transformers' cache's convolution and recurrent states."""
+    import torch
+
+    return sum(t.numel() * t.element_size() for layer in cache_layers for field in ("conv_states", "recurrent_states")
+               for t in (getattr(layer, field, None) or {}).values() if isinstance(t, torch.Tensor))
+
+
+def _generate(rank, tp, paths):
+    import torch
+    import torch.distributed as dist
+
+    import fxparallel
+    from models import reference
+
+    out = {}
+    for name, path in paths.items():
+        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+        ref = reference(path)
+        ids = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(4))
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0
+        ids = ids * mask
+        kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                      return_dict_in_generate=True)
+        got, expected = model.generate(input_ids=ids, **kwargs), ref.generate(input_ids=ids, **kwargs)
+        cache = got.past_key_values
+        states = {k: v for k, v in cache.layout.items() if "_states_" in k}
+        generation = [g for g in model.graphs() if g.cache_length]
+        decode = next(g for g in generation if not g.spec.fresh_cache)
+        prompt = next(g for g in generation if g.spec.fresh_cache)  # a forward of many tokens
+        ours = sum(t.numel() * t.element_size() for k, t in cache.tensors.items() if k in states)
+        out[name] = {
+            "tokens": torch.equal(got.sequences, expected.sequences),
+            "graphs": sorted((g.spec.fresh_cache, g.spec.shape[1] == 1) for g in generation),
+            "decode collectives": (decode.code.count("collectives_all_reduce("),
+                                   decode.code.count("collectives_all_gather(")),
+            "prompt collectives": (prompt.code.count("collectives_all_reduce("),
+                                   prompt.code.count("collectives_all_gather(")),
+            "states": len(states),
+            "state share": ours / _state_bytes(expected.past_key_values.layers),
+            "split states": sum(1 for full, local, _ in states.values() if full != local),
+        }
+        if name == "mamba":  # a hand-written loop: the prompt in the cache's first forward, then one token a call
+            fresh = model.new_cache(128)
+            full_mask = torch.cat([mask, mask.new_ones(2, 128 - 7)], dim=1)
+            step = model(input_ids=ids, attention_mask=full_mask, past_key_values=fresh, use_cache=True)
+            token = step.logits[:, -1].argmax(-1, keepdim=True)
+            step = model(input_ids=token, attention_mask=full_mask, past_key_values=fresh)
+            out["hand-written loop"] = torch.equal(torch.cat([token, step.logits[:, -1].argmax(-1, keepdim=True)], 1),
+                                                   expected.sequences[:, 7:9])
+            out["chunked continuation"] = raised(lambda: model(input_ids=ids[:, :2], attention_mask=full_mask,
+                                                               past_key_values=fresh))
+    return out
+
+
+def _paths(tmp_path, **configs) -> dict:
+    from models import save_checkpoint
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from tiny_configs import tiny_config
+
+    return {name: save_checkpoint(tiny_config(name, **overrides), str(tmp_path / name))
+            for name, overrides in configs.items()}
+
+
+def test_generate_state_space_and_linear_attention_models(tmp_path):
+    """Mamba (every layer a selective scan), Bamba (Mamba-2 layers and attention) and Qwen3-Next (gated delta nets,
+    attention and experts) at TP=2."""
+    paths = _paths(tmp_path, mamba={}, bamba={}, qwen3_next={})
+    for out in run_ranks(2, _generate, paths):
+        for name in paths:
+            row = out[name]
+            assert row["tokens"], (name, row)
+            assert row["graphs"] == [(False, True), (True, False)], (name, row)  # the prompt's, then one token's
+            # a token communicates what the prompt's forward does (Qwen3-Next's gathers where a gated delta net
+            # reads a sharded value whole, as its forward without a cache does; Mamba's and Bamba's gather nothing)
+            assert row["decode collectives"] == row["prompt collectives"], (name, row)
+            assert row["states"] >= 2, (name, row)
+        for name in ("mamba", "bamba"):
+            assert out[name]["decode collectives"][1] == 0, (name, out[name])
+        # Mamba's mixers are split by channels: each rank keeps half of every state
+        assert out["mamba"]["state share"] == 0.5 and out["mamba"]["split states"] == 4, out["mamba"]
+        assert out["hand-written loop"], out
+        assert out["chunked continuation"].startswith(
+            "ShardingError: a forward of 2 tokens on a cache already written, whose linear-attention / state-space "
+            "layers keep recurrent states (mamba)"), out["chunked continuation"]
