@@ -313,10 +313,11 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             if not cache.allocated:
                 cache.allocate(input_ids.shape[0], self.device_)
             args.update(cache.tensors)
-            cache.started = True
         self._graph_set.last = graph
         run = graph.forward if compile_config is None else self._graph_set.compiled(graph, compile_config)
         results = dict(zip(graph.outputs, run(self, **graph.read(args))))
+        if cache is not None:  # written: its recurrent states (if any) are continued from now on
+            cache.started = True
         logits = results["logits"]
         placement = graph.output_placements.get("logits")
         local_logits, vocab_range = None, None

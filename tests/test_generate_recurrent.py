@@ -3,7 +3,8 @@ Mamba, a Mamba-2 hybrid (Bamba) and a gated-delta-net hybrid (Qwen3-Next). Greed
 transformers' from a left-padded batch; two graphs per cache length (the prompt's, which starts the states,
 and one token's, which continues them); a decode step communicates what a forward does (no gather); each
 rank keeps the states of the channels / heads it computes (1/TP of transformers' states where the forward
-splits the layer); a multi-token forward on a cache already written is refused by name."""
+splits the layer); output_scores and sampling as for attention models; a multi-token forward on a cache already
+written is refused by name."""
 from __future__ import annotations
 
 import os
@@ -68,6 +69,13 @@ def _generate(rank, tp, paths):
                                                    expected.sequences[:, 7:9])
             out["chunked continuation"] = raised(lambda: model(input_ids=ids[:, :2], attention_mask=full_mask,
                                                                past_key_values=fresh))
+            # output_scores (each step's scores, gathered over the vocabulary) and sampling, as for attention
+            scored = dict(kwargs, max_new_tokens=3, output_scores=True)
+            got, expected = model.generate(input_ids=ids, **scored), ref.generate(input_ids=ids, **scored)
+            out["scores"] = max((a - b).abs().max().item() for a, b in zip(got.scores, expected.scores))
+            torch.manual_seed(100 + rank)  # the ranks draw alike whatever their own seeds
+            out["sampled"] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=True,
+                                            top_k=5, pad_token_id=0).tolist()
     return out
 
 
@@ -85,7 +93,10 @@ def test_generate_state_space_and_linear_attention_models(tmp_path):
     """Mamba (every layer a selective scan), Bamba (Mamba-2 layers and attention) and Qwen3-Next (gated delta nets,
     attention and experts) at TP=2."""
     paths = _paths(tmp_path, mamba={}, bamba={}, qwen3_next={})
-    for out in run_ranks(2, _generate, paths):
+    results = run_ranks(2, _generate, paths)
+    assert results[0]["sampled"] == results[1]["sampled"]
+    for out in results:
+        assert out["scores"] < 1e-4, out["scores"]
         for name in paths:
             row = out[name]
             assert row["tokens"], (name, row)
@@ -102,3 +113,32 @@ def test_generate_state_space_and_linear_attention_models(tmp_path):
         assert out["chunked continuation"].startswith(
             "ShardingError: a forward of 2 tokens on a cache already written, whose linear-attention / state-space "
             "layers keep recurrent states (mamba)"), out["chunked continuation"]
+
+
+def _uneven(rank, tp, path):
+    import torch
+    import torch.distributed as dist
+
+    import fxparallel
+    from models import reference
+
+    model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    ref = reference(path)
+    ids = torch.randint(3, 200, (2, 5), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    got = model.generate(input_ids=ids, **kwargs)
+    layout = got.past_key_values.layout
+    return {"tokens": torch.equal(got.sequences, ref.generate(input_ids=ids, **kwargs).sequences),
+            "channels": [layout[f"past_0_{field}_0"][1][1] for field in ("conv_states", "recurrent_states")],
+            "full": [layout[f"past_0_{field}_0"][0][1] for field in ("conv_states", "recurrent_states")]}
+
+
+def test_generate_mamba_with_channels_split_unevenly(tmp_path):
+    """Mamba at TP=3: its 128 channels split unevenly (each rank's states hold its own channels only), the tokens
+    transformers' on one device."""
+    paths = _paths(tmp_path, mamba={})
+    results = run_ranks(3, _uneven, paths["mamba"])
+    assert all(r["tokens"] for r in results), results
+    assert all(r["full"] == [128, 128] for r in results), results
+    assert sorted(r["channels"][0] for r in results) == sorted(r["channels"][1] for r in results), results
+    assert sum(r["channels"][0] for r in results) == 128 and len({r["channels"][0] for r in results}) == 2, results

@@ -135,7 +135,8 @@ def capture(model, spec: GraphSpec, device: str = "meta") -> CapturedGraph:
             raise
     finally:
         guards_log.setLevel(level)
-    # the model's code fixes a size (a cache's batch; a loop over the tokens, RWKV / RecurrentGemma / CPM-Ant):
+    # the model's code fixes a size (a cache's batch; a loop over the tokens, RWKV / RecurrentGemma / CPM-Ant, or
+    # Mamba's scan at some prompt lengths):
     # Dynamo cannot keep it symbolic, so that size gets a graph of its own
     log.info("%s: its code fixes the %s; capturing for %d", type(model).__name__, ("batch", "sequence length")[fixed],
              spec.shape[fixed])
@@ -144,13 +145,14 @@ def capture(model, spec: GraphSpec, device: str = "meta") -> CapturedGraph:
 
 def _fixed_dim(message: str, shape, cache_length):
     """The argument dim Dynamo reports the model's code fixes ("Constraints violated (...size()[d])"): the
-    batch of a KV cache, or the sequence of a plain forward; None for any other failure."""
+    sequence (a loop or scan over the tokens: that length gets a graph of its own), else the batch of a KV
+    cache; None for any other failure."""
     if "Constraints violated" not in message:
         return None
+    if shape[1] > 1 and "size()[1])" in message:  # a scan over the tokens (Mamba's, in some prompt lengths)
+        return 1
     if cache_length is not None and shape[0] > 1:
         return 0
-    if cache_length is None and shape[1] > 1 and "size()[1])" in message:
-        return 1
     return None
 
 

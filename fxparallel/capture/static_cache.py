@@ -70,8 +70,7 @@ def _plain_experts(model):
 def meta_cache(model, batch: int, length: int):
     """A StaticCache for ``model`` (on meta) whose layers hold their tensors, for ``batch`` rows."""
     from transformers import StaticCache
-    from transformers.cache_utils import (STATIC_LAYER_TYPE_MAPPING, StaticLayer, StaticSlidingWindowLayer,
-                                          get_layer_types_and_kwargs)
+    from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
     if _cache_keyword(model) is None:  # GPT-1; RWKV's state, XLNet's mems
         parameters = inspect.signature(model.forward).parameters
@@ -91,8 +90,7 @@ def meta_cache(model, batch: int, length: int):
     # the mask's (transformers builds it from the config for that layer type, over the positions of the whole
     # cache), so the keys a query attends are those of transformers' rolling cache, and no graph depends on
     # how far generation has gone past the window (the rolling layer chooses its code by a Python count)
-    cache.layers = [StaticLayer(max_cache_len=length) if type(layer) is StaticSlidingWindowLayer else layer
-                    for layer in cache.layers]
+    cache.layers = [_keeping_every_token(layer, length) for layer in cache.layers]
     layers = len(cache.layers)
     # under a fake mode, transformers sees a trace (is_tracing) and skips its checks of data meta lacks: padding
     # in the ids, a mask it could leave out; with a shape env, data-dependent sizes (JetMoE's expert counts,
@@ -123,6 +121,20 @@ def meta_cache(model, batch: int, length: int):
         if isinstance(length_so_far, torch.Tensor):
             layer.cumulative_length = torch.zeros((), dtype=length_so_far.dtype, device="meta")
     return cache
+
+
+def _keeping_every_token(layer, length: int):
+    """A sliding-window layer as its full-attention form (beside its recurrent states, if it keeps some:
+    Inkling's sliding layers); any other layer as it is."""
+    from transformers import cache_utils
+
+    if type(layer) is cache_utils.StaticSlidingWindowLayer:
+        return cache_utils.StaticLayer(max_cache_len=length)
+    both = getattr(cache_utils, "LinearAttentionAndStaticSlidingWindowAttentionLayer", None)
+    if both is not None and type(layer) is both:
+        return cache_utils.LinearAttentionAndStaticFullAttentionLayer(max_cache_len=length,
+                                                                      number_of_states=layer.number_of_states)
+    return layer
 
 
 def keeps_states(config) -> bool:

@@ -1,6 +1,8 @@
 """plan/rules/cache_writes.py: ``cache.index_copy_(dim, positions, new)`` writes a KV cache by the shard of the
 new keys / values (each rank caches its kv heads); a shard of the written dim, a segmented or blocked
-one, or replicated new values give a replicated cache."""
+one, or replicated new values give a replicated cache. ``state.copy_(new)`` writes a linear-attention /
+state-space layer's state (a graph input) by the shard of the new state, segmented ones included (Mamba-2's
+convolution window over its fused x | B | C channels); a copy into a computed value has no rule here."""
 from rule_graphs import capture, inputs_of, node, strategies
 
 from fxparallel.plan.placement import R, S
@@ -21,3 +23,19 @@ def test_a_negative_dim_is_the_same_dim():
     c, pos, new = inputs_of(gm)
     assert [s.output for s in strategies(node(gm, "index_copy_"), {new: S(1)})] == [S(1), R]
     assert [s.output for s in strategies(node(gm, "index_copy_"), {new: S(2)})] == [R]
+
+
+def test_a_recurrent_state_is_written_whole_by_the_shard_of_the_new_state():
+    gm = capture(lambda state, new: state.copy_(new), (2, 8, 4), (2, 8, 4))
+    state, new = inputs_of(gm)
+    for p in (S(1), S(1, segments=(4, 2, 2))):
+        assert [(s.name, s.inputs, s.output) for s in strategies(node(gm, "copy_"), {new: p})] == [
+            ("shard", {state: p, new: p}, p), ("replicate", {state: R, new: R}, R)]
+    assert [s.name for s in strategies(node(gm, "copy_"), {new: S(0, block=2)})] == ["replicate"]
+    assert [s.name for s in strategies(node(gm, "copy_"), {new: R})] == ["replicate"]
+
+
+def test_a_copy_into_a_computed_value_has_no_rule():
+    gm = capture(lambda x, new: (x * 2).copy_(new), (2, 8, 4), (2, 8, 4))
+    _, new = inputs_of(gm)
+    assert strategies(node(gm, "copy_"), {new: S(1)}) == []

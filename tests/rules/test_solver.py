@@ -48,3 +48,26 @@ def test_search_past_its_budget_finishes_greedily(monkeypatch):
     assert full.steps > len(full.nodes) and greedy.steps == len(greedy.nodes)  # one pass, no branch explored
     assert plan.explored == 1 and plan.params == {"up.weight": S(0), "down.weight": S(1), "up2.weight": S(0),
                                                   "down2.weight": S(1)}  # the preferred branches
+
+
+def _scaled(x, up, d, down):
+    return F.linear(F.linear(x, up) * d, down)
+
+
+def test_a_whole_weight_read_by_shards_is_sliced_locally():
+    """A weight fixed replicated (an earlier graph's placement: Mamba's ``D``, read by a decode step with the
+    channels each rank computes) is sliced where a shard reads it: the product stays sharded, nothing is
+    gathered. Its gradient reduction counts only in a graph that trains (``trains=False``: a generation graph)."""
+    import operator
+
+    from fxparallel.plan.placement import R
+
+    gm = capture(_scaled, (3, 5, 16), (64, 16), (64,), (16, 64), params=(1, 2, 3))
+    names = {1: "up.weight", 2: "d", 3: "down.weight"}
+    plans = {trains: solve(captured_graph(gm, params=names, inputs={0: "x"}), 2, fixed={"d": R},
+                           layout=ShardLayout(2), trains=trains) for trains in (True, False)}
+    product = next(n for n in gm.graph.nodes if n.target is operator.mul)
+    for plan in plans.values():
+        assert plan.params == {"up.weight": S(0), "d": R, "down.weight": S(1)}
+        assert plan.placements[product] == S(2) and not plan.fallbacks
+    assert plans[False].comm_bytes < plans[True].comm_bytes  # d's gradient reduction, charged when training
