@@ -46,8 +46,9 @@ def cache_argument(model, cache) -> dict:
 
 def state_not_carried(model, what: str) -> CaptureError:
     """The refusal of a model whose cache keeps a state beyond keys, values and lengths."""
+    carried = ", ".join(FIELDS + STATE_FIELDS)
     return CaptureError(f"{type(model).__name__}: its cache keeps a state the parallel model's generation graphs do "
-                        f"not carry ({what}; carried: {', '.join(FIELDS + STATE_FIELDS)}): generate and use_cache are not supported "
+                        f"not carry ({what}; carried: {carried}): generate and use_cache are not supported "
                         "for this model yet; forward and training are")
 
 
@@ -160,11 +161,6 @@ def set_fresh(cache, fresh: bool) -> None:
         if isinstance(flags, dict):
             for i in flags:
                 flags[i] = not fresh
-
-
-def has_states(cache) -> bool:
-    """Does the cache hold linear-attention or state-space layers' states?"""
-    return any(isinstance(getattr(layer, "has_previous_state", None), dict) for layer in cache.layers)
 
 
 def _on_meta(value):
