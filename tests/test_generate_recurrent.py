@@ -1,5 +1,5 @@
 """model.generate on models whose cache keeps recurrent states instead of (or beside) keys and values: pure
-Mamba, a Mamba-2 hybrid (Bamba) and a gated-delta-net hybrid (Qwen3-Next). Greedy tokens equal single-device
+Mamba, a Mamba-2 hybrid (Bamba) and a gated-delta-net hybrid (Qwen3.5). Greedy tokens equal single-device
 transformers' from a left-padded batch; two graphs per cache length (the prompt's, which starts the states,
 and one token's, which continues them); a decode step communicates what a forward does (no gather); each
 rank keeps the states of the channels / heads it computes (1/TP of transformers' states where the forward
@@ -90,9 +90,9 @@ def _paths(tmp_path, **configs) -> dict:
 
 
 def test_generate_state_space_and_linear_attention_models(tmp_path):
-    """Mamba (every layer a selective scan), Bamba (Mamba-2 layers and attention) and Qwen3-Next (gated delta nets,
-    attention and experts) at TP=2."""
-    paths = _paths(tmp_path, mamba={}, bamba={}, qwen3_next={})
+    """Mamba (every layer a selective scan), Bamba (Mamba-2 layers and attention) and Qwen3.5 (gated delta nets
+    and attention, as in Qwen3-Next) at TP=2."""
+    paths = _paths(tmp_path, mamba={}, bamba={}, qwen3_5_text={})
     results = run_ranks(2, _generate, paths)
     assert results[0]["sampled"] == results[1]["sampled"]
     for out in results:
@@ -101,8 +101,7 @@ def test_generate_state_space_and_linear_attention_models(tmp_path):
             row = out[name]
             assert row["tokens"], (name, row)
             assert row["graphs"] == [(False, True), (True, False)], (name, row)  # the prompt's, then one token's
-            # a token communicates what the prompt's forward does (Qwen3-Next's gathers where a gated delta net
-            # reads a sharded value whole, as its forward without a cache does; Mamba's and Bamba's gather nothing)
+            # a token communicates what the prompt's forward does
             assert row["decode collectives"] == row["prompt collectives"], (name, row)
             assert row["states"] >= 2, (name, row)
         for name in ("mamba", "bamba"):
@@ -136,7 +135,7 @@ def _uneven(rank, tp, path):
 def test_generate_mamba_with_channels_split_unevenly(tmp_path):
     """Mamba at TP=3: its 128 channels split unevenly (each rank's states hold its own channels only), the tokens
     transformers' on one device."""
-    paths = _paths(tmp_path, mamba={})
+    paths = _paths(tmp_path, mamba={"num_hidden_layers": 1})
     results = run_ranks(3, _uneven, paths["mamba"])
     assert all(r["tokens"] for r in results), results
     assert all(r["full"] == [128, 128] for r in results), results
