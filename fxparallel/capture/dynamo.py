@@ -269,16 +269,16 @@ def _source_name(source) -> str:
 
 def _argument_of_source(source_name: str, example: dict):
     """The argument a Dynamo source reads: ``L['kwargs']['input_ids']`` -> input_ids; a cache tensor,
-    ``L['cache'].layers[3].keys`` -> past_3_keys (capture/static_cache.py)."""
+    ``L['cache'].layers[3].keys`` -> past_3_keys, ``...layers[3].conv_states[0]`` -> past_3_conv_states_0
+    (capture/static_cache.py)."""
     found = re.search(r"\['(\w+)'\]$", source_name)
     if found and found.group(1) in example:
         return found.group(1)
-    found = re.search(r"\.layers\[(\d+)\]\.(\w+)$", source_name)
-    if found and argument_name(int(found.group(1)), found.group(2)) in example:
-        return argument_name(int(found.group(1)), found.group(2))
-    found = re.search(r"\.layers\[(\d+)\]\.(\w+)\[(\d+)\]$", source_name)  # a recurrent layer's state i
-    if found and argument_name(int(found.group(1)), f"{found.group(2)}_{found.group(3)}") in example:
-        return argument_name(int(found.group(1)), f"{found.group(2)}_{found.group(3)}")
+    found = re.search(r"\.layers\[(\d+)\]\.(\w+)(?:\[(\d+)\])?$", source_name)  # [i]: a recurrent state i
+    if found:
+        field = found.group(2) if found.group(3) is None else f"{found.group(2)}_{found.group(3)}"
+        name = argument_name(int(found.group(1)), field)
+        return name if name in example else None
     return None
 
 
