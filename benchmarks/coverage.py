@@ -99,7 +99,16 @@ def _generation(model, ref, ids) -> str:
         tokens = model.generate(**kwargs)
     except Exception as err:  # noqa: BLE001 - report, the row's other checks stand
         return f"error: {type(err).__name__}: {err}"[:300]
-    return "same" if torch.equal(tokens, expected) else "differs"
+    if any(graph.cache_length for graph in model.graphs()):
+        return "same" if torch.equal(tokens, expected) else "differs"
+    # generated without a cache (a cache the graphs cannot carry, or a config with use_cache=False: each step
+    # recomputes the sequence), as transformers' generate(use_cache=False), which gives the tokens of its cached
+    # generate where the model's cached steps are right
+    if torch.equal(tokens, expected):
+        return "same, no cache"
+    with torch.no_grad():
+        uncached = ref.generate(**kwargs, use_cache=False)
+    return "same as use_cache=False" if torch.equal(tokens, uncached) else "differs"
 
 
 def _per_layer(plan: dict, direction: str, layers: int) -> str:
@@ -242,11 +251,11 @@ def _generation_cell(row: dict) -> str:
     gen = row.get("generation")
     if gen is None:
         return ""
-    if gen == "differs" and row.get("generation_float64") == "same":
+    if gen == "differs" and row.get("generation_float64", "").startswith("same"):
         return "same in float64"  # float32 rounding decided a near tie of the logits
     if gen.startswith("error:") and any(text in gen for text in REFUSALS):
-        return "refused"  # generate refused by name before any step (a cache the graphs cannot carry)
-    return gen if gen in ("same", "differs") else gen.split(":")[0]
+        return "refused"  # generate refused by name before any step
+    return gen if gen in ("same", "differs") or gen.startswith("same") else gen.split(":")[0]
 
 
 def write_markdown(rows: list, path: str, tp: int, total: int = 0, layers=None, tp4=None) -> None:
@@ -277,13 +286,19 @@ def write_markdown(rows: list, path: str, tp: int, total: int = 0, layers=None, 
         "reference and the parallel model alike (`FLOAT64_AS_IS` in the script).",
         "",
         f"\"generate\": the greedy tokens of `model.generate` ({GENERATED} new tokens, a batch of 2 prompts, one "
-        "left-padded) against single-device transformers' `generate`: same, differs (wrong), refused (ours "
-        "refuses the model by name before any step: a cache its graphs cannot carry, no KV cache at all), error "
-        "(ours fails otherwise; both listed below the table) or transformers (transformers' own `generate` fails "
-        "on the tiny model). "
+        "left-padded) against single-device transformers' `generate`: same (with the sharded cache), same, no "
+        "cache (a cache the graphs cannot carry, or none at all: each step recomputes the sequence), same as "
+        "use_cache=False (recomputed, equal to transformers' `generate(use_cache=False)` where its own cached "
+        "generate gives other tokens), differs (wrong), refused (ours refuses the model by name before any step), "
+        "error (ours fails otherwise; both listed below the table) or transformers (transformers' own `generate` "
+        "fails on the tiny model). "
         "Where float32's tokens differ, they are generated again in float64 (\"same in float64\": float32 "
         "rounding decided a near tie of the logits). "
-        f"{sum(_generation_cell(r) == 'same' for r in rows)} types generate the same tokens, "
+        f"{sum(_generation_cell(r).startswith('same') for r in rows)} types generate transformers' tokens: "
+        f"{sum(_generation_cell(r) == 'same' for r in rows)} with the sharded cache, "
+        f"{sum(_generation_cell(r) == 'same, no cache' for r in rows)} without a cache, "
+        f"{sum(_generation_cell(r) == 'same as use_cache=False' for r in rows)} as transformers' "
+        "`generate(use_cache=False)`, "
         f"{sum(_generation_cell(r) == 'same in float64' for r in rows)} the same in float64, "
         f"{sum(_generation_cell(r) == 'differs' for r in rows) or 'none'} differ; "
         f"{sum(_generation_cell(r) == 'refused' for r in rows)} are refused, "
@@ -324,7 +339,7 @@ def write_markdown(rows: list, path: str, tp: int, total: int = 0, layers=None, 
         lines.append(f"| {r['type']} | {r['status']} |{col4} {err} | {r.get('fwd', '')} | {r.get('bwd', '')} | "
                      f"{r.get('replicated_matrices', '')} | {fallbacks if 'fallbacks' in r else ''} | "
                      f"{'yes' if r.get('hf_plan') else 'no'} | {_generation_cell(r)} | {why} |")
-    failed = [r for r in rows if _generation_cell(r) not in ("", "same", "same in float64")]
+    failed = [r for r in rows if _generation_cell(r) and not _generation_cell(r).startswith("same")]
     if failed:
         lines += ["", "Where `generate` is not \"same\":", ""]
         lines += [f"- {r['type']}: {r['generation']}".replace("|", "/") for r in failed]

@@ -33,6 +33,7 @@ from .capture.expert_counts import experts_modules
 from .capture.router_logits import takes_router_logits
 from .capture.repeat_layers import capture_layers_once
 from .capture.spec import EXAMPLE_BATCH, EXAMPLE_SEQ, GraphSpec
+from .capture.generation_inputs import inputs_beyond_tokens
 from .capture.static_cache import keeps_states
 from . import graph_cache
 from .graph_cache import PlannedGraph, graph_key
@@ -351,6 +352,7 @@ def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
         hf_loss_type=getattr(meta, "loss_type", None),
         router_aux_loss_coef=float(getattr(meta, "router_aux_loss_coef", 0.0) or 0.0),
         moe_layers=len(experts_modules(meta)), recurrent_cache=keeps_states(meta.config),
+        inputs_beyond_tokens=inputs_beyond_tokens(meta),
         generation_config=_generation_config(source, meta.config), embedding_modules=embedding_modules(meta),
         embedding_weights=tuple(f"{path}.weight" for path, m in meta.named_modules()
                                 if isinstance(m, torch.nn.Embedding)),

@@ -13,6 +13,11 @@ class CaptureError(FxParallelError):
     """The model could not be captured as one whole graph."""
 
 
+class CacheNotCarried(CaptureError):
+    """The model's cache (keys and values, or recurrent states) cannot be carried by the graphs: ``use_cache`` is
+    refused; ``generate`` recomputes the sequence at each step instead (generation/recompute.py)."""
+
+
 class CheckpointError(FxParallelError):
     """The checkpoint is missing, incomplete or inconsistent with the config."""
 

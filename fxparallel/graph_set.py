@@ -20,6 +20,9 @@ class GraphSet:
         self._compiled: list = []  # (compile config, graph, compiled code)
         self.last: Optional[LocalGraph] = None  # the graph of the last call (its output sizes)
         self.kept_cache = None  # (key, ParallelCache): a compiled generate's cache, reused (generation/loop.py)
+        self.cache_refused = None  # the CacheNotCarried its capture raised: raised again, not captured again
+        # generation without a cache: right-padded to a fixed length (the code fixes it), or grown (None: not known)
+        self.recompute_padded = None
 
     def __iter__(self):
         return iter(list(self._graphs))

@@ -21,6 +21,9 @@ class ModelFacts:
     router_aux_loss_coef: float = 0.0
     # transformers' cache for it keeps linear-attention / state-space states (generation: GraphSpec.fresh_cache)
     recurrent_cache: bool = False
+    # why transformers' generate feeds the model more than tokens, mask and positions (XLNet's permutation mask):
+    # then no generate without a cache (generation/recompute.py); None: it feeds just those
+    inputs_beyond_tokens: Optional[str] = None
     moe_layers: int = 0  # transformers' experts modules (output_tokens_per_expert counts for each)
     generation_config: object = None  # the checkpoint's GenerationConfig, as transformers loads it
     embedding_modules: dict = field(default_factory=dict)  # "input"/"output" -> (module path, class, bias)

@@ -26,7 +26,7 @@ from .data_parallel_guard import RefusesDistributedDataParallel
 from .dcp_state import describe_state_dict
 from .adapter_methods import AdapterMethods
 from .capture.spec import GraphSpec
-from .errors import ArgumentError, ShardingError
+from .errors import ArgumentError, CacheNotCarried, ShardingError
 from .graph_set import GraphSet
 from .hf_methods import HuggingFaceMethods, refuse_arguments, refuse_inherited
 from .inputs import ARGUMENTS, check_arguments, options_code
@@ -195,10 +195,12 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                          expert_counts=expert_counts)
         if cache is not None and self.recurrent_cache and not cache.started:  # the recurrent states start here
             spec = dataclasses.replace(spec, fresh_cache=True)
+        if cache is not None and self._graph_set.cache_refused is not None:
+            raise self._graph_set.cache_refused
         if cache is not None and not cache.layout:  # its layout is that of any graph of its length
             known = self._graph_set.with_cache_length(cache.length)
             if known is None:
-                known = self._graph_set.factory(dataclasses.replace(spec, unpadded=False))
+                known = self._cache_graph(dataclasses.replace(spec, unpadded=False))
                 self.add_graph(known)
             cache.layout = dict(known.state)
         if cache is not None:  # the cache is checked at its full (captured) shapes
@@ -207,9 +209,25 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                 shapes[name] = tuple(batch if s is None else s for s in full)
         graph = self._graph_set.find(spec, shapes)
         if graph is None:
-            graph = self._graph_set.factory(spec)
+            graph = self._graph_set.factory(spec) if cache is None else self._cache_graph(spec)
             self.add_graph(graph, shapes)
         return graph
+
+    def _cache_graph(self, spec: GraphSpec) -> LocalGraph:
+        """A new graph with a cache; a cache it cannot carry is refused once and remembered (each generate then
+        recomputes without one at once: generation/recompute.py)."""
+        try:
+            return self._graph_set.factory(spec)
+        except CacheNotCarried as err:
+            self._graph_set.cache_refused = err
+            raise
+
+    @property
+    def cache_refusal(self) -> Optional[str]:
+        """Why this model cannot use a cache (``generate`` then recomputes the sequence at each step), once a
+        generation or ``use_cache=True`` call has found it; None otherwise."""
+        refused = self._graph_set.cache_refused
+        return None if refused is None else str(refused)
 
     def _logits_to_keep(self, logits_to_keep, labels) -> int:
         """``logits_to_keep`` as the int the graphs are keyed by (None / False: 0, all positions), or why not."""

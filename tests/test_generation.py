@@ -305,9 +305,10 @@ def test_generate_past_a_sliding_window_with_heads_split_unevenly(tmp_path):
         assert out["tokens"] and out["kv heads per rank"] == [((16, 8, 8),)], out  # k_proj rows: whole heads, uneven
 
 
-def test_a_cache_graph_dynamo_cannot_capture_is_refused_for_generation_only():
-    """A model whose cache graph Dynamo cannot capture whole is refused for generation only, by name (RoFormer).
-    (Linear-attention and state-space caches, refused before, generate: test_generate_recurrent.py.)"""
+def test_a_cache_graph_dynamo_cannot_capture_is_refused_a_cache():
+    """A model whose cache graph Dynamo cannot capture whole is refused a cache by name (RoFormer); its
+    generate recomputes instead (test_generate_without_cache.py). (Linear-attention and state-space caches,
+    refused before, are carried: test_generate_recurrent.py.)"""
     import os
     import sys
 
@@ -316,14 +317,13 @@ def test_a_cache_graph_dynamo_cannot_capture_is_refused_for_generation_only():
 
     from fxparallel.api import _for_device
     from fxparallel.capture import GraphSpec, build_meta_model, capture
-    from fxparallel.errors import CaptureError
+    from fxparallel.errors import CacheNotCarried
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from tiny_configs import tiny_config
 
     # RoFormer reads its position offset from the cache's count as data: Dynamo cannot capture that whole
     meta = build_meta_model(_for_device(tiny_config("roformer"), torch.device("cpu")), dtype=torch.float32)
-    with pytest.raises(CaptureError, match=r"RoFormerForCausalLM could not be captured as one graph with a KV cache: "
-                                           r"generate and use_cache are not supported for this model \(its forward "
-                                           r"without a cache is\)\. .*unbacked"):
+    with pytest.raises(CacheNotCarried, match=r"(?s)RoFormerForCausalLM could not be captured as one graph with a KV "
+                                              r"cache \(.*unbacked.*\): use_cache is not supported for this model"):
         capture(meta, GraphSpec(("input_ids", "attention_mask"), (2, 9), cache_length=128))

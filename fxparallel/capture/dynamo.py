@@ -16,7 +16,8 @@ import torch
 import torch._dynamo
 
 from ..errors import CaptureError
-from .static_cache import (argument_name, cache_argument, cache_tensors, meta_cache, set_fresh,
+from .generation_inputs import decodes_without_mask
+from .static_cache import (argument_name, cache_argument, cache_tensors, meta_cache, not_carried, set_fresh,
                            state_not_carried)
 from .causal_mask import causal_without_mask
 from .dropout_sites import check_training_graph
@@ -28,19 +29,6 @@ from .spec import GraphSpec
 
 log = logging.getLogger("fxparallel")
 
-def _decodes_without_mask(model, cache, batch: int, length: int) -> bool:
-    """Does transformers' generate leave the attention mask out of a decode step of this model (its
-    ``prepare_inputs_for_generation`` says: Mamba, whose layers would mask the new token with the whole mask)?"""
-    try:
-        step = model.prepare_inputs_for_generation(
-            torch.zeros(batch, 1, dtype=torch.long, device="meta"), use_cache=True, is_first_iteration=False,
-            attention_mask=torch.ones(batch, length, dtype=torch.long, device="meta"),
-            **cache_argument(model, cache))
-    except Exception:  # noqa: BLE001 - a model whose preparation needs more: the mask is passed as it is
-        return False
-    return "attention_mask" in step and step["attention_mask"] is None
-
-
 def _forward_fn(model, spec: GraphSpec, cache=None, unpadded: bool = False):
     output_names, logits_to_keep = spec.outputs, spec.logits_to_keep
     labels_shifted = spec.labels_shifted and "labels" in spec.arguments
@@ -51,7 +39,7 @@ def _forward_fn(model, spec: GraphSpec, cache=None, unpadded: bool = False):
     # last positions as the tokens'); the slots after the prompt are not written yet, so attention loses nothing
     prompt_mask = cache is not None and spec.fresh_cache
     no_mask = cache is not None and not spec.fresh_cache and spec.shape[1] == 1 and \
-        _decodes_without_mask(model, cache, spec.shape[0], spec.cache_length)
+        decodes_without_mask(model, cache, spec.shape[0], spec.cache_length)
 
     def run(**kwargs):
         if spec.expert_counts:  # the experts modules' counting hooks append to it (capture/expert_counts.py)
@@ -235,9 +223,8 @@ def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGra
     except Exception as err:  # Dynamo raises many exception types; all mean "not capturable whole"
         kind = type(model).__name__
         if cache is not None:  # the forward without a cache was captured before (parallelize): only generation fails
-            raise CaptureError(f"{kind} could not be captured as one graph with a KV cache: generate and use_cache "
-                               f"are not supported for this model (its forward without a cache is). "
-                               f"{_dynamo_message(err)}") from err
+            raise not_carried(f"{kind} could not be captured as one graph with a KV cache "
+                              f"({_dynamo_message(err)})") from err
         mode = " in training mode" if training else ""
         raise CaptureError(f"{kind} could not be captured as one graph{mode}: {_dynamo_message(err)}") from err
     finally:

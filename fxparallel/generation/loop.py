@@ -9,7 +9,8 @@ in docs/gpu.md). What tensor parallelism
 changes: the next token is chosen from vocab-sharded logits (``select.py``), every rank returns the
 same tokens (the arguments are checked equal on every rank first, sampling draws from a generator
 seeded alike on every rank), and two graphs (prefill, decode) are captured per cache length, not
-per token or prompt length.
+per token or prompt length. Without a cache (``use_cache=False``, or a cache the graphs cannot carry), each
+step recomputes the sequence (``recompute.py``).
 
 The call in phases: validate (``_validated``: this rank's checks, the ranks' exchange, the lengths), prepare
 (``_prepared``: transformers' processors and criteria, the sampling generator, the cache), then the loop
@@ -25,9 +26,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import InputError
+from ..errors import CacheNotCarried, InputError
 from ..inputs import ranks_named
-from . import transformers_private as hf_private
+from . import recompute, transformers_private as hf_private
 from .parallel_cache import ParallelCache, cache_length
 from .select import full_scores, top_k_candidates, vocab_parallel_argmax
 
@@ -53,8 +54,8 @@ class _Decoding:
     criteria: Any  # transformers' StoppingCriteriaList, the caller's merged in
     generator: Optional[torch.Generator]  # sampling: seeded alike on every rank; greedy: None
     compile_config: Any  # the decode steps' (None: eager)
-    cache: ParallelCache
-    full_mask: torch.Tensor  # [rows, cache length]: the prompt's mask, then a 1 for each slot written
+    cache: Optional[ParallelCache]  # None: each step recomputes the sequence (recompute.py)
+    full_mask: torch.Tensor  # [rows, cache (or padded) length]: the prompt's mask, then a 1 for each slot written
     positions: torch.Tensor  # the prompt's position ids
     pad: Optional[torch.Tensor]  # the token appended to the rows that have stopped (None: the chosen one)
     unfinished: torch.Tensor  # [rows] bool
@@ -223,7 +224,8 @@ def _prepared(model, request: _Request, streamer) -> _Decoding:
     compile_config, cache = _steps_cache(model, config, batch)
     # the mask spans the cache: slots not written yet are masked, as transformers masks a static cache's
     # (a causal mask hides them anyway; an encoder used as a decoder, RoBERTa-style, would attend to them)
-    full_mask = torch.cat([mask, mask.new_zeros(batch, cache.length - prompt)], dim=1)
+    length = cache.length if cache is not None else recompute.sequence_length(model, config.max_length)
+    full_mask = torch.cat([mask, mask.new_zeros(batch, length - prompt)], dim=1)
     return _Decoding(config=config, processors=processors, criteria=criteria, generator=generator,
                      compile_config=compile_config, cache=cache, full_mask=full_mask, positions=_positions(mask),
                      pad=hf_private.pad_token(config),
@@ -245,8 +247,11 @@ def _shared_generator(model) -> torch.Generator:
 def _steps_cache(model, config, batch: int):
     """(the decode steps' compile_config, the generation's cache). The decode steps (one token per row: the same
     shapes every step) run compiled where the caller asks (``compile_config``), as transformers compiles its
-    decode forward; the prefill stays eager."""
+    decode forward; the prefill stays eager. No cache where the caller asks for none (``use_cache=False``)."""
     compile_config = None if config.disable_compile else config.compile_config
+    if not config.use_cache:
+        recompute.refuse_extra_inputs(model, "use_cache=False")
+        return compile_config, None
     length = cache_length(config.max_length)
     cache = ParallelCache(length) if compile_config is None else _compiled_steps_cache(model, length, batch)
     return compile_config, cache
@@ -299,8 +304,24 @@ def _decode(model, decoding: _Decoding) -> None:
 
 
 def _step(model, decoding: _Decoding, step_ids: torch.Tensor, step_positions: torch.Tensor):
-    """One forward through the captured graphs, writing the cache: (this rank's vocabulary slice of the last
-    position's logits [rows, local vocab], float32, the first vocabulary id of the slice)."""
+    """One forward through the captured graphs: (this rank's vocabulary slice of the last position's logits
+    [rows, local vocab], float32, the first vocabulary id of the slice). With a cache, the new tokens' forward,
+    writing it; without one (or once a step's capture finds it cannot be carried), the sequence's
+    (``recompute.py``)."""
+    first = decoding.sequences.shape[1] == step_ids.shape[1]
+    if decoding.cache is not None:
+        try:
+            return _cached_step(model, decoding, step_ids, step_positions)
+        except CacheNotCarried as refused:  # a step's capture: the sequence so far is all the next steps need
+            recompute.fall_back(model, refused)
+            decoding.cache = None
+            decoding.full_mask = decoding.full_mask[:, :recompute.sequence_length(model, decoding.config.max_length)]
+    return recompute.step_logits(model, decoding.sequences, decoding.full_mask, _positions,
+                                 None if first else decoding.compile_config)
+
+
+def _cached_step(model, decoding: _Decoding, step_ids: torch.Tensor, step_positions: torch.Tensor):
+    """``_step`` with the cache: the forward of the new tokens, writing the cache."""
     # a model without position_ids (BART's decoder, BLOOM's ALiBi) counts positions in its cache, as in
     # transformers' generate
     given = {"position_ids": step_positions} if model.takes_position_ids else {}

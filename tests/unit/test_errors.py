@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fxparallel
-from fxparallel.errors import CaptureError, FxParallelError, GroupError, ShardingError
+from fxparallel.errors import CacheNotCarried, CaptureError, FxParallelError, GroupError, ShardingError
 from fxparallel.group import resolve_tp_group
 from models import tiny_config
 
@@ -91,38 +91,41 @@ def test_op_without_rule_is_gathered_and_recorded(monkeypatch):
     assert "collectives_all_gather(" in graph.code  # the gather the fallback needs
 
 
-def test_a_model_that_copies_its_cache_layers_as_it_runs_is_refused_generation():
+def test_a_model_that_copies_its_cache_layers_as_it_runs_is_refused_a_cache():
     """Dory's recurrent loops append deep copies of their cache layers on the first call (given the cache
     by its 5.24 keyword, ``cache``: under the old one it built a cache of its own and decoded without the
     prompt's keys, silently): a graph captured once cannot follow that, so use_cache is refused by name."""
     from fxparallel.capture.static_cache import meta_cache
 
-    with pytest.raises(CaptureError, match=r"DoryForCausalLM cannot fill a static cache on the meta device "
-                                           r"\(RuntimeError: .*generate and use_cache are not supported"):
+    with pytest.raises(CacheNotCarried, match=r"DoryForCausalLM cannot fill a static cache on the meta device "
+                                              r"\(RuntimeError: .*\): use_cache is not supported for this model "
+                                              r"\(generate recomputes the sequence"):
         meta_cache(_sweep_meta_model("dory"), 1, 8)
 
 
-def test_a_model_whose_layer_types_have_no_static_cache_is_refused_generation():
+def test_a_model_whose_layer_types_have_no_static_cache_is_refused_a_cache():
     """DeepSeek-V4's compressed-attention layers have no static cache layer in transformers (its generate
     uses a dynamic cache): refused by name before any capture, not a KeyError inside transformers."""
     from fxparallel.capture.static_cache import meta_cache
 
-    with pytest.raises(CaptureError, match=r"DeepseekV4ForCausalLM has layers of type \['compressed_sparse_attention', "
-                                           r"'heavily_compressed_attention'\], for which transformers has no static"):
+    with pytest.raises(CacheNotCarried, match=r"DeepseekV4ForCausalLM has layers of type "
+                                              r"\['compressed_sparse_attention', 'heavily_compressed_attention'\], "
+                                              r"for which transformers has no static"):
         meta_cache(_sweep_meta_model("deepseek_v4"), 1, 8)
 
 
 @pytest.mark.parametrize("model_type, message", [
     ("openai-gpt", r"OpenAIGPTLMHeadModel's forward takes no KV cache \(no `cache` or `past_key_values` argument\)"),
-    ("rwkv", r"RwkvForCausalLM's forward takes no KV cache \(.*; it carries `state` instead\): generate and "
-             r"use_cache are not supported"),
+    ("rwkv", r"RwkvForCausalLM's forward takes no KV cache \(.*; it carries `state` instead\): use_cache is not "
+             r"supported for this model"),
 ])
-def test_a_model_whose_forward_takes_no_kv_cache_is_refused_generation(model_type, message):
+def test_a_model_whose_forward_takes_no_kv_cache_is_refused_a_cache(model_type, message):
     """GPT-1 recomputes the whole prefix per token in transformers; RWKV carries a recurrent state of its own:
-    neither has a KV cache for the generation graphs to shard, so both are refused by name."""
+    neither has a KV cache for the generation graphs to shard, so use_cache is refused by name (generate
+    recomputes: tests/test_generate_without_cache.py)."""
     from fxparallel.capture.static_cache import meta_cache
 
-    with pytest.raises(CaptureError, match=message):
+    with pytest.raises(CacheNotCarried, match=message):
         meta_cache(_sweep_meta_model(model_type), 1, 8)
 
 
@@ -139,7 +142,7 @@ def _sweep_meta_model(model_type: str):
     return build_meta_model(sweep_config(model_type), dtype=torch.float32)
 
 
-def test_a_model_that_adds_cache_layers_as_it_runs_is_refused_generation():
+def test_a_model_that_adds_cache_layers_as_it_runs_is_refused_a_cache():
     """The same for any model whose forward adds layers to the cache it is given (the captured graphs hold
     the layers they saw)."""
     from fxparallel.capture.static_cache import meta_cache
@@ -150,5 +153,18 @@ def test_a_model_that_adds_cache_layers_as_it_runs_is_refused_generation():
         def forward(self, input_ids, use_cache=True, cache=None):
             cache.layers.append(cache.layers[0])
 
-    with pytest.raises(CaptureError, match=r"Appends adds layers to its cache as it runs \(2 -> 3"):
+    with pytest.raises(CacheNotCarried, match=r"Appends adds layers to its cache as it runs \(2 -> 3"):
         meta_cache(Appends(), 1, 8)
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("llama", None), ("openai-gpt", None), ("rwkv", None),
+    ("xlnet", "its generate passes perm_mask, target_mapping and appends a token to the sequence"),
+    ("xlm", "its generate passes langs and appends a token to the sequence"),
+])
+def test_what_generate_feeds_beyond_tokens_is_read_from_the_model(model_type, extra):
+    """Generation without a cache runs the model's forward on tokens, mask and positions: exact where
+    transformers' ``prepare_inputs_for_generation`` feeds just those, named where it feeds more."""
+    from fxparallel.capture.generation_inputs import inputs_beyond_tokens
+
+    assert inputs_beyond_tokens(_sweep_meta_model(model_type)) == extra
