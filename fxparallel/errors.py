@@ -15,7 +15,16 @@ class CaptureError(FxParallelError):
 
 class CacheNotCarried(CaptureError):
     """The model's cache (keys and values, or recurrent states) cannot be carried by the graphs: ``use_cache`` is
-    refused; ``generate`` recomputes the sequence at each step instead (generation/recompute.py)."""
+    refused; ``generate`` recomputes the sequence at each step instead (generation/recompute.py). ``why``: the
+    model and what of its cache."""
+
+    def __init__(self, why: str):
+        self.why = why
+        super().__init__(f"{why}: use_cache is not supported for this model (generate recomputes the sequence at "
+                         "each step instead; forward and training are unaffected)")
+
+    def __reduce__(self):  # raised in a rank's process, pickled back whole
+        return type(self), (self.why,)
 
 
 class CheckpointError(FxParallelError):

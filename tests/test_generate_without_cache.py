@@ -3,8 +3,8 @@ transformers runs with ``use_cache=False`` and for a model with no cache at all.
 the greedy tokens equal single-device transformers' ``generate`` for GPT-1 (no cache in transformers either),
 RWKV (its own recurrent state, and code that fixes the sequence length; compared with transformers' generate
 without a cache: transformers' own one-token steps with RWKV's state differ from its forward over the sequence,
-by 0.97 in the second token's logits of this tiny model) and Llama asked ``use_cache=False``; a second prompt
-length adds no graph. XLNet, whose generate feeds a permutation mask and an appended token, is refused by name,
+by 0.97 in the second token's logits of this tiny model) and Llama asked ``use_cache=False``, also parallelized
+with ``sequence_parallel`` (odd lengths padded to a multiple of tp); a second prompt length adds no graph. XLNet, whose generate feeds a permutation mask and an appended token, is refused by name,
 and so is CPM-Ant, whose code fixes the sequence length (the sequence is then padded) but whose logits read
 later positions. (A cache Dynamo cannot capture, RoFormer's, falls back alike: docs/coverage.md.)"""
 from __future__ import annotations
@@ -27,14 +27,15 @@ def _generate(rank, tp, paths):
 
     out = {}
     for name, path in paths.items():
-        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32,
+                                       sequence_parallel=name == "llama-sp")
         ids = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(6))
         mask = torch.ones_like(ids)
         mask[0, :2] = 0
         ids = ids * mask
         kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        asked = {"use_cache": False} if name == "llama" else {}
-        theirs = {"use_cache": False} if name in ("llama", "rwkv") else {}
+        asked = {"use_cache": False} if name.startswith("llama") else {}
+        theirs = {"use_cache": False} if name.startswith("llama") or name == "rwkv" else {}
         if name in ("xlnet", "cpmant"):
             out[name] = raised(lambda: model.generate(input_ids=ids, **kwargs))
             continue
@@ -64,16 +65,18 @@ def test_generate_recomputes_without_a_cache(tmp_path):
 
     paths = {name: save_checkpoint(tiny_config(name), str(tmp_path / name))
              for name in ("openai-gpt", "rwkv", "llama", "xlnet", "cpmant")}
+    paths["llama-sp"] = paths["llama"]  # parallelized with sequence_parallel: lengths padded to a multiple of tp
     for out in run_ranks(2, _generate, paths):
-        for name in ("openai-gpt", "rwkv", "llama"):
+        for name in ("openai-gpt", "rwkv", "llama", "llama-sp"):
             row = out[name]
             assert row["tokens"] and row["again"], (name, row)
             assert row["cache graphs"] == 0 and not row["cache returned"], (name, row)
             # RWKV's loop fixes the sequence length: the prompt's graph (once, to check the padding), then the
-            # padded length's for every step and prompt of its bucket; the others grow in one graph
-            assert row["graphs added"] <= (2 if name == "rwkv" else 1), (name, row)
+            # padded length's for every step and prompt of its bucket; the others grow in one graph (with
+            # sequence parallelism: padded, checked at the prompt's longest even prefix)
+            assert row["graphs added"] <= (2 if name in ("rwkv", "llama-sp") else 1), (name, row)
             assert row["graphs added again"] == 0, (name, row)
-        assert out["llama"]["refusal"] is None, out["llama"]  # asked for no cache: none was tried
+        assert out["llama"]["refusal"] is None and out["llama-sp"]["refusal"] is None, out  # asked for none
         assert out["openai-gpt"]["refusal"].startswith(
             "OpenAIGPTLMHeadModel's forward takes no KV cache (no `cache` or `past_key_values` argument): use_cache "
             "is not supported for this model (generate recomputes"), out["openai-gpt"]

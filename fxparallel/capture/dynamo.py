@@ -15,9 +15,9 @@ import sympy
 import torch
 import torch._dynamo
 
-from ..errors import CaptureError
+from ..errors import CacheNotCarried, CaptureError
 from .generation_inputs import decodes_without_mask
-from .static_cache import (argument_name, cache_argument, cache_tensors, meta_cache, not_carried, set_fresh,
+from .static_cache import (argument_name, cache_argument, cache_tensors, meta_cache, set_fresh,
                            state_not_carried)
 from .causal_mask import causal_without_mask
 from .dropout_sites import check_training_graph
@@ -223,8 +223,8 @@ def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGra
     except Exception as err:  # Dynamo raises many exception types; all mean "not capturable whole"
         kind = type(model).__name__
         if cache is not None:  # the forward without a cache was captured before (parallelize): only generation fails
-            raise not_carried(f"{kind} could not be captured as one graph with a KV cache "
-                              f"({_dynamo_message(err)})") from err
+            raise CacheNotCarried(f"{kind} could not be captured as one graph with a KV cache "
+                                  f"({_dynamo_message(err)})") from err
         mode = " in training mode" if training else ""
         raise CaptureError(f"{kind} could not be captured as one graph{mode}: {_dynamo_message(err)}") from err
     finally:

@@ -44,19 +44,11 @@ def cache_argument(model, cache) -> dict:
     return {_cache_keyword(model) or "past_key_values": cache}
 
 
-def not_carried(why: str) -> CacheNotCarried:
-    """The refusal of a cache the graphs cannot carry (``why``: the model and what of its cache)."""
-    err = CacheNotCarried(f"{why}: use_cache is not supported for this model (generate recomputes the sequence at "
-                          "each step instead; forward and training are unaffected)")
-    err.why = why
-    return err
-
-
 def state_not_carried(model, what: str) -> CacheNotCarried:
     """The refusal of a model whose cache keeps a state beyond keys, values and lengths."""
     carried = ", ".join(FIELDS + STATE_FIELDS)
-    return not_carried(f"{type(model).__name__}: its cache keeps a state the parallel model's generation graphs do "
-                       f"not carry ({what}; carried: {carried})")
+    return CacheNotCarried(f"{type(model).__name__}: its cache keeps a state the parallel model's generation "
+                           f"graphs do not carry ({what}; carried: {carried})")
 
 
 @contextlib.contextmanager
@@ -83,13 +75,14 @@ def meta_cache(model, batch: int, length: int):
     if _cache_keyword(model) is None:  # GPT-1; RWKV's state, XLNet's mems
         parameters = inspect.signature(model.forward).parameters
         own = [name for name in ("state", "mems", "cache_params") if name in parameters]
-        raise not_carried(f"{type(model).__name__}'s forward takes no KV cache (no `cache` or `past_key_values` "
-                          f"argument{'; it carries ' + ', '.join(f'`{n}`' for n in own) + ' instead' if own else ''})")
+        carries = "; it carries " + ", ".join(f"`{n}`" for n in own) + " instead" if own else ""
+        raise CacheNotCarried(f"{type(model).__name__}'s forward takes no KV cache (no `cache` or "
+                              f"`past_key_values` argument{carries})")
     layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
     missing = sorted(set(layer_types) - set(STATIC_LAYER_TYPE_MAPPING))
     if missing:  # (e.g. DeepSeek-V4's compressed attention: transformers generates with a dynamic cache)
-        raise not_carried(f"{type(model).__name__} has layers of type {missing}, for which transformers has no "
-                          "static cache layer")
+        raise CacheNotCarried(f"{type(model).__name__} has layers of type {missing}, for which transformers has no "
+                              "static cache layer")
     cache = StaticCache(config=model.config, max_cache_len=length)
     # a sliding-window (or chunked) layer keeps every token, as a full-attention layer does: the window is
     # the mask's (transformers builds it from the config for that layer type, over the positions of the whole
@@ -106,11 +99,11 @@ def meta_cache(model, batch: int, length: int):
             ids = torch.zeros(batch, 1, dtype=torch.long, device="meta")
             model(input_ids=ids, use_cache=True, **cache_argument(model, cache))
     except Exception as err:  # noqa: BLE001 - e.g. a deep copy of cache layers (Dory), data read on meta
-        raise not_carried(f"{type(model).__name__} cannot fill a static cache on the meta device "
-                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+        raise CacheNotCarried(f"{type(model).__name__} cannot fill a static cache on the meta device "
+                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
     if len(cache.layers) != layers:  # a graph captured once cannot replay that: it holds the layers it saw
-        raise not_carried(f"{type(model).__name__} adds layers to its cache as it runs ({layers} -> "
-                          f"{len(cache.layers)}, e.g. Dory's recurrent loops)")
+        raise CacheNotCarried(f"{type(model).__name__} adds layers to its cache as it runs ({layers} -> "
+                              f"{len(cache.layers)}, e.g. Dory's recurrent loops)")
     for layer in cache.layers:
         for name, value in list(vars(layer).items()):
             setattr(layer, name, _on_meta(value))

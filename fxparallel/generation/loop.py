@@ -247,10 +247,14 @@ def _shared_generator(model) -> torch.Generator:
 def _steps_cache(model, config, batch: int):
     """(the decode steps' compile_config, the generation's cache). The decode steps (one token per row: the same
     shapes every step) run compiled where the caller asks (``compile_config``), as transformers compiles its
-    decode forward; the prefill stays eager. No cache where the caller asks for none (``use_cache=False``)."""
+    decode forward; the prefill stays eager. No cache where the caller asks for none (``use_cache=False``) or
+    an earlier call found the graphs cannot carry it."""
     compile_config = None if config.disable_compile else config.compile_config
     if not config.use_cache:
         recompute.refuse_extra_inputs(model, "use_cache=False")
+        return compile_config, None
+    if model._graph_set.cache_refused is not None:  # found by an earlier generation (said then)
+        recompute.without_cache(model, model._graph_set.cache_refused)
         return compile_config, None
     length = cache_length(config.max_length)
     cache = ParallelCache(length) if compile_config is None else _compiled_steps_cache(model, length, batch)

@@ -13,7 +13,9 @@ that would be a graph per token: the sequence is right-padded (masked) to a fixe
 of two of the generation's longest, so one graph serves every step and prompt of that bucket. That is exact only
 where a position's logits do not read later positions (a causal model): checked once per model, on its first
 generation, against the unpadded forward (an exchange of one number between the ranks), and refused by name
-where they do (CPM-Ant's attention is bidirectional over the tokens it is given).
+where they do (CPM-Ant's attention is bidirectional over the tokens it is given). A model parallelized with
+``sequence_parallel`` takes the padded path too, its length a multiple of the tp size (the sequence is split
+over the ranks), checked likewise at the longest prefix that divides.
 """
 from __future__ import annotations
 
@@ -34,7 +36,15 @@ def sequence_length(model, max_length: int) -> int:
     least ``SHORTEST``), within the model's learned positions."""
     length = max(SHORTEST, 1 << (max_length - 1).bit_length())
     limit = model.position_limit
-    return length if limit is None else max(max_length, min(length, limit))
+    length = length if limit is None else max(max_length, min(length, limit))
+    if not _splits_sequence(model):
+        return length
+    tp = model.tp_group.size
+    return -(-length // tp) * tp  # (padding's positions are 1: a multiple past the learned positions is fine)
+
+
+def _splits_sequence(model) -> bool:
+    return model.sequence_parallel and model.tp_group.size > 1
 
 
 def refuse_extra_inputs(model, why: str) -> None:
@@ -47,14 +57,19 @@ def refuse_extra_inputs(model, why: str) -> None:
 
 
 def fall_back(model, refused: CacheNotCarried) -> None:
-    """The model's cache was refused by a step's capture: generation goes on without one (said once per model),
-    or is refused where that would not be what transformers runs."""
-    why = getattr(refused, "why", str(refused))
-    refuse_extra_inputs(model, f"its cache cannot be carried ({why})")
-    if not getattr(model, "_said_no_cache", False) and model.tp_group.rank == 0:
+    """A step's capture found the model's cache cannot be carried: generation goes on without one (said once:
+    the refusal is remembered, and later generations start without a cache, ``without_cache``), or is refused
+    where that would not be what transformers runs."""
+    without_cache(model, refused)
+    if model.tp_group.rank == 0:
+        why = refused.why
         log.warning("%s: generating without a cache, each step recomputes the sequence (%s; model.cache_refusal "
                     "says it whole)", model.config.model_type, why if len(why) <= 200 else why[:200] + " ...")
-    model._said_no_cache = True
+
+
+def without_cache(model, refused: CacheNotCarried) -> None:
+    """Refuse a generation without a cache where transformers would feed the model more than tokens."""
+    refuse_extra_inputs(model, f"its cache cannot be carried ({refused.why})")
 
 
 def step_logits(model, sequences: torch.Tensor, full_mask: torch.Tensor, positions_of, compile_config):
@@ -63,6 +78,8 @@ def step_logits(model, sequences: torch.Tensor, full_mask: torch.Tensor, positio
     ``positions_of``: the loop's position ids of a mask."""
     now = sequences.shape[1]
     graphs = model._graph_set
+    if graphs.recompute_padded is None and _splits_sequence(model):
+        _check_split_padding(model, sequences, full_mask, positions_of)
     if graphs.recompute_padded:
         return _forward(model, sequences, full_mask, positions_of, compile_config, now)
     grown = _forward(model, sequences, full_mask[:, :now], positions_of, compile_config, now)
@@ -87,6 +104,22 @@ def _forward(model, sequences: torch.Tensor, mask: torch.Tensor, positions_of, c
     local = out.local_logits if out.local_logits is not None else out.logits
     start = out.vocab_range[0] if out.vocab_range is not None else 0
     return local[:, now - 1, :].to(torch.float32, copy=True), start
+
+
+def _check_split_padding(model, sequences: torch.Tensor, full_mask: torch.Tensor, positions_of) -> None:
+    """Sequence parallelism splits the sequence over the ranks, so every step is padded to a multiple of the
+    tp size: checked once, as ``_check_padding``, at the longest prefix that divides (unpadded there)."""
+    tp = model.tp_group.size
+    prefix = sequences.shape[1] - sequences.shape[1] % tp
+    if prefix == 0:
+        raise InputError(f"generate without a cache with sequence_parallel: the prompt ({sequences.shape[1]} "
+                         f"tokens) is shorter than the tp size {tp}, which the padding check needs; give a "
+                         f"prompt of at least {tp} tokens")
+    padded = full_mask.clone()
+    padded[:, prefix:] = 0
+    model._graph_set.recompute_padded = True
+    _check_padding(model, _forward(model, sequences[:, :prefix], full_mask[:, :prefix], positions_of, None, prefix)[0],
+                   _forward(model, sequences[:, :prefix], padded, positions_of, None, prefix)[0])
 
 
 def _check_padding(model, grown: torch.Tensor, padded: torch.Tensor) -> None:

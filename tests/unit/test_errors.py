@@ -168,3 +168,13 @@ def test_what_generate_feeds_beyond_tokens_is_read_from_the_model(model_type, ex
     from fxparallel.capture.generation_inputs import inputs_beyond_tokens
 
     assert inputs_beyond_tokens(_sweep_meta_model(model_type)) == extra
+
+
+def test_a_cache_refusal_keeps_its_reason_when_sent_between_processes():
+    """A rank's refusal travels to the caller pickled: the reason and the message arrive as raised."""
+    import pickle
+
+    err = CacheNotCarried("RwkvForCausalLM: its cache keeps a state")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is CacheNotCarried and back.why == err.why and str(back) == str(err)
+    assert str(err).startswith("RwkvForCausalLM: its cache keeps a state: use_cache is not supported")

@@ -165,6 +165,19 @@ def test_entries_of_another_user_never_run(cache_dir, tmp_path, caplog):  # noqa
     assert not os.path.exists(marker)
 
 
+@pytest.fixture(scope="module")
+def llama_entry(tmp_path_factory) -> str:
+    """A tiny Llama's stored cache entry (JSON), planned once for the decoder's cases."""
+    from models import tiny_config
+
+    with pytest.MonkeyPatch.context() as patch:
+        cache = tmp_path_factory.mktemp("entry") / "graphs"
+        patch.setenv("FXPARALLEL_GRAPH_CACHE", str(cache))
+        _plan(tiny_config("llama"))
+    with open(_only_file(cache)) as f:
+        return json.dumps(json.load(f)["entry"])
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda e: e["code"]["globals"].update(os=["module", "os"]), "module os is not on the graph cache's allow-list"),
     (lambda e: e["code"]["globals"].update(
@@ -185,14 +198,11 @@ def test_entries_of_another_user_never_run(cache_dir, tmp_path, caplog):  # noqa
     (lambda e: e["guards"]["guards"].append(["call", "os", "system", [["int", 1]]]),
      "os.system is not on the graph cache's allow-list"),
 ])
-def test_decoder_allow_list(cache_dir, edit, message):  # noqa: F811
+def test_decoder_allow_list(llama_entry, edit, message):
     from fxparallel.graph_cache import codec
-    from models import tiny_config
 
-    _plan(tiny_config("llama"))
-    with open(_only_file(cache_dir)) as f:
-        entry = json.load(f)["entry"]
-    codec.decode(json.loads(json.dumps(entry)))  # as stored: decodes
+    entry = json.loads(llama_entry)
+    codec.decode(json.loads(llama_entry))  # as stored: decodes
     edit(entry)
     with pytest.raises(ValueError, match=message):
         codec.decode(entry)
