@@ -40,7 +40,7 @@ def sequence_length(model, max_length: int) -> int:
     if not _splits_sequence(model):
         return length
     tp = model.tp_group.size
-    return -(-length // tp) * tp  # (padding's positions are 1: a multiple past the learned positions is fine)
+    return -(-length // tp) * tp  # (padded slots take position id 1, where the model takes position ids)
 
 
 def _splits_sequence(model) -> bool:
