@@ -7,8 +7,7 @@
 * ``tests/`` (top level): tests that start ranks (``distributed.run_ranks``) or other processes, or need a GPU,
   in files that may also hold a few single-process cases.
 * Shared helpers: ``checks.py`` (comparisons with transformers, ``max_diff``, ``raised``, ...),
-  ``distributed.py`` (``run_ranks``: a rank body must be a module-level function of an importable module;
-  ranks fork from a server that has imported the libraries and captured once, ``warm_capture.py``),
+  ``distributed.py`` (``run_ranks``: a rank body must be a module-level function of an importable module),
   ``models.py`` (tiny checkpoints), ``hub.py``, ``fp8_checkpoints.py``, ``quantized_checkpoints.py``,
   ``rules/rule_graphs.py`` (rule tests). This folder is put on ``sys.path`` below, so every test module
   imports them by name, wherever it sits.

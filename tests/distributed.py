@@ -1,10 +1,9 @@
 """Run a function on N real gloo ranks (new processes) and collect results or errors.
 
 Ranks are forked from multiprocessing's fork server, which imports torch, transformers and fxparallel once
-for the session and captures a tiny model on meta (``PRELOAD``, ``warm_capture.py``): each rank is a new
-process, as isolated as a spawned one, without the ~6 s of CPU each spawned interpreter spends on those
-imports, nor the ~3 s of torch.compile's start-up at its first capture. A rank runs with the calling
-process's environment at the call. ``fresh=True`` spawns a new interpreter instead, for a call whose libraries must be imported under that
+for the session (``PRELOAD``): each rank is a new process, as isolated as a spawned one, without the ~6 s of
+CPU each spawned interpreter spends on those imports. A rank runs with the calling process's environment at the
+call. ``fresh=True`` spawns a new interpreter instead, for a call whose libraries must be imported under that
 environment (huggingface_hub reads its cache and endpoint variables on import).
 
 A rank that fails reports its traceback; the others are bounded by the process
@@ -22,7 +21,7 @@ import traceback
 import torch.multiprocessing as mp
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "transformers", "transformers.models.llama.modeling_llama",
-           "fxparallel", "fxparallel.module", "checks", "models", "warm_capture"]
+           "fxparallel", "fxparallel.module", "checks", "models"]
 mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
 
 
