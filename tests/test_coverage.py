@@ -15,8 +15,8 @@ from distributed import run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
-# the ten types the coverage issue names, plus fused Phi-3 (at TP=4), MoE Mixtral, OLMo-2 (q/k norm over all heads) and
-# GPT-OSS (experts' gate and up interleaved: gate_up[..., ::2], gate_up[..., 1::2])
+# the ten types the coverage issue names, plus MoE Mixtral, OLMo-2 (q/k norm over all heads) and GPT-OSS
+# (experts' gate and up interleaved: gate_up[..., ::2], gate_up[..., 1::2]) (fused Phi-3: at TP=4)
 # and Mamba, split by channels: in_proj by column (its x and gate halves as segments, found through the
 # transpose before the chunk), the depthwise conv and the scan (torch.vmap traced inline) per channel,
 # x_proj and out_proj by row

@@ -4,9 +4,9 @@ the greedy tokens equal single-device transformers' ``generate`` for GPT-1 (no c
 RWKV (its own recurrent state, and code that fixes the sequence length; compared with transformers' generate
 without a cache: transformers' own one-token steps with RWKV's state differ from its forward over the sequence,
 by 0.97 in the second token's logits of this tiny model) and Llama asked ``use_cache=False``, also parallelized
-with ``sequence_parallel`` (odd lengths padded to a multiple of tp); a second prompt length adds no graph. XLNet, whose generate feeds a permutation mask and an appended token, is refused by name,
-and so is CPM-Ant, whose code fixes the sequence length (the sequence is then padded) but whose logits read
-later positions. (A cache Dynamo cannot capture, RoFormer's, falls back alike: docs/coverage.md.)"""
+with ``sequence_parallel`` (odd lengths padded to a multiple of tp); a second prompt length adds no graph.
+XLNet, whose generate feeds a permutation mask and an appended token, is refused by name, and so is CPM-Ant,
+whose code fixes the sequence length (the sequence is then padded) but whose logits read later positions. (A cache Dynamo cannot capture, RoFormer's, falls back alike: docs/coverage.md.)"""
 from __future__ import annotations
 
 import os
