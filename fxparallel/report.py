@@ -39,18 +39,26 @@ def _where(node, direction: str, passed_up: set) -> str:
     that produced it."""
     if node.target in (collectives.copy_to_tp, collectives.sum_grad_rows) or (
             direction == "backward" and node.target in collectives.GRADIENT_OF_CONSUMERS):
-        if node.args[0].op in ("placeholder", "get_attr"):
-            return f"gradient of parameter {layer_pattern(str(node.args[0].target))}"
+        if _sources(node)[0].op in ("placeholder", "get_attr"):
+            return f"gradient of parameter {layer_pattern(str(_sources(node)[0].target))}"
         users = sorted({layer_pattern(adapters.hf_path(module_path(u))) for u in _gradient_consumers(node, passed_up)})
         return "gradient of the input of " + ", ".join(users)
-    source = node.args[0] if node.args and hasattr(node.args[0], "meta") else node
+    source = _sources(node)[0] if node.args else node
+    source = source if hasattr(source, "meta") else node
     while source is not None and source.op == "call_function" and source.target in (
         collectives.COLLECTIVE_OPS + (collectives.local_chunk,)
     ):
-        source = source.args[0]
+        source = _sources(source)[0]
     if source is not None and source.op in ("placeholder", "get_attr"):
         return f"parameter {layer_pattern(str(source.target))}"
     return layer_pattern(adapters.hf_path(module_path(source)))
+
+
+def _sources(node) -> tuple:
+    """The values a collective acts on: its first argument, or each of them (``all_reduce_many``, the base
+    layer's value first)."""
+    first = node.args[0]
+    return tuple(first) if isinstance(first, (tuple, list)) else (first,)
 
 
 def collect_collectives(graph, tokens: int, tp: int, passed_up: set = frozenset()) -> list:
@@ -65,7 +73,7 @@ def collect_collectives(graph, tokens: int, tp: int, passed_up: set = frozenset(
             continue
         if fn not in collectives.COLLECTIVE_OPS:
             continue
-        source = node.args[0]
+        source, *others = _sources(node)
         if source.op in ("placeholder", "get_attr"):  # a parameter: fixed size per call
             value = source.meta["example_value"]
             per_token, per_call = 0.0, float(value.numel() * value.element_size())
@@ -73,7 +81,7 @@ def collect_collectives(graph, tokens: int, tp: int, passed_up: set = frozenset(
                 dim, ranges = node.args[1], node.args[2]
                 per_call *= sum(stop - start for start, stop in ranges) / value.shape[dim]
         else:
-            per_token, per_call = bytes_per_token(source, tokens), 0.0
+            per_token, per_call = sum(bytes_per_token(s, tokens) for s in (source, *others)), 0.0
         for direction, kind in (("forward", fn.FORWARD), ("backward", fn.BACKWARD)):
             if kind:
                 key = (kind, direction, _where(node, direction, passed_up), per_token, per_call)

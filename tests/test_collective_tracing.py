@@ -42,6 +42,11 @@ CASES = {
     "gather_seq_to_tp dim 0": (lambda x, h, r: c.gather_seq_to_tp(x, 0, h), lambda r: (3, 4)),
     "gather_seq_to_tp batch": (lambda x, h, r: c.gather_seq_to_tp(x, 0, h, 2), lambda r: (6, 4)),
     "sum_grad_rows": (lambda x, h, r: c.sum_grad_rows(x, 0, ((0, 2), (4, 5)), h), lambda r: (6, 3)),
+    # an activation and a rank-r value made from it, as a LoRA adapter's joins its base layer's collective
+    "all_reduce_many": (lambda x, h, r: torch.cat([t.reshape(-1) for t in c.all_reduce_many((x, x[:, :2] * 2.0), h)]),
+                        lambda r: (3, 4)),
+    "copy_to_tp_many": (lambda x, h, r: torch.cat([t.reshape(-1) for t in c.copy_to_tp_many((x, x[:, :2] * 2.0), h)]),
+                        lambda r: (3, 4)),
 }
 
 
@@ -122,6 +127,16 @@ def _reference(rank, world):
     # dim 0, even: the result is a view of the one gathered buffer
     gathered = c.all_gather(full[rank], 0, h)
     checks["gather dim 0 is the buffer"] = gathered._base is not None and gathered._base.shape == (2, 6, 4)
+    # several tensors in one collective: the sums of each, and (copy_to_tp_many) each gradient summed
+    a, b = full[0] * (rank + 1), full[1, :, :2] * (rank + 1)
+    summed = c.all_reduce_many((a, b), h)
+    checks["all_reduce_many"] = torch.equal(summed[0], full[0] * 3) and torch.equal(summed[1], full[1, :, :2] * 3)
+    xa, xb, xc = (t.clone().requires_grad_() for t in (a, b, a))
+    ya, yb, _ = c.copy_to_tp_many((xa, xb, xc), h)  # the third unused: its gradient is zero
+    ((ya * (rank + 1)).sum() + (yb * 2 * (rank + 1)).sum()).backward()
+    checks["copy_to_tp_many"] = (torch.equal(ya, a) and torch.equal(xa.grad, torch.full_like(a, 3.0))
+                                 and torch.equal(xb.grad, torch.full_like(b, 6.0))
+                                 and torch.equal(xc.grad, torch.zeros_like(a)))
     parts = c.gather_parts(uneven, 1, dist.group.WORLD, 2, [3, 2])
     checks["parts share one buffer"] = parts[0].untyped_storage().data_ptr() == parts[1].untyped_storage().data_ptr()
     return checks

@@ -3,7 +3,8 @@ adapter saved by PEFT (its base from ``base_model_name_or_path``), injects PEFT'
 captured model and lets the solver place the adapter matrices. Against ``PeftModel`` on one device at TP=2:
 logits, loss, every adapter gradient (``is_trainable=True``), greedy ``generate``; loss and gradients (the adapter
 and its base read from a hub cache by id) at TP=4,
-at TP=3 (heads split unevenly) and TP=1; the adapters add only rank-r sized collectives to the plan; the base model is frozen
+at TP=3 (heads split unevenly) and TP=1; the adapters add no collective to the plan (their rank-r values join
+the base layers' calls); the base model is frozen
 (no gradient, no gradient buffer) and a default load freezes the adapter too (PEFT's inference default);
 transformers' names on a parallel base model: ``load_adapter`` (same checks), ``add_adapter`` (logits unchanged,
 B being zero; loss and gradients as PEFT's with the same A), ``active_adapters``, a second adapter (other
@@ -11,8 +12,10 @@ targets and rank) loaded beside the first and switched with ``set_adapter``, tra
 PeftModel holding both, both active at once (their outputs added, trained, merged; saving refused),
 ``get_adapter_state_dict``, ``disable_adapters`` / ``enable_adapters`` and ``set_adapter`` against what PEFT gives
 for them, ``get_peft_model`` on the parallel model refused naming the way, transformers' errors without an
-adapter; ``lora_dropout`` and ``use_rslora`` trained with the layers recomputed (activation checkpointing); ``parallelize(peft_model)`` (same checks); ``merge_and_unload`` (PEFT's merged logits, no adapter left); GPT-2's
-fused Conv1D projections (fan_in_fan_out, q/k/v in one weight) trained and merged;
+adapter; ``lora_dropout`` and ``use_rslora`` trained with the layers recomputed (activation checkpointing), the
+adapters' collectives joined with their base layers' (one call each; the dropouts' masks still PEFT's), and under
+selective checkpointing; ``parallelize(peft_model)`` (same checks); ``merge_and_unload`` (PEFT's merged logits, no adapter
+left); GPT-2's fused Conv1D projections (fan_in_fan_out, q/k/v in one weight) trained and merged;
 ``save_pretrained`` writes the adapter only (PEFT's layout) and PEFT loads it to the same logits. Refused by
 name before any capture: other PEFT methods, LoRA options not supported yet (DoRA), a pickled adapter."""
 from __future__ import annotations
@@ -251,6 +254,12 @@ def _ranks(rank, world, adapter, with_options, other):
     out["dropout, rslora, checkpointed"] = _trained(with_options, dist.group.WORLD, rank, world, ids, model=model,
                                                     seed=7)
     out["checkpointed layers"] = sum(u.checkpoint is not None for u in model.layer_units())
+    out["joined calls, dropout"] = _joined_calls(model)  # each adapter's dropout moved with its A x
+    # the layers recomputed under selective checkpointing, which keeps the joined all-reduces' outputs
+    model = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32, is_trainable=True)
+    model.gradient_checkpointing_enable(mode="selective")
+    out["joined, selective checkpointing"] = _trained(adapter, dist.group.WORLD, rank, world, ids, model=model)
+    out["joined calls"] = _joined_calls(model)
     # transformers' names: load_adapter on a parallel base model, add_adapter (PEFT's initialization)
     base_dir = os.path.join(os.path.dirname(adapter), "base")
     model = fxparallel.parallelize(base_dir, dist.group.WORLD, dtype=torch.float32)
@@ -450,6 +459,12 @@ def _hub_cache(adapter: str) -> str:
     return cache
 
 
+def _joined_calls(model) -> int:
+    """How many collectives of ``model``'s graphs carry an adapter's values with its base layer's."""
+    code = "".join(str(g.code) for g in model._graph_set)
+    return code.count("copy_to_tp_many(") + code.count("all_reduce_many(")
+
+
 def _check_training(r, adapted_per_layer: int = len(TARGETS)):
     assert r["loss"] < 1e-5 and r["grad"] < 1e-5, r
     assert r["adapter matrices"] == r["reference adapter matrices"] == 2 * adapted_per_layer * 2, r
@@ -466,10 +481,12 @@ def test_hub_lora_adapter_matches_peft_at_tp4_uneven_tp3_tp1_and_under_fsdp(tmp_
             _check_training(layout)
 
 
-def test_adapters_add_no_hidden_sized_collective(tmp_path):
-    """The plan's collectives with the adapter: the base model's hidden-sized ones unchanged (kinds,
-    directions, counts), plus r floats per token for each adapter path (plan/adapter_placements.py), at TP=2
-    and TP=4; the plan says why each adapter matrix is placed where it is."""
+def test_adapters_add_no_collective(tmp_path):
+    """The plan's collectives with the adapter: as many calls of each kind and direction as the base model's,
+    each adapter's r floats per token carried by its base layer's call (rewrite/coalesce_collectives.py), at
+    TP=2 and TP=4; the plan says why each adapter matrix is placed where it is."""
+    import collections
+
     import fxparallel
 
     adapter = _adapter(str(tmp_path))
@@ -478,12 +495,22 @@ def test_adapters_add_no_hidden_sized_collective(tmp_path):
         base, _ = fxparallel.plan_model(str(tmp_path / "base"), tp, dtype=torch.float32)
         lora, _ = fxparallel.plan_model(adapter, tp, dtype=torch.float32)
 
-        def sized(plan, size):
-            return sorted((c.kind, c.direction, c.count) for c in plan.collectives if c.bytes_per_token == size)
+        def calls(plan):
+            counted = collections.Counter()
+            for c in plan.collectives:
+                counted[c.kind, c.direction] += c.count
+            return counted
 
-        assert sized(lora, hidden) == sized(base, hidden), (tp, lora.collectives)
-        extra = [c for c in lora.collectives if c not in base.collectives]
-        assert extra and all(c.bytes_per_token == r and ".lora_" in c.where for c in extra), (tp, extra)
+        def per_token(plan):
+            return sum(c.count * c.bytes_per_token for c in plan.collectives)
+
+        assert calls(lora) == calls(base), (tp, lora.collectives, base.collectives)
+        # one rank-r value per adapter of a split layer (B split by its outputs, or A by its inputs)
+        split = [p for p in lora.params if ".lora_" in p.name and not p.placement.is_replicate]
+        assert split and per_token(lora) - per_token(base) == r * len(split), (tp, lora.collectives)
+        joined = [c for c in lora.collectives if c not in base.collectives]
+        assert joined and all(c.bytes_per_token > hidden and (c.bytes_per_token - hidden) % r == 0
+                              for c in joined), (tp, joined)
         placed = {p.name: str(p.placement) for p in lora.params if "layers.0." in p.name and ".lora_" in p.name}
         assert placed["model.layers.0.self_attn.q_proj.lora_A.default.weight"] == "R", placed
         assert placed["model.layers.0.self_attn.q_proj.lora_B.default.weight"] == "S(0)", placed
@@ -501,6 +528,9 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         options = r["dropout, rslora, checkpointed"]
         _check_training({k: v for k, v in options.items() if k != "train - eval loss"})
         assert options["train - eval loss"] > 1e-4 and r["checkpointed layers"] == 2, r
+        _check_training(r["joined, selective checkpointing"])
+        # q/k/v's input, o_proj, gate/up's input, down_proj; 2 layers
+        assert r["joined calls"] == r["joined calls, dropout"] == 4 * 2, r
         _check_training(r["load_adapter"])
         _check_training(r["add_adapter"])
         _check_training(r["peft model"])

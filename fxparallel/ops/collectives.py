@@ -8,6 +8,9 @@ Each op states which collective it runs in the forward and in the backward pass
 * ``all_gather``:   forward all-gather,  backward local slice (shard -> replicated)
 * ``local_chunk``:  forward local slice, backward zero-padding (replicated -> shard, no communication)
 
+``all_reduce_many`` / ``copy_to_tp_many`` are those two for several tensors at once, with one collective
+(a LoRA adapter's rank-r values joining its base layer's: ``rewrite/coalesce_collectives.py``).
+
 A segment held whole by every rank (``plan/placement.py``) has a replicated value and a
 partial gradient. Two ops keep that true:
 
@@ -60,7 +63,8 @@ _TRACED_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather
 _TRACED_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
-def _all_reduce(x: torch.Tensor, handle: int) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, handle: int, owned: bool = False) -> torch.Tensor:
+    """``x`` summed over the ranks; in place when ``owned`` (a buffer nothing else reads), else in a copy."""
     group = group_by_handle(handle)
     if group.size == 1:
         return x
@@ -68,7 +72,8 @@ def _all_reduce(x: torch.Tensor, handle: int) -> torch.Tensor:
         return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group.process_group))
     if in_selective_checkpointing():
         return functional_all_reduce(x, group.process_group)
-    x = x.contiguous().clone()
+    if not owned:
+        x = x.contiguous().clone()
     dist.all_reduce(x, group=group.process_group)
     return x
 
@@ -343,12 +348,41 @@ def _sum_rows(grad: torch.Tensor, dim: int, ranges, handle: int) -> torch.Tensor
         return grad
     grad = grad.clone()
     rows = [grad.narrow(dim, start, stop - start) for start, stop in ranges]
-    summed = _all_reduce(torch.cat([r.reshape(-1) for r in rows]), handle)
+    summed = _all_reduce(torch.cat([r.reshape(-1) for r in rows]), handle, owned=True)
     offset = 0
     for r in rows:
         r.copy_(summed[offset:offset + r.numel()].view_as(r))
         offset += r.numel()
     return grad
+
+
+def _all_reduce_together(xs, handle: int) -> tuple:
+    """Each tensor of ``xs`` (one dtype) summed over the ranks, with one all-reduce of their concatenation."""
+    if group_by_handle(handle).size == 1:
+        return tuple(xs)
+    flat = _all_reduce(torch.cat([x.reshape(-1) for x in xs]), handle, owned=True)
+    return tuple(piece.view(x.shape) for piece, x in zip(flat.split([x.numel() for x in xs]), xs))
+
+
+class _AllReduceMany(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, handle, *xs):
+        return _all_reduce_together(xs, handle)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) + grads
+
+
+class _CopyToTPMany(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, handle, *xs):
+        ctx.handle = handle
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) + _all_reduce_together(grads, ctx.handle)
 
 
 _CopyToTP = _gradient_only(_all_reduce, "_CopyToTP")
@@ -389,6 +423,20 @@ def copy_to_tp(x, handle):
     return _CopyToTP.apply(x, handle) if _recorded(x) else _direct(_identity, x)
 
 
+def all_reduce_many(xs, handle):
+    """``all_reduce`` of each tensor of ``xs`` in one collective (``rewrite/coalesce_collectives.py``)."""
+    if any(_recorded(x) for x in xs) and group_by_handle(handle).size > 1:
+        return _AllReduceMany.apply(handle, *xs)
+    return tuple(out.view_as(x) if out is x else out for out, x in zip(_all_reduce_together(xs, handle), xs))
+
+
+def copy_to_tp_many(xs, handle):
+    """``copy_to_tp`` of each tensor of ``xs``: their gradients all-reduced in one collective."""
+    if any(_recorded(x) for x in xs):
+        return _CopyToTPMany.apply(handle, *xs)
+    return tuple(x.view_as(x) for x in xs)
+
+
 def all_gather(x, dim, handle, segments=None, sizes=None, whole=()):
     if not _recorded(x):
         return _direct(_all_gather, x, dim, handle, segments, sizes, whole)
@@ -423,6 +471,8 @@ def gather_seq_to_tp(x, dim, handle, batch=None):
 
 all_reduce.FORWARD, all_reduce.BACKWARD = "all_reduce", None
 copy_to_tp.FORWARD, copy_to_tp.BACKWARD = None, "all_reduce"
+all_reduce_many.FORWARD, all_reduce_many.BACKWARD = "all_reduce", None
+copy_to_tp_many.FORWARD, copy_to_tp_many.BACKWARD = None, "all_reduce"
 all_gather.FORWARD, all_gather.BACKWARD = "all_gather", None
 local_chunk.FORWARD, local_chunk.BACKWARD = None, None
 partial_grad.FORWARD, partial_grad.BACKWARD = None, None
@@ -430,6 +480,7 @@ sum_grad_rows.FORWARD, sum_grad_rows.BACKWARD = None, "all_reduce"
 reduce_scatter_seq.FORWARD, reduce_scatter_seq.BACKWARD = "reduce_scatter", "all_gather"
 gather_seq_to_tp.FORWARD, gather_seq_to_tp.BACKWARD = "all_gather", "reduce_scatter"
 
-COLLECTIVE_OPS = (all_reduce, copy_to_tp, all_gather, reduce_scatter_seq, gather_seq_to_tp, sum_grad_rows)
-GRADIENT_OF_CONSUMERS = (copy_to_tp, gather_seq_to_tp)
+COLLECTIVE_OPS = (all_reduce, copy_to_tp, all_gather, reduce_scatter_seq, gather_seq_to_tp, sum_grad_rows,
+                  all_reduce_many, copy_to_tp_many)
+GRADIENT_OF_CONSUMERS = (copy_to_tp, gather_seq_to_tp, copy_to_tp_many)
 """Ops whose backward collective acts on the gradient their (sharded) consumers send back."""

@@ -11,6 +11,7 @@ the report reads only names and the final graph after it).
     gradient_reductions  copy_to_tp on replicated values used on shards
     sequence_parallel    all-reduces -> reduce-scatter / all-gather along the sequence (opt-in)
     context_parallel     sdpa -> attention over the cp group's chunks (with a cp group)
+    coalesce_collectives a LoRA adapter's collectives join its base layer's (rewrite/coalesce_collectives.py)
     bind                 parameters, buffers and sizes bound; the graph becomes runnable
     dropout_mode         every dropout site reads the module's ``training`` flag (rewrite/dropout_masks.py)
     device_kernels       integer histograms chosen on meta counted in float on CPU (rewrite/device_kernels.py)
@@ -33,6 +34,7 @@ from ..group import TPGroup
 from ..plan.placement import Placement
 from ..plan.solver import GraphPlan
 from .bind import bind_inputs
+from .coalesce_collectives import coalesce_adapter_collectives
 from .context_parallel import apply_context_parallel
 from .device_kernels import float_histograms_on_cpu
 from .dropout_masks import bind_training_flag, cut_sequence_chunks, replicated_sites
@@ -114,6 +116,10 @@ def context_parallel(ctx: PassContext) -> None:
     apply_context_parallel(ctx.graph, ctx.cp)
 
 
+def coalesce_collectives(ctx: PassContext) -> None:
+    coalesce_adapter_collectives(ctx.graph, ctx.captured.params)
+
+
 def bind(ctx: PassContext) -> None:
     bind_inputs(ctx.graph, ctx.captured, ctx.device, ctx.attributes)
 
@@ -143,6 +149,7 @@ PASSES = (
     ("gradient_reductions", gradient_reductions, lambda ctx: True),
     ("sequence_parallel", sequence_parallel, lambda ctx: ctx.sequence_parallel and ctx.group.size > 1),
     ("context_parallel", context_parallel, lambda ctx: ctx.cp is not None),
+    ("coalesce_collectives", coalesce_collectives, lambda ctx: ctx.group.size > 1),
     ("bind", bind, lambda ctx: True),
     ("dropout_mode", dropout_mode, lambda ctx: True),
     ("device_kernels", device_kernels, lambda ctx: True),

@@ -1,0 +1,134 @@
+"""Pass: a LoRA adapter's collectives join its base layer's, so adapters add bytes, not calls.
+
+A column-parallel layer's input gets a ``copy_to_tp`` (its gradient all-reduced); the adapter's ``A x`` beside
+it (A whole, B split like the base: ``plan/adapter_placements.py``) gets another, r floats per token; q, k
+and v adapters add three. A row-parallel layer's partial output is all-reduced, and so is its adapter's
+partial ``A x``. Each of these is a call that waits for every rank, which on a busy machine costs far more than
+its bytes. Here the collectives of one kind whose values come from the same input (the base's own, and
+``linear(input, A)`` or ``linear(dropout(input), A)`` of each adapter) become one ``copy_to_tp_many`` /
+``all_reduce_many``: one call on their concatenation, the same sums. A layer trained with LoRA then
+communicates as often as without it.
+
+PEFT runs each adapter after its base layer, so an adapter's ``A x`` (and its dropout) is often computed after
+the base layer's first consumer: it moves up to before it, as it reads only the input and A. Dropouts draw
+their masks in graph order (``ops/dropout_kernels.py``), so a dropout moves only where no other random draw
+lies between the two places: the draws keep their order, and the masks stay those of one device."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..capture.adapters import is_adapter_parameter
+from ..capture.graph import writes_data
+from ..ops import collectives
+
+_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+_MANY = {collectives.all_reduce: collectives.all_reduce_many, collectives.copy_to_tp: collectives.copy_to_tp_many}
+_RANDOM_NAMES = ("dropout", "rand", "bernoulli", "normal", "multinomial", "poisson", "exponential")
+
+
+def coalesce_adapter_collectives(graph: fx.Graph, params: dict) -> int:
+    """Join the collectives described above in ``graph`` (``params``: placeholder name -> parameter name).
+    Returns the number of collectives removed."""
+    groups: dict = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _MANY and len(node.args) == 2 and not node.kwargs:
+            root, adapted = _root(node, params)
+            if root is not None:
+                groups.setdefault((node.target, node.args[1], root), []).append((node, adapted))
+    removed = 0
+    for (target, handle, _), members in groups.items():
+        bases = [n for n, adapted in members if not adapted]
+        adapters = [n for n, adapted in members if adapted]
+        if adapters and len(bases) <= 1 and len(members) > 1:
+            # (two base collectives of one value are copies split by in-place writes: gradient_reductions)
+            removed += _join(graph, target, handle, bases, adapters)
+    return removed
+
+
+def _root(node: fx.Node, params: dict):
+    """(the input the collective's value comes from, whether it is an adapter's ``A x``), or (None, False)."""
+    value = node.args[0]
+    if not isinstance(value, fx.Node):
+        return None, False
+    if value.op == "call_function" and value.target in _LINEAR and len(value.args) >= 2:
+        source, weight = value.args[0], value.args[1]
+        adapted = isinstance(weight, fx.Node) and is_adapter_parameter(params.get(weight.name, ""))
+        if adapted and isinstance(source, fx.Node) and _draws_random(source) and source.args:
+            source = source.args[0]  # the adapter's dropout of the input
+        return source, adapted
+    return (value, False) if node.target is collectives.copy_to_tp else (None, False)
+
+
+def _join(graph: fx.Graph, target, handle, bases: list, adapters: list) -> int:
+    """Replace the collectives ``bases`` + ``adapters`` (of ``target``) by one call of its many-tensor form,
+    before the first op that reads any of them. Returns how many collectives that removes (0 where it cannot
+    be done)."""
+    members = bases + adapters
+    values = [m.meta.get("example_value") for m in members]
+    if not all(isinstance(v, torch.Tensor) for v in values) or len({(v.dtype, v.device) for v in values}) > 1:
+        return 0
+    if any(writes_data(u) for m in members for u in m.users):
+        return 0  # an autograd Function's outputs may not be written in place
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min((u for m in members for u in m.users), key=order.__getitem__, default=None)
+    if first is None:
+        return 0
+    moves = {m: _moves(m.args[0], first, order) for m in members}
+    kept = [m for m in members if moves[m] is not None]
+    moved = sorted({n for m in kept for n in moves[m]}, key=order.__getitem__)
+    if not _draws_keep_order(graph, moved, first, order):
+        kept = [m for m in kept if not any(_draws_random(n) for n in moves[m])]
+        moved = sorted({n for m in kept for n in moves[m]}, key=order.__getitem__)
+    if len(kept) < 2 or not set(kept) & set(adapters):
+        return 0
+    for node in moved:
+        first.prepend(node)
+    with graph.inserting_before(first):
+        joined = graph.call_function(_MANY[target], (tuple(m.args[0] for m in kept), handle))
+        joined.meta["example_value"] = tuple(m.meta["example_value"] for m in kept)
+        for i, m in enumerate(kept):
+            piece = graph.call_function(operator.getitem, (joined, i))
+            piece.meta["example_value"] = m.meta["example_value"]
+            m.replace_all_uses_with(piece)
+    for m in kept:
+        graph.erase_node(m)
+    return len(kept) - 1
+
+
+def _moves(value: fx.Node, first: fx.Node, order: dict):
+    """The nodes to move before ``first`` so that ``value`` is computed there (none where it already is):
+    a linear of inputs computed before it, or of an adapter's dropout of one; None where that cannot be."""
+    if order[value] < order[first]:
+        return []
+    if value.op != "call_function" or value.target not in _LINEAR:
+        return None
+    moves = []
+    for source in value.all_input_nodes:
+        if order[source] < order[first]:
+            continue
+        if not (_draws_random(source) and len(source.users) == 1
+                and all(order[n] < order[first] for n in source.all_input_nodes)):
+            return None
+        moves.append(source)
+    return moves + [value]
+
+
+def _draws_random(node: fx.Node) -> bool:
+    """Whether ``node`` may draw random numbers (a dropout site, ``torch.rand*``, ``bernoulli``, ...)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return any(word in name.lower() for word in _RANDOM_NAMES)
+
+
+def _draws_keep_order(graph: fx.Graph, moved: list, first: fx.Node, order: dict) -> bool:
+    """Whether moving ``moved`` before ``first`` leaves every random draw in its order: no draw that stays
+    lies between ``first`` and the last draw that moves."""
+    draws = [n for n in moved if _draws_random(n)]
+    if not draws:
+        return True
+    last, staying = order[draws[-1]], set(moved)
+    return not any(_draws_random(n) and n not in staying and order[first] <= order[n] < last for n in graph.nodes)

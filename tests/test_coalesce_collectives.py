@@ -1,0 +1,78 @@
+"""The pass that joins a LoRA adapter's collectives with its base layer's (``rewrite/coalesce_collectives.py``),
+on small hand-built graphs: a column-parallel layer's input copy and its adapters' ``A x`` copies become one
+``copy_to_tp_many`` placed before the first consumer, with each adapter's dropout moved along in draw order; a
+random draw between the two places keeps that adapter's collective (its mask would change); collectives of
+base layers alone are left as they are. End-to-end numerics (loss, every gradient, dropout masks, generate
+against PEFT) are in ``test_lora.py``; the many-tensor collectives' values and gradients in
+``test_collective_tracing.py``."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxparallel.ops import collectives
+from fxparallel.ops.dropout_kernels import logical_dropout
+from fxparallel.rewrite.coalesce_collectives import coalesce_adapter_collectives
+
+LINEAR = torch._C._nn.linear
+PARAMS = {"w_q": "layers.0.q_proj.weight", "a_q": "layers.0.q_proj.lora_A.default.weight",
+          "w_k": "layers.0.k_proj.weight", "a_k": "layers.0.k_proj.lora_A.default.weight"}
+
+
+def _graph(noise_between: bool = False, dropout: bool = True) -> fx.Graph:
+    """x -> q and k base layers on copy_to_tp(x), each adapter's A x (after its own dropout) computed after
+    its base layer, as PEFT does; optionally a random draw between the q base layer and the adapters."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["example_value"] = torch.empty(2, 5, 8)
+    weights = {name: g.placeholder(name) for name in PARAMS}
+    copy = g.call_function(collectives.copy_to_tp, (x, 0))
+    copy.meta["example_value"] = x.meta["example_value"]
+    outputs = []
+    for proj in ("q", "k"):
+        base = g.call_function(LINEAR, (copy, weights[f"w_{proj}"], None))
+        if noise_between and proj == "q":
+            outputs.append(g.call_function(torch.rand, ((3,),)))
+        source = g.call_function(logical_dropout, (x, 0.1)) if dropout else x
+        ax = g.call_function(LINEAR, (source, weights[f"a_{proj}"], None))
+        reduced = g.call_function(collectives.copy_to_tp, (ax, 0))
+        reduced.meta["example_value"] = torch.empty(2, 5, 4)
+        outputs.append(g.call_function(operator.add, (base, reduced)))
+    g.output(tuple(outputs))
+    return g
+
+
+def _calls(g: fx.Graph, target) -> list:
+    return [n for n in g.nodes if n.op == "call_function" and n.target is target]
+
+
+def test_an_adapters_copies_join_the_base_layers_before_its_first_consumer():
+    g = _graph()
+    assert coalesce_adapter_collectives(g, PARAMS) == 2
+    g.lint()
+    (joined,) = _calls(g, collectives.copy_to_tp_many)
+    assert not _calls(g, collectives.copy_to_tp)
+    assert [a.name for a in joined.args[0]][0] == "x" and len(joined.args[0]) == 3
+    order = list(g.nodes)
+    first_base = _calls(g, LINEAR)[2]  # after the two moved A x products
+    assert first_base.args[0].target is operator.getitem and order.index(joined) < order.index(first_base)
+    drops = _calls(g, logical_dropout)
+    assert len(drops) == 2 and all(order.index(d) < order.index(joined) for d in drops)
+    # the q adapter's dropout still draws before the k adapter's
+    assert [d.users.copy().popitem()[0].args[1].name for d in drops] == ["a_q", "a_k"]
+
+
+def test_a_random_draw_in_between_keeps_the_dropped_out_adapters_apart():
+    g = _graph(noise_between=True)
+    assert coalesce_adapter_collectives(g, PARAMS) == 0
+    assert len(_calls(g, collectives.copy_to_tp)) == 3 and not _calls(g, collectives.copy_to_tp_many)
+    g = _graph(noise_between=True, dropout=False)  # no dropout to move: the products join
+    assert coalesce_adapter_collectives(g, PARAMS) == 2
+
+
+def test_base_layers_alone_are_left_as_they_are():
+    g = _graph()
+    assert coalesce_adapter_collectives(g, {k: v.replace(".lora_A.default", "") for k, v in PARAMS.items()}) == 0
+    assert len(_calls(g, collectives.copy_to_tp)) == 3
