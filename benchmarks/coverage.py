@@ -307,7 +307,11 @@ def write_markdown(rows: list, path: str, tp: int, total: int = 0, layers=None, 
         *(["\"TP=4\": the same check over 4 gloo ranks (`--tp 4 --no-generate`: no generation, which doubles the "
            "time per type; heads, kv heads and vocabulary then split 4 ways, kv heads 1 per rank). \"not run\": "
            "types that fail at TP=2 for a reason the rank count does not change (transformers' own failures, "
-           "data-dependent control flow in the model's code).", ""] if tp4 else []),
+           "data-dependent control flow in the model's code). Types swept at TP=4 with generation too (`--tp 4` "
+           "without `--no-generate`) show its result after the status: "
+           f"{sum(_generation_cell(r).startswith('same') for r in tp4.values())} of "
+           f"{sum(bool(_generation_cell(r)) for r in tp4.values())} generate transformers' tokens at TP=4.", ""]
+          if tp4 else []),
         f"**{len(ok)} of {len(rows)} types checked pass at TP={tp}**"
         + (f", **{len(ok4)} of {len(tp4)} at TP=4**" if tp4 else "")
         + f"; {sum(r['status'] == 'wrong' for r in rows) or 'none'} wrong"
@@ -335,7 +339,9 @@ def write_markdown(rows: list, path: str, tp: int, total: int = 0, layers=None, 
             why = f"float32 rounding: float32 errors above 1e-5, in float64 {f64}"
         why = why.replace("|", "/")
         fallbacks = len(r.get("fallbacks", []))
-        col4 = f" {(tp4 or {}).get(r['type'], {}).get('status', 'not run')} |" if tp4 else ""
+        row4 = (tp4 or {}).get(r["type"], {})
+        gen4 = _generation_cell(row4)
+        col4 = f" {row4.get('status', 'not run')}{', generate ' + gen4 if gen4 else ''} |" if tp4 else ""
         lines.append(f"| {r['type']} | {r['status']} |{col4} {err} | {r.get('fwd', '')} | {r.get('bwd', '')} | "
                      f"{r.get('replicated_matrices', '')} | {fallbacks if 'fallbacks' in r else ''} | "
                      f"{'yes' if r.get('hf_plan') else 'no'} | {_generation_cell(r)} | {why} |")
