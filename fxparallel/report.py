@@ -39,8 +39,9 @@ def _where(node, direction: str, passed_up: set) -> str:
     that produced it."""
     if node.target in (collectives.copy_to_tp, collectives.sum_grad_rows) or (
             direction == "backward" and node.target in collectives.GRADIENT_OF_CONSUMERS):
-        if _sources(node)[0].op in ("placeholder", "get_attr"):
-            return f"gradient of parameter {layer_pattern(str(_sources(node)[0].target))}"
+        value = _sources(node)[0]
+        if value.op in ("placeholder", "get_attr"):
+            return f"gradient of parameter {layer_pattern(str(value.target))}"
         users = sorted({layer_pattern(adapters.hf_path(module_path(u))) for u in _gradient_consumers(node, passed_up)})
         return "gradient of the input of " + ", ".join(users)
     source = _sources(node)[0] if node.args else node

@@ -34,7 +34,7 @@ def _graph(noise_between: bool = False, dropout: bool = True) -> fx.Graph:
     for proj in ("q", "k"):
         base = g.call_function(LINEAR, (copy, weights[f"w_{proj}"], None))
         if noise_between and proj == "q":
-            outputs.append(g.call_function(torch.rand, ((3,),)))
+            outputs.append(g.call_function(logical_dropout, (base, 0.1)))  # another dropout site
         source = g.call_function(logical_dropout, (x, 0.1)) if dropout else x
         ax = g.call_function(LINEAR, (source, weights[f"a_{proj}"], None))
         reduced = g.call_function(collectives.copy_to_tp, (ax, 0))

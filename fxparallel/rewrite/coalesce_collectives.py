@@ -26,7 +26,6 @@ from ..ops import collectives
 
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 _MANY = {collectives.all_reduce: collectives.all_reduce_many, collectives.copy_to_tp: collectives.copy_to_tp_many}
-_RANDOM_NAMES = ("dropout", "rand", "bernoulli", "normal", "multinomial", "poisson", "exponential")
 
 
 def coalesce_adapter_collectives(graph: fx.Graph, params: dict) -> int:
@@ -38,13 +37,14 @@ def coalesce_adapter_collectives(graph: fx.Graph, params: dict) -> int:
             root, adapted = _root(node, params)
             if root is not None:
                 groups.setdefault((node.target, node.args[1], root), []).append((node, adapted))
-    removed = 0
+    removed, order = 0, {n: float(i) for i, n in enumerate(graph.nodes)}
+    draws = [n for n in graph.nodes if _draws_random(n)]
     for (target, handle, _), members in groups.items():
         bases = [n for n, adapted in members if not adapted]
         adapters = [n for n, adapted in members if adapted]
         if adapters and len(bases) <= 1 and len(members) > 1:
             # (two base collectives of one value are copies split by in-place writes: gradient_reductions)
-            removed += _join(graph, target, handle, bases, adapters)
+            removed += _join(graph, target, handle, bases, adapters, order, draws)
     return removed
 
 
@@ -62,40 +62,51 @@ def _root(node: fx.Node, params: dict):
     return (value, False) if node.target is collectives.copy_to_tp else (None, False)
 
 
-def _join(graph: fx.Graph, target, handle, bases: list, adapters: list) -> int:
+def _join(graph: fx.Graph, target, handle, bases: list, adapters: list, order: dict, draws: list) -> int:
     """Replace the collectives ``bases`` + ``adapters`` (of ``target``) by one call of its many-tensor form,
     before the first op that reads any of them. Returns how many collectives that removes (0 where it cannot
-    be done)."""
+    be done). ``order`` (node -> position, kept up to date here) and ``draws`` (the random draws) are the
+    graph's, computed once for all groups."""
     members = bases + adapters
     values = [m.meta.get("example_value") for m in members]
     if not all(isinstance(v, torch.Tensor) for v in values) or len({(v.dtype, v.device) for v in values}) > 1:
         return 0
     if any(writes_data(u) for m in members for u in m.users):
         return 0  # an autograd Function's outputs may not be written in place
-    order = {n: i for i, n in enumerate(graph.nodes)}
     first = min((u for m in members for u in m.users), key=order.__getitem__, default=None)
     if first is None:
         return 0
     moves = {m: _moves(m.args[0], first, order) for m in members}
     kept = [m for m in members if moves[m] is not None]
     moved = sorted({n for m in kept for n in moves[m]}, key=order.__getitem__)
-    if not _draws_keep_order(graph, moved, first, order):
+    if not _draws_keep_order(draws, moved, first, order):
         kept = [m for m in kept if not any(_draws_random(n) for n in moves[m])]
         moved = sorted({n for m in kept for n in moves[m]}, key=order.__getitem__)
     if len(kept) < 2 or not set(kept) & set(adapters):
         return 0
+    placed = list(moved)
     for node in moved:
         first.prepend(node)
     with graph.inserting_before(first):
         joined = graph.call_function(_MANY[target], (tuple(m.args[0] for m in kept), handle))
         joined.meta["example_value"] = tuple(m.meta["example_value"] for m in kept)
+        placed.append(joined)
         for i, m in enumerate(kept):
             piece = graph.call_function(operator.getitem, (joined, i))
             piece.meta["example_value"] = m.meta["example_value"]
+            placed.append(piece)
             m.replace_all_uses_with(piece)
     for m in kept:
         graph.erase_node(m)
+    _renumber(order, placed, first)
     return len(kept) - 1
+
+
+def _renumber(order: dict, placed: list, first: fx.Node) -> None:
+    """Give the nodes ``placed`` just before ``first`` positions between its predecessor's and its own."""
+    low, high = order.get(placed[0].prev, order[first] - 1.0), order[first]
+    for i, node in enumerate(placed, 1):
+        order[node] = low + (high - low) * i / (len(placed) + 1)
 
 
 def _moves(value: fx.Node, first: fx.Node, order: dict):
@@ -117,18 +128,17 @@ def _moves(value: fx.Node, first: fx.Node, order: dict):
 
 
 def _draws_random(node: fx.Node) -> bool:
-    """Whether ``node`` may draw random numbers (a dropout site, ``torch.rand*``, ``bernoulli``, ...)."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    return any(word in name.lower() for word in _RANDOM_NAMES)
+    """Whether ``node`` draws random numbers: a dropout site (``ops/dropout_kernels.py``; the capture refuses
+    every other random op, ``capture/dropout_sites.py``, and the pass ``dropout_sites`` has given every dropout
+    that form before this pass runs)."""
+    return node.op == "call_function" and getattr(node.target, "dropout_site", False)
 
 
-def _draws_keep_order(graph: fx.Graph, moved: list, first: fx.Node, order: dict) -> bool:
-    """Whether moving ``moved`` before ``first`` leaves every random draw in its order: no draw that stays
-    lies between ``first`` and the last draw that moves."""
-    draws = [n for n in moved if _draws_random(n)]
-    if not draws:
+def _draws_keep_order(draws: list, moved: list, first: fx.Node, order: dict) -> bool:
+    """Whether moving ``moved`` before ``first`` leaves every random draw (``draws``) in its order: no draw that
+    stays lies between ``first`` and the last draw that moves."""
+    moving = [n for n in moved if _draws_random(n)]
+    if not moving:
         return True
-    last, staying = order[draws[-1]], set(moved)
-    return not any(_draws_random(n) and n not in staying and order[first] <= order[n] < last for n in graph.nodes)
+    last, staying = order[moving[-1]], set(moved)
+    return not any(n not in staying and order[first] <= order[n] < last for n in draws)
