@@ -260,6 +260,15 @@ def _ranks(rank, world, adapter, with_options, other):
     model.gradient_checkpointing_enable(mode="selective")
     out["joined, selective checkpointing"] = _trained(adapter, dist.group.WORLD, rank, world, ids, model=model)
     out["joined calls"] = _joined_calls(model)
+    # sequence parallelism: A x of a column layer's adapter and B of a row layer's run on this rank's tokens (their
+    # gradients reduced like a norm's), the dropout masks this rank's tokens of one device's
+    even = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    model = fxparallel.parallelize(with_options, dist.group.WORLD, dtype=torch.float32, is_trainable=True,
+                                   sequence_parallel=True)
+    out["sequence parallel"] = _trained(with_options, dist.group.WORLD, rank, world, even, model=model, seed=7)
+    out["sequence parallel plan"] = (model.plan.sequence_parallel_kept, model.plan.count("all_reduce", "forward"),
+                                     model.plan.count("reduce_scatter", "forward"),
+                                     model.plan.count("all_reduce", "backward"))
     # transformers' names: load_adapter on a parallel base model, add_adapter (PEFT's initialization)
     base_dir = os.path.join(os.path.dirname(adapter), "base")
     model = fxparallel.parallelize(base_dir, dist.group.WORLD, dtype=torch.float32)
@@ -531,6 +540,13 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         _check_training(r["joined, selective checkpointing"])
         # q/k/v's input, o_proj, gate/up's input, down_proj; 2 layers
         assert r["joined calls"] == r["joined calls, dropout"] == 4 * 2, r
+        sp = r["sequence parallel"]
+        _check_training({k: v for k, v in sp.items() if k != "train - eval loss"})
+        assert sp["train - eval loss"] > 1e-4, sp
+        # no region left plain TP: every activation all-reduce a reduce-scatter (o_proj, down_proj, their
+        # adapters' partial A x; 2 layers; the embedding); backward all-reduces: the gradients of the 2 x 2 + 1
+        # norm weights and of each adapter matrix used on sequence shards (A of q, v, gate; B of o, down)
+        assert r["sequence parallel plan"] == ([], 0, 4 * 2 + 1, 5 + 5 * 2), r["sequence parallel plan"]
         _check_training(r["load_adapter"])
         _check_training(r["add_adapter"])
         _check_training(r["peft model"])

@@ -192,6 +192,9 @@ TOKEN_WISE = frozenset({"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt
                         "abs", "square", "where", "clamp", "silu", "gelu", "relu", "softplus", "mish", "to", "float",
                         "half", "bfloat16", "double", "contiguous", "clone"})
 TOKEN_WISE_REDUCTIONS = frozenset({"mean", "sum", "amax"})
+# each token alone times weights: token-wise on a shard when the weights are replicated (a LoRA adapter's A of a
+# column-parallel layer, B of a row-parallel one; a router); their gradients then get reduced like a norm's
+TOKEN_WISE_PRODUCTS = frozenset({"linear"})
 
 # mix tokens along the sequence outside attention: a context-parallel chunk cannot compute them
 SEQUENCE_MIXING = frozenset({"cumsum", "cumprod", "roll", "flip", "diff", "conv1d", "conv2d", "conv3d", "cummax",
@@ -201,7 +204,7 @@ ACTIVATION_PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum", "mm"})
 
 _TRAITS = (POINTWISE, LINEAR_UNARY, LINEAR_SCALE, DIVIDES, LINEAR_ADD, REDUCTIONS, SHAPE_KEEPING, SIZED_VIEWS,
            PURE_RESHAPES, SHAPE_QUERIES, KEEPS_FEATURES, TOKEN_WISE, TOKEN_WISE_REDUCTIONS, SEQUENCE_MIXING,
-           ACTIVATION_PRODUCTS, frozenset(NORMALIZED_SHAPE_ARG))
+           ACTIVATION_PRODUCTS, TOKEN_WISE_PRODUCTS, frozenset(NORMALIZED_SHAPE_ARG))
 for _trait in _TRAITS:
     if not _trait <= SPELLINGS.keys():
         raise AssertionError(f"traits name ops the table does not spell: {sorted(_trait - SPELLINGS.keys())}")

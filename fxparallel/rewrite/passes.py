@@ -107,7 +107,7 @@ def gradient_reductions(ctx: PassContext) -> None:
 
 
 def sequence_parallel(ctx: PassContext) -> None:
-    ctx.sequence_report = apply_sequence_parallel(ctx.graph, ctx.captured, ctx.group)
+    ctx.sequence_report = apply_sequence_parallel(ctx.graph, ctx.captured, ctx.group, ctx.gplan.placements)
     ctx.reduced += ctx.sequence_report.reduced
 
 

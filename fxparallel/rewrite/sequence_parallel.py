@@ -12,13 +12,14 @@ Here:
   named in ``plan/op_traits.py``:
   elementwise with operands that do not vary along the sequence, reductions and norms
   over other dims, dropout (its mask: this rank's tokens of the logical one,
-  ``ops/dropout_kernels.py``) and slices, views that keep or merge batch and sequence);
+  ``ops/dropout_kernels.py``), slices, views that keep or merge batch and sequence, and ``linear`` whose
+  weights are whole on every rank: a LoRA adapter's A on a column-parallel layer, B on a row-parallel one);
 * where it reaches a ``copy_to_tp``, that op becomes ``gather_seq_to_tp`` (all-gather
   forward, reduce-scatter backward: the reduce-scatter replaces the all-reduce);
 * ``x.size()`` of a shard is the full size (computed, no communication), so the graph's
   shape arithmetic and views stay in full sizes; views divide their sequence entry.
 
-Replicated parameters used on shards (norm weights and biases, biases of row layers) get
+Replicated parameters used on shards (norm weights and biases, biases of row layers, those adapter matrices) get
 partial gradients (only this rank's tokens): their gradient is all-reduced (a
 ``copy_to_tp`` on the parameter, as TP does for Qwen3's q/k norms). An activation rather than
 a parameter gets it where the parameters behind it are shared with other uses.
@@ -75,8 +76,8 @@ def _value(node):
 
 
 class _Pass:
-    def __init__(self, graph: fx.Graph, captured, group):
-        self.graph, self.group, self.tp = graph, group, group.size
+    def __init__(self, graph: fx.Graph, captured, group, placements: dict):
+        self.graph, self.group, self.tp, self.placements = graph, group, group.size, placements
         seq = batch = None
         for sym, (name, dim) in captured.symbol_sources.items():
             if name == "input_ids" and dim == 1:
@@ -145,6 +146,8 @@ class _Pass:
             return self._checked(node, t, "norm")
         if name in op_traits.SIZED_VIEWS and node.args[0] is first and len(sharded) == 1:
             return self._view(node, first, dims[first])
+        if name in op_traits.TOKEN_WISE_PRODUCTS and node.args[0] is first and len(sharded) == 1:
+            return self._product(node, dims[first])
         if name == "getitem" and node.args[0] is first and len(sharded) == 1:
             return self._getitem(node, dims[first])
         return f"{getattr(key, '__name__', key)} is not known to be token-wise"
@@ -175,6 +178,16 @@ class _Pass:
             if 0 <= pos < v.dim() and not same_size(v.shape[pos], 1):
                 return f"operand {other.name} varies along the sequence"
         return self._checked(node, t, "elementwise")
+
+    def _product(self, node, t: TokenDim):
+        """``linear(x, weight, bias)`` of a shard: its tokens' rows, where every weight is whole on every rank."""
+        if t.dim == _value(node.args[0]).dim() - 1:
+            return "linear contracts the sequence"
+        for weight in node.all_input_nodes[1:]:
+            placement = self.placements.get(weight)
+            if not (hasattr(placement, "is_replicate") and placement.is_replicate):
+                return f"linear of weight {weight.name} split across ranks"
+        return self._checked(node, t, "linear")
 
     def _reduction(self, node, t: TokenDim):
         src = _value(node.args[0])
@@ -397,9 +410,10 @@ def local_view(x: torch.Tensor, method: str, shape, dim: int, tp: int):
     return getattr(x, method)(shape)
 
 
-def apply_sequence_parallel(graph: fx.Graph, captured, group) -> SequenceParallelReport:
-    """Rewrite ``graph`` (after the TP passes, before binding inputs) to sequence parallelism."""
-    sp = _Pass(graph, captured, group)
+def apply_sequence_parallel(graph: fx.Graph, captured, group, placements: dict) -> SequenceParallelReport:
+    """Rewrite ``graph`` (after the TP passes, before binding inputs) to sequence parallelism (``placements``:
+    the plan's, node -> Placement)."""
+    sp = _Pass(graph, captured, group, placements)
     dims, seeds, regions, kept = sp.plan()
     reduced = sp.rewrite(dims, seeds) if seeds else []
     return SequenceParallelReport(regions=regions if seeds else 0, kept=kept, reduced=reduced)
