@@ -58,6 +58,12 @@ def test_plans_that_do_not_fit_are_refused(checkpoints, tmp_path):
         next(p for p in d["params"] if p["name"] == "lm_head.weight")["placement"] = "S(2)"
 
     assert "parameter 'lm_head.weight': the saved plan shards dim 2 of a 2-D tensor (128, 64)" in _error(path, _edited(plan, bad_dim))
+
+    def blocked(d):  # the loader would read a contiguous shard where this layout means a piece of every block
+        next(p for p in d["params"] if p["name"] == "lm_head.weight")["placement"] = "S(0)[*16]"
+
+    assert "parameter 'lm_head.weight': a parameter cannot be placed S(0)[*16] in a saved plan" in _error(
+        path, _edited(plan, blocked))
     assert "no such file" in _error(path, str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"tp": 1}))

@@ -72,6 +72,8 @@ class ParamPlan:
         full = [slice(0, s) for s in self.shape]
         if not p.is_shard:
             return [(tuple(full), tuple(full))]
+        if p.block is not None:  # the loader, export and DTensor views read segments, not blocks
+            raise ValueError(f"{self.name}: a parameter cannot be a blocked shard ({p})")
         out, offset = [], 0
         for start, stop in shard_pieces(self.shape[p.dim], rank, tp, p.segments, self.split or None, p.whole):
             src, dst = list(full), list(full)

@@ -57,6 +57,9 @@ def fixed_placements(plan: ShardingPlan, meta, tp: int) -> dict:
                                 f"to dim {placement.dim} of size {p.shape[placement.dim]}")
         if placement.is_partial:
             raise ShardingError(f"parameter {p.name!r}: a parameter cannot be a partial sum (P) in a saved plan")
+        if placement.block is not None or placement.is_expert_rows:
+            raise ShardingError(f"parameter {p.name!r}: a parameter cannot be placed {placement} in a saved plan "
+                                "(blocked shards and expert rows are layouts of activations)")
         if p.used:
             fixed[p.name] = placement
     missing = [name for name in shapes if name not in planned]
