@@ -1,7 +1,7 @@
 """LoRA training against full fine-tuning of the same parallel model: trainable memory and step time per rank.
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 benchmarks/lora_training.py [--steps 10] [--r 16]
-    python benchmarks/lora_training.py --render     # the markdown table from the saved JSON
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 benchmarks/lora_training.py [--steps 10] [--r 16] [--sequence-parallel]
+    python benchmarks/lora_training.py --render [--sequence-parallel]     # the markdown table from the saved JSON
 
 One locally built 8-layer Llama (fp32; the shape of ``activation_checkpointing.py``), parallelized over every
 rank twice in the same processes: fully trainable, and with a new LoRA adapter (``model.add_adapter``, rank
@@ -43,9 +43,13 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "lora_training.json"))
+    p.add_argument("--sequence-parallel", action="store_true", help="both runs with sequence_parallel=True")
+    p.add_argument("--out", default=None, help="default: results/lora_training[_sp].json")
     p.add_argument("--render", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    suffix = "_sp" if args.sequence_parallel else ""
+    args.out = args.out or os.path.join(HERE, "results", f"lora_training{suffix}.json")
+    return args
 
 
 def _bytes(tensors) -> int:
@@ -81,8 +85,9 @@ def measure(path: str, args) -> dict:
     import fxparallel
     from peft import LoraConfig
 
-    full = Run("full fine-tuning", fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32))
-    adapted = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    options = dict(dtype=torch.float32, sequence_parallel=args.sequence_parallel)
+    full = Run("full fine-tuning", fxparallel.parallelize(path, dist.group.WORLD, **options))
+    adapted = fxparallel.parallelize(path, dist.group.WORLD, **options)
     adapted.add_adapter(LoraConfig(r=args.r, lora_alpha=2 * args.r, target_modules="all-linear"))
     lora = Run(f"LoRA r={args.r}", adapted)
     ids = torch.randint(0, SHAPE["vocab"], (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
@@ -95,6 +100,7 @@ def measure(path: str, args) -> dict:
     for run in (full, lora):
         per_rank = everyone(run.memory())
         out[run.name] = {"median_step_s": statistics.median(run.times), "steps_s": run.times,
+                         "calls": sum(c.count for c in run.model.plan.collectives),
                          **{k: max(m[k] for m in per_rank) for k in per_rank[0]}}
     return out
 
@@ -102,7 +108,8 @@ def measure(path: str, args) -> dict:
 def markdown_table(result: dict) -> str:
     meta, runs = result["meta"], result["runs"]
     full, lora = runs["full fine-tuning"], runs[f"LoRA r={meta['r']}"]
-    lines = [f"Llama {meta['shape']['layers']} layers, hidden {meta['shape']['hidden']}, fp32, TP={meta['tp']} on "
+    mode = " with sequence parallelism" if meta.get("sequence_parallel") else ""
+    lines = [f"Llama {meta['shape']['layers']} layers, hidden {meta['shape']['hidden']}, fp32, TP={meta['tp']}{mode} on "
              f"{meta['device']} ({meta['cores']} cores, {meta['threads']} thread(s) per rank), batch {meta['batch']} x "
              f"{meta['seq']}; AdamW; median of {meta['steps']} alternating steps after {meta['warmup']} warm-up "
              f"(slowest rank); bytes per rank (max over ranks); load average {meta['load_average_start']:.1f} at the "
@@ -111,8 +118,10 @@ def markdown_table(result: dict) -> str:
     rows = (("parameters taking gradients", "trainable_params", "{:,.0f}"),
             ("their bytes (MiB)", "trainable_MiB", "{:.2f}"), ("gradients (MiB)", "grads_MiB", "{:.2f}"),
             ("AdamW states (MiB)", "optimizer_MiB", "{:.2f}"), ("frozen weights (MiB)", "frozen_MiB", "{:.2f}"),
-            ("step time (s, median)", "median_step_s", "{:.3f}"))
+            ("step time (s, median)", "median_step_s", "{:.3f}"), ("collective calls per step", "calls", "{:.0f}"))
     for label, key, fmt in rows:
+        if key not in full:  # a result saved before the row was measured
+            continue
         ratio = f"{lora[key] / full[key]:.3f}" if full[key] else "-"
         lines.append(f"| {label} | {fmt.format(full[key])} | {fmt.format(lora[key])} | {ratio} |")
     return "\n".join(lines)
@@ -128,7 +137,7 @@ def main(argv=None):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     runs = measure(path, args)
     meta = {"tp": world, "shape": SHAPE, "r": args.r, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-            "warmup": args.warmup, **cpu_run_meta(load_start)}
+            "warmup": args.warmup, "sequence_parallel": args.sequence_parallel, **cpu_run_meta(load_start)}
     write_result(args.out, {"meta": meta, "runs": runs}, markdown_table)
     dist.destroy_process_group()
     return 0

@@ -2,9 +2,9 @@
 on small hand-built graphs: a column-parallel layer's input copy and its adapters' ``A x`` copies become one
 ``copy_to_tp_many`` placed before the first consumer, with each adapter's dropout moved along in draw order; a
 random draw between the two places keeps that adapter's collective (its mask would change); collectives of
-base layers alone are left as they are. End-to-end numerics (loss, every gradient, dropout masks, generate
-against PEFT) are in ``test_lora.py``; the many-tensor collectives' values and gradients in
-``test_collective_tracing.py``."""
+base layers alone are left as they are; under sequence parallelism the gathers join the same way. End-to-end
+numerics (loss, every gradient, dropout masks, generate against PEFT) are in ``test_lora.py``; the many-tensor
+collectives' values and gradients in ``test_collective_tracing.py``."""
 from __future__ import annotations
 
 import operator
@@ -21,14 +21,25 @@ PARAMS = {"w_q": "layers.0.q_proj.weight", "a_q": "layers.0.q_proj.lora_A.defaul
           "w_k": "layers.0.k_proj.weight", "a_k": "layers.0.k_proj.lora_A.default.weight"}
 
 
-def _graph(noise_between: bool = False, dropout: bool = True) -> fx.Graph:
+def _graph(noise_between: bool = False, dropout: bool = True, sequence: bool = False, tokens: int = 5) -> fx.Graph:
     """x -> q and k base layers on copy_to_tp(x), each adapter's A x (after its own dropout) computed after
-    its base layer, as PEFT does; optionally a random draw between the q base layer and the adapters."""
+    its base layer, as PEFT does; optionally a random draw between the q base layer and the adapters.
+    ``sequence``: as sequence parallelism leaves it, x this rank's tokens, gathered (``gather_seq_to_tp``) for
+    the base layers and, after A, for the adapters, A's gradient all-reduced; ``tokens``: the adapters' A x
+    tokens."""
     g = fx.Graph()
     x = g.placeholder("x")
     x.meta["example_value"] = torch.empty(2, 5, 8)
     weights = {name: g.placeholder(name) for name in PARAMS}
-    copy = g.call_function(collectives.copy_to_tp, (x, 0))
+    if sequence:
+        weights.update({name: g.call_function(collectives.copy_to_tp, (w, 0)) for name, w in weights.items()
+                        if name.startswith("a_")})
+
+    def collective(value):
+        return g.call_function(collectives.gather_seq_to_tp, (value, 1, 0, None)) if sequence else \
+            g.call_function(collectives.copy_to_tp, (value, 0))
+
+    copy = collective(x)
     copy.meta["example_value"] = x.meta["example_value"]
     outputs = []
     for proj in ("q", "k"):
@@ -37,8 +48,8 @@ def _graph(noise_between: bool = False, dropout: bool = True) -> fx.Graph:
             outputs.append(g.call_function(logical_dropout, (base, 0.1)))  # another dropout site
         source = g.call_function(logical_dropout, (x, 0.1)) if dropout else x
         ax = g.call_function(LINEAR, (source, weights[f"a_{proj}"], None))
-        reduced = g.call_function(collectives.copy_to_tp, (ax, 0))
-        reduced.meta["example_value"] = torch.empty(2, 5, 4)
+        reduced = collective(ax)
+        reduced.meta["example_value"] = torch.empty(2, tokens, 4)
         outputs.append(g.call_function(operator.add, (base, reduced)))
     g.output(tuple(outputs))
     return g
@@ -70,6 +81,18 @@ def test_a_random_draw_in_between_keeps_the_dropped_out_adapters_apart():
     assert len(_calls(g, collectives.copy_to_tp)) == 3 and not _calls(g, collectives.copy_to_tp_many)
     g = _graph(noise_between=True, dropout=False)  # no dropout to move: the products join
     assert coalesce_adapter_collectives(g, PARAMS) == 2
+
+
+def test_sequence_parallel_gathers_join_along_the_features():
+    g = _graph(sequence=True)
+    assert coalesce_adapter_collectives(g, PARAMS) == 2
+    g.lint()
+    (joined,) = _calls(g, collectives.gather_seq_to_tp_many)
+    assert not _calls(g, collectives.gather_seq_to_tp) and joined.args[1:] == (1, 0, None)
+    assert [a.name for a in joined.args[0]][0] == "x" and len(joined.args[0]) == 3
+    # values whose sizes up to the token dim differ are not joined
+    g = _graph(sequence=True, tokens=6)
+    assert coalesce_adapter_collectives(g, PARAMS) == 0 and len(_calls(g, collectives.gather_seq_to_tp)) == 3
 
 
 def test_base_layers_alone_are_left_as_they_are():

@@ -47,6 +47,13 @@ CASES = {
                         lambda r: (3, 4)),
     "copy_to_tp_many": (lambda x, h, r: torch.cat([t.reshape(-1) for t in c.copy_to_tp_many((x, x[:, :2] * 2.0), h)]),
                         lambda r: (3, 4)),
+    # the same along the sequence: [batch, seq, features] and a rank-r value, joined after the token dim
+    "reduce_scatter_seq_many": (lambda x, h, r: torch.cat([t.reshape(-1) for t in c.reduce_scatter_seq_many(
+        (x, x[..., :2] * 2.0), 1, h)]), lambda r: (2, 6, 4)),
+    "gather_seq_to_tp_many": (lambda x, h, r: torch.cat([t.reshape(-1) for t in c.gather_seq_to_tp_many(
+        (x, x[..., :2] * 2.0), 1, h)]), lambda r: (2, 3, 4)),
+    "gather_seq_to_tp_many batch": (lambda x, h, r: torch.cat([t.reshape(-1) for t in c.gather_seq_to_tp_many(
+        (x, x[:, :1] * 2.0), 0, h, 2)]), lambda r: (6, 4)),
 }
 
 
@@ -137,6 +144,21 @@ def _reference(rank, world):
     checks["copy_to_tp_many"] = (torch.equal(ya, a) and torch.equal(xa.grad, torch.full_like(a, 3.0))
                                  and torch.equal(xb.grad, torch.full_like(b, 6.0))
                                  and torch.equal(xc.grad, torch.zeros_like(a)))
+    # along the sequence: each value's own reduce-scatter / gather, and each gradient its own backward collective
+    xa, xb = (t.clone().requires_grad_() for t in (full * (rank + 1), full[..., :1] * (rank + 1)))
+    ya, yb = c.reduce_scatter_seq_many((xa, xb), 1, h)
+    ((ya * (rank + 1)).sum() + (yb * 2).sum()).backward()
+    checks["reduce_scatter_seq_many"] = (torch.equal(ya, mine * 3) and torch.equal(yb, mine[..., :1] * 3)
+                                         and torch.equal(xa.grad, torch.cat([torch.full_like(mine, 1.0),
+                                                                             torch.full_like(mine, 2.0)], 1))
+                                         and torch.equal(xb.grad, torch.full_like(full[..., :1], 2.0)))
+    xa, xb = (t.clone().requires_grad_() for t in (mine, mine[..., 1:3].flatten(0, 1)))
+    ya, yb = c.gather_seq_to_tp_many((xa.flatten(0, 1), xb), 0, h, 2)
+    ((ya * (rank + 1)).sum() + (yb * 2).sum()).backward()
+    checks["gather_seq_to_tp_many batch"] = (torch.equal(ya, full.flatten(0, 1))
+                                             and torch.equal(yb, full[..., 1:3].flatten(0, 1))
+                                             and torch.equal(xa.grad, torch.full_like(mine, 3.0))
+                                             and torch.equal(xb.grad, torch.full_like(xb, 4.0)))
     parts = c.gather_parts(uneven, 1, dist.group.WORLD, 2, [3, 2])
     checks["parts share one buffer"] = parts[0].untyped_storage().data_ptr() == parts[1].untyped_storage().data_ptr()
     return checks

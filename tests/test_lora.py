@@ -268,7 +268,12 @@ def _ranks(rank, world, adapter, with_options, other):
     out["sequence parallel"] = _trained(with_options, dist.group.WORLD, rank, world, even, model=model, seed=7)
     out["sequence parallel plan"] = (model.plan.sequence_parallel_kept, model.plan.count("all_reduce", "forward"),
                                      model.plan.count("reduce_scatter", "forward"),
-                                     model.plan.count("all_reduce", "backward"))
+                                     model.plan.count("all_gather", "forward"),
+                                     model.plan.count("all_reduce", "backward"), _joined_calls(model))
+    model.zero_grad(set_to_none=True)  # again, the layers recomputed keeping the joined collectives' outputs
+    model.gradient_checkpointing_enable(mode="selective")
+    out["sequence parallel, selective checkpointing"] = _trained(with_options, dist.group.WORLD, rank, world, even,
+                                                                 model=model, seed=7)
     # transformers' names: load_adapter on a parallel base model, add_adapter (PEFT's initialization)
     base_dir = os.path.join(os.path.dirname(adapter), "base")
     model = fxparallel.parallelize(base_dir, dist.group.WORLD, dtype=torch.float32)
@@ -471,7 +476,7 @@ def _hub_cache(adapter: str) -> str:
 def _joined_calls(model) -> int:
     """How many collectives of ``model``'s graphs carry an adapter's values with its base layer's."""
     code = "".join(str(g.code) for g in model._graph_set)
-    return code.count("copy_to_tp_many(") + code.count("all_reduce_many(")
+    return sum(code.count(f"{op}_many(") for op in ("copy_to_tp", "all_reduce", "gather_seq_to_tp", "reduce_scatter_seq"))
 
 
 def _check_training(r, adapted_per_layer: int = len(TARGETS)):
@@ -543,10 +548,15 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         sp = r["sequence parallel"]
         _check_training({k: v for k, v in sp.items() if k != "train - eval loss"})
         assert sp["train - eval loss"] > 1e-4, sp
-        # no region left plain TP: every activation all-reduce a reduce-scatter (o_proj, down_proj, their
-        # adapters' partial A x; 2 layers; the embedding); backward all-reduces: the gradients of the 2 x 2 + 1
-        # norm weights and of each adapter matrix used on sequence shards (A of q, v, gate; B of o, down)
-        assert r["sequence parallel plan"] == ([], 0, 4 * 2 + 1, 5 + 5 * 2), r["sequence parallel plan"]
+        # no region left plain TP, and the collectives of sequence parallelism without adapters (2 layers): a
+        # reduce-scatter after o_proj, down_proj (each with its adapter's partial A x) and the embedding, a gather
+        # before q/k/v, gate/up (with the adapters' A x) and lm_head, one for the loss; backward all-reduces: the
+        # gradients of the 2 x 2 + 1 norm weights and of each adapter matrix used on sequence shards (A of q, v,
+        # gate; B of o, down); 4 joined calls per layer
+        assert r["sequence parallel plan"] == ([], 0, 2 * 2 + 1, 2 * 2 + 2, 5 + 5 * 2, 4 * 2), \
+            r["sequence parallel plan"]
+        _check_training({k: v for k, v in r["sequence parallel, selective checkpointing"].items()
+                         if k != "train - eval loss"})
         _check_training(r["load_adapter"])
         _check_training(r["add_adapter"])
         _check_training(r["peft model"])

@@ -8,8 +8,9 @@ Each op states which collective it runs in the forward and in the backward pass
 * ``all_gather``:   forward all-gather,  backward local slice (shard -> replicated)
 * ``local_chunk``:  forward local slice, backward zero-padding (replicated -> shard, no communication)
 
-``all_reduce_many`` / ``copy_to_tp_many`` are those two for several tensors at once, with one collective
-(a LoRA adapter's rank-r values joining its base layer's: ``rewrite/coalesce_collectives.py``).
+``all_reduce_many`` / ``copy_to_tp_many`` (and ``reduce_scatter_seq_many`` / ``gather_seq_to_tp_many``
+below) are those ops for several tensors at once, with one collective each way (a LoRA adapter's rank-r values
+joining its base layer's: ``rewrite/coalesce_collectives.py``).
 
 A segment held whole by every rank (``plan/placement.py``) has a replicated value and a
 partial gradient. Two ops keep that true:
@@ -299,6 +300,38 @@ _ReduceScatterSeq = _sequence_pair(_reduce_scatter_seq, _all_gather_seq, "_Reduc
 _GatherSeqToTP = _sequence_pair(_all_gather_seq, _reduce_scatter_seq, "_GatherSeqToTP")
 
 
+def _along_tokens(collective, xs, dim: int, handle: int, batch=None) -> tuple:
+    """``collective(x, dim, handle, batch)`` of each tensor of ``xs`` (one dtype, the same sizes up to the token
+    dim ``dim``) in one call: their features after ``dim`` flattened and concatenated."""
+    if group_by_handle(handle).size == 1:
+        return tuple(xs)
+    flat = [x.reshape(*x.shape[:dim + 1], -1) for x in xs]
+    out = collective(torch.cat(flat, dim=-1), dim, handle, batch)
+    pieces = out.split([f.shape[-1] for f in flat], dim=-1)
+    return tuple(piece.reshape(*piece.shape[:dim + 1], *x.shape[dim + 1:]) for piece, x in zip(pieces, xs))
+
+
+def _sequence_many(fwd, bwd, name: str):
+    """``_sequence_pair`` for several tensors at once, one collective each way (``_along_tokens``)."""
+
+    class Many(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, dim, handle, batch, *xs):
+            ctx.args = (dim, handle, batch)
+            return _along_tokens(fwd, xs, dim, handle, batch)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return (None, None, None) + _along_tokens(bwd, grads, *ctx.args)
+
+    Many.__name__ = Many.__qualname__ = name
+    return Many
+
+
+_ReduceScatterSeqMany = _sequence_many(_reduce_scatter_seq, _all_gather_seq, "_ReduceScatterSeqMany")
+_GatherSeqToTPMany = _sequence_many(_all_gather_seq, _reduce_scatter_seq, "_GatherSeqToTPMany")
+
+
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, handle):
@@ -469,6 +502,22 @@ def gather_seq_to_tp(x, dim, handle, batch=None):
     return _GatherSeqToTP.apply(x, dim, handle, batch)
 
 
+def reduce_scatter_seq_many(xs, dim, handle, batch=None):
+    """``reduce_scatter_seq`` of each tensor of ``xs`` in one collective each way."""
+    if any(_recorded(x) for x in xs) and group_by_handle(handle).size > 1:
+        return _ReduceScatterSeqMany.apply(dim, handle, batch, *xs)
+    return tuple(out.view_as(x) if out is x else out for out, x in zip(_along_tokens(_reduce_scatter_seq, xs, dim,
+                                                                                      handle, batch), xs))
+
+
+def gather_seq_to_tp_many(xs, dim, handle, batch=None):
+    """``gather_seq_to_tp`` of each tensor of ``xs`` in one collective each way."""
+    if any(_recorded(x) for x in xs) and group_by_handle(handle).size > 1:
+        return _GatherSeqToTPMany.apply(dim, handle, batch, *xs)
+    return tuple(out.view_as(x) if out is x else out for out, x in zip(_along_tokens(_all_gather_seq, xs, dim,
+                                                                                      handle, batch), xs))
+
+
 all_reduce.FORWARD, all_reduce.BACKWARD = "all_reduce", None
 copy_to_tp.FORWARD, copy_to_tp.BACKWARD = None, "all_reduce"
 all_reduce_many.FORWARD, all_reduce_many.BACKWARD = "all_reduce", None
@@ -479,8 +528,10 @@ partial_grad.FORWARD, partial_grad.BACKWARD = None, None
 sum_grad_rows.FORWARD, sum_grad_rows.BACKWARD = None, "all_reduce"
 reduce_scatter_seq.FORWARD, reduce_scatter_seq.BACKWARD = "reduce_scatter", "all_gather"
 gather_seq_to_tp.FORWARD, gather_seq_to_tp.BACKWARD = "all_gather", "reduce_scatter"
+reduce_scatter_seq_many.FORWARD, reduce_scatter_seq_many.BACKWARD = "reduce_scatter", "all_gather"
+gather_seq_to_tp_many.FORWARD, gather_seq_to_tp_many.BACKWARD = "all_gather", "reduce_scatter"
 
 COLLECTIVE_OPS = (all_reduce, copy_to_tp, all_gather, reduce_scatter_seq, gather_seq_to_tp, sum_grad_rows,
-                  all_reduce_many, copy_to_tp_many)
-GRADIENT_OF_CONSUMERS = (copy_to_tp, gather_seq_to_tp, copy_to_tp_many)
+                  all_reduce_many, copy_to_tp_many, reduce_scatter_seq_many, gather_seq_to_tp_many)
+GRADIENT_OF_CONSUMERS = (copy_to_tp, gather_seq_to_tp, copy_to_tp_many, gather_seq_to_tp_many)
 """Ops whose backward collective acts on the gradient their (sharded) consumers send back."""

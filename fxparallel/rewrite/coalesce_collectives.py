@@ -7,7 +7,9 @@ partial ``A x``. Each of these is a call that waits for every rank, which on a b
 its bytes. Here the collectives of one kind whose values come from the same input (the base's own, and
 ``linear(input, A)`` or ``linear(dropout(input), A)`` of each adapter) become one ``copy_to_tp_many`` /
 ``all_reduce_many``: one call on their concatenation, the same sums. A layer trained with LoRA then
-communicates as often as without it.
+communicates as often as without it. With sequence parallelism the same holds for the gathers of a column
+layer's input (``gather_seq_to_tp``: the input and each adapter's ``A x``, on this rank's tokens) and the
+reduce-scatters of a row layer's partial output and its adapter's partial ``A x`` (``reduce_scatter_seq``).
 
 PEFT runs each adapter after its base layer, so an adapter's ``A x`` (and its dropout) is often computed after
 the base layer's first consumer: it moves up to before it, as it reads only the input and A. Dropouts draw
@@ -23,9 +25,14 @@ import torch.fx as fx
 from ..capture.adapters import is_adapter_parameter
 from ..capture.graph import writes_data
 from ..ops import collectives
+from .fx_nodes import same_size
 
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
-_MANY = {collectives.all_reduce: collectives.all_reduce_many, collectives.copy_to_tp: collectives.copy_to_tp_many}
+_MANY = {collectives.all_reduce: collectives.all_reduce_many, collectives.copy_to_tp: collectives.copy_to_tp_many,
+         collectives.reduce_scatter_seq: collectives.reduce_scatter_seq_many,
+         collectives.gather_seq_to_tp: collectives.gather_seq_to_tp_many}
+_INPUT_COPIES = (collectives.copy_to_tp, collectives.gather_seq_to_tp)  # of a layer's input, not of its output
+_ALONG_TOKENS = (collectives.reduce_scatter_seq, collectives.gather_seq_to_tp)  # (x, token dim, handle, batch)
 
 
 def coalesce_adapter_collectives(graph: fx.Graph, params: dict) -> int:
@@ -33,18 +40,18 @@ def coalesce_adapter_collectives(graph: fx.Graph, params: dict) -> int:
     Returns the number of collectives removed."""
     groups: dict = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in _MANY and len(node.args) == 2 and not node.kwargs:
+        if node.op == "call_function" and node.target in _MANY and not node.kwargs:
             root, adapted = _root(node, params)
             if root is not None:
-                groups.setdefault((node.target, node.args[1], root), []).append((node, adapted))
+                groups.setdefault((node.target, tuple(node.args[1:]), root), []).append((node, adapted))
     removed, order = 0, {n: float(i) for i, n in enumerate(graph.nodes)}
     draws = [n for n in graph.nodes if _draws_random(n)]
-    for (target, handle, _), members in groups.items():
+    for (target, args, _), members in groups.items():
         bases = [n for n, adapted in members if not adapted]
         adapters = [n for n, adapted in members if adapted]
         if adapters and len(bases) <= 1 and len(members) > 1:
             # (two base collectives of one value are copies split by in-place writes: gradient_reductions)
-            removed += _join(graph, target, handle, bases, adapters, order, draws)
+            removed += _join(graph, target, args, bases, adapters, order, draws)
     return removed
 
 
@@ -55,15 +62,18 @@ def _root(node: fx.Node, params: dict):
         return None, False
     if value.op == "call_function" and value.target in _LINEAR and len(value.args) >= 2:
         source, weight = value.args[0], value.args[1]
+        if isinstance(weight, fx.Node) and weight.target is collectives.copy_to_tp:
+            weight = weight.args[0]  # its gradient all-reduced: used on sequence shards (rewrite/sequence_parallel.py)
         adapted = isinstance(weight, fx.Node) and is_adapter_parameter(params.get(weight.name, ""))
         if adapted and isinstance(source, fx.Node) and _draws_random(source) and source.args:
             source = source.args[0]  # the adapter's dropout of the input
         return source, adapted
-    return (value, False) if node.target is collectives.copy_to_tp else (None, False)
+    return (value, False) if node.target in _INPUT_COPIES else (None, False)
 
 
-def _join(graph: fx.Graph, target, handle, bases: list, adapters: list, order: dict, draws: list) -> int:
-    """Replace the collectives ``bases`` + ``adapters`` (of ``target``) by one call of its many-tensor form,
+def _join(graph: fx.Graph, target, args: tuple, bases: list, adapters: list, order: dict, draws: list) -> int:
+    """Replace the collectives ``bases`` + ``adapters`` (of ``target``, each with the arguments ``args`` after
+    its value) by one call of its many-tensor form,
     before the first op that reads any of them. Returns how many collectives that removes (0 where it cannot
     be done). ``order`` (node -> position, kept up to date here) and ``draws`` (the random draws) are the
     graph's, computed once for all groups."""
@@ -71,6 +81,9 @@ def _join(graph: fx.Graph, target, handle, bases: list, adapters: list, order: d
     values = [m.meta.get("example_value") for m in members]
     if not all(isinstance(v, torch.Tensor) for v in values) or len({(v.dtype, v.device) for v in values}) > 1:
         return 0
+    if target in _ALONG_TOKENS and not all(len(v.shape) > args[0] + 1 and all(
+            same_size(a, b) for a, b in zip(v.shape[:args[0] + 1], values[0].shape)) for v in values):
+        return 0  # joined along the features after the token dim: the sizes up to it must agree
     if any(writes_data(u) for m in members for u in m.users):
         return 0  # an autograd Function's outputs may not be written in place
     first = min((u for m in members for u in m.users), key=order.__getitem__, default=None)
@@ -88,7 +101,7 @@ def _join(graph: fx.Graph, target, handle, bases: list, adapters: list, order: d
     for node in moved:
         first.prepend(node)
     with graph.inserting_before(first):
-        joined = graph.call_function(_MANY[target], (tuple(m.args[0] for m in kept), handle))
+        joined = graph.call_function(_MANY[target], (tuple(m.args[0] for m in kept), *args))
         joined.meta["example_value"] = tuple(m.meta["example_value"] for m in kept)
         placed.append(joined)
         for i, m in enumerate(kept):
