@@ -39,9 +39,10 @@ def _where(node, direction: str, passed_up: set) -> str:
     that produced it."""
     if node.target in (collectives.copy_to_tp, collectives.sum_grad_rows) or (
             direction == "backward" and node.target in collectives.GRADIENT_OF_CONSUMERS):
-        value = _sources(node)[0]
-        if value.op in ("placeholder", "get_attr"):
-            return f"gradient of parameter {layer_pattern(str(value.target))}"
+        values = _sources(node)
+        if values[0].op in ("placeholder", "get_attr"):
+            names = ", ".join(dict.fromkeys(layer_pattern(str(v.target)) for v in values))
+            return f"gradient of parameter{'s' if len(values) > 1 else ''} {names}"
         users = sorted({layer_pattern(adapters.hf_path(module_path(u))) for u in _gradient_consumers(node, passed_up)})
         return "gradient of the input of " + ", ".join(users)
     source = _sources(node)[0] if node.args else node
@@ -75,9 +76,11 @@ def collect_collectives(graph, tokens: int, tp: int, passed_up: set = frozenset(
         if fn not in collectives.COLLECTIVE_OPS:
             continue
         source, *others = _sources(node)
-        if source.op in ("placeholder", "get_attr"):  # a parameter: fixed size per call
+        if source.op in ("placeholder", "get_attr"):  # parameters: fixed size per call
             value = source.meta["example_value"]
-            per_token, per_call = 0.0, float(value.numel() * value.element_size())
+            per_token = 0.0
+            per_call = float(sum(v.numel() * v.element_size() for v in (value, *(o.meta["example_value"]
+                                                                              for o in others))))
             if fn is collectives.sum_grad_rows:  # only the rows of its whole segments
                 dim, ranges = node.args[1], node.args[2]
                 per_call *= sum(stop - start for start, stop in ranges) / value.shape[dim]

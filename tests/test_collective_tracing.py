@@ -139,11 +139,13 @@ def _reference(rank, world):
     summed = c.all_reduce_many((a, b), h)
     checks["all_reduce_many"] = torch.equal(summed[0], full[0] * 3) and torch.equal(summed[1], full[1, :, :2] * 3)
     xa, xb, xc = (t.clone().requires_grad_() for t in (a, b, a))
-    ya, yb, _ = c.copy_to_tp_many((xa, xb, xc), h)  # the third unused: its gradient is zero
+    frozen = b.clone()  # a frozen parameter: left out of the collective, as copy_to_tp skips it
+    ya, yb, _, yf = c.copy_to_tp_many((xa, xb, xc, frozen), h)  # the third unused: its gradient is zero
     ((ya * (rank + 1)).sum() + (yb * 2 * (rank + 1)).sum()).backward()
     checks["copy_to_tp_many"] = (torch.equal(ya, a) and torch.equal(xa.grad, torch.full_like(a, 3.0))
                                  and torch.equal(xb.grad, torch.full_like(b, 6.0))
-                                 and torch.equal(xc.grad, torch.zeros_like(a)))
+                                 and torch.equal(xc.grad, torch.zeros_like(a))
+                                 and yf._base is frozen and yf.grad_fn is None)
     # along the sequence: each value's own reduce-scatter / gather, and each gradient its own backward collective
     xa, xb = (t.clone().requires_grad_() for t in (full * (rank + 1), full[..., :1] * (rank + 1)))
     ya, yb = c.reduce_scatter_seq_many((xa, xb), 1, h)

@@ -550,10 +550,10 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         assert sp["train - eval loss"] > 1e-4, sp
         # no region left plain TP, and the collectives of sequence parallelism without adapters (2 layers): a
         # reduce-scatter after o_proj, down_proj (each with its adapter's partial A x) and the embedding, a gather
-        # before q/k/v, gate/up (with the adapters' A x) and lm_head, one for the loss; backward all-reduces: the
-        # gradients of the 2 x 2 + 1 norm weights and of each adapter matrix used on sequence shards (A of q, v,
-        # gate; B of o, down); 4 joined calls per layer
-        assert r["sequence parallel plan"] == ([], 0, 2 * 2 + 1, 2 * 2 + 2, 5 + 5 * 2, 4 * 2), \
+        # before q/k/v, gate/up (with the adapters' A x) and lm_head, one for the loss; backward all-reduces: one
+        # per layer for the gradients of its 2 norm weights and of each adapter matrix used on sequence shards (A
+        # of q, v, gate; B of o, down), one for the final norm's (5 without adapters); 5 joined calls per layer
+        assert r["sequence parallel plan"] == ([], 0, 2 * 2 + 1, 2 * 2 + 2, 2 + 1, 5 * 2), \
             r["sequence parallel plan"]
         _check_training({k: v for k, v in r["sequence parallel, selective checkpointing"].items()
                          if k != "train - eval loss"})

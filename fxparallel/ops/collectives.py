@@ -464,10 +464,14 @@ def all_reduce_many(xs, handle):
 
 
 def copy_to_tp_many(xs, handle):
-    """``copy_to_tp`` of each tensor of ``xs``: their gradients all-reduced in one collective."""
-    if any(_recorded(x) for x in xs):
-        return _CopyToTPMany.apply(handle, *xs)
-    return tuple(x.view_as(x) for x in xs)
+    """``copy_to_tp`` of each tensor of ``xs``: their gradients all-reduced in one collective. A tensor autograd
+    does not record (a frozen parameter) is left out of it, as ``copy_to_tp`` skips it."""
+    recorded = [i for i, x in enumerate(xs) if _recorded(x)]
+    out = [x.view_as(x) for x in xs]
+    if recorded:
+        for i, y in zip(recorded, _CopyToTPMany.apply(handle, *(xs[i] for i in recorded))):
+            out[i] = y
+    return tuple(out)
 
 
 def all_gather(x, dim, handle, segments=None, sizes=None, whole=()):

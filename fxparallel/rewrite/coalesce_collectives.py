@@ -10,6 +10,8 @@ its bytes. Here the collectives of one kind whose values come from the same inpu
 communicates as often as without it. With sequence parallelism the same holds for the gathers of a column
 layer's input (``gather_seq_to_tp``: the input and each adapter's ``A x``, on this rank's tokens) and the
 reduce-scatters of a row layer's partial output and its adapter's partial ``A x`` (``reduce_scatter_seq``).
+The once-per-step gradient all-reduces of a layer's replicated parameters (its adapters' A and B where they act
+on sharded values, its norm weights under sequence parallelism) join likewise, per layer.
 
 PEFT runs each adapter after its base layer, so an adapter's ``A x`` (and its dropout) is often computed after
 the base layer's first consumer: it moves up to before it, as it reads only the input and A. Dropouts draw
@@ -23,7 +25,8 @@ import torch
 import torch.fx as fx
 
 from ..capture.adapters import is_adapter_parameter
-from ..capture.graph import writes_data
+from ..capture.graph import layer_container, writes_data
+from ..ops.layer_units import layer_of
 from ..ops import collectives
 from .fx_nodes import same_size
 
@@ -52,6 +55,28 @@ def coalesce_adapter_collectives(graph: fx.Graph, params: dict) -> int:
         if adapters and len(bases) <= 1 and len(members) > 1:
             # (two base collectives of one value are copies split by in-place writes: gradient_reductions)
             removed += _join(graph, target, args, bases, adapters, order, draws)
+    return removed + _join_parameter_reductions(graph, params, order, draws)
+
+
+def _join_parameter_reductions(graph: fx.Graph, params: dict, order: dict, draws: list) -> int:
+    """The gradient all-reduces of one decoder layer's parameters (``copy_to_tp`` of a parameter: a replicated
+    one used on sharded values, such as its norm weights and, under sequence parallelism, its adapters' A and B
+    used on this rank's tokens) as one ``copy_to_tp_many``, where an adapter's matrix is among them. Within a
+    layer only: the layer's piece keeps reading its own parameters alone (``split_by_layer.py``)."""
+    container, groups = layer_container(params.values()), {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is collectives.copy_to_tp and len(node.args) == 2:
+            value = node.args[0]
+            name = params.get(value.name, "") if isinstance(value, fx.Node) and value.op == "placeholder" else ""
+            layer = layer_of(name, container)
+            if layer is not None and not node.kwargs:
+                groups.setdefault((layer, node.args[1]), []).append((node, is_adapter_parameter(name)))
+    removed = 0
+    for (_, handle), members in groups.items():
+        adapters = [n for n, adapted in members if adapted]
+        if adapters and len(members) > 1:
+            removed += _join(graph, collectives.copy_to_tp, (handle,), [n for n, adapted in members if not adapted],
+                             adapters, order, draws)
     return removed
 
 
