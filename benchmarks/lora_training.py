@@ -9,7 +9,7 @@ rank twice in the same processes: fully trainable, and with a new LoRA adapter (
 
 Per rank, counted exactly from the tensors (not RSS): the parameters that take gradients, their gradients
 after a step and AdamW's two states after a step (``optimizer.state``); the frozen base weights, which both
-runs hold, for scale. Step time: forward, backward and optimizer step of one batch (--batch x --seq), the two
+runs hold, for scale; the activations one forward saves for backward (``sequence_parallel.py``'s count). Step time: forward, backward and optimizer step of one batch (--batch x --seq), the two
 runs alternating step by step so that other load on the machine hits both alike, the median over --steps
 after --warmup (the slowest rank's). The 1-minute load average is recorded at the start and end.
 """
@@ -29,6 +29,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from checkpoints import build_checkpoint as build_default  # noqa: E402
 from ranks import cpu_run_meta, everyone, render_saved, start, synchronize, write_result  # noqa: E402
+from sequence_parallel import saved_activation_bytes  # noqa: E402
 
 SHAPE = dict(hidden=256, layers=8, heads=8, kv_heads=4, intermediate=1024, vocab=2048, positions=1024)
 MiB = 2**20
@@ -98,7 +99,8 @@ def measure(path: str, args) -> dict:
                 run.times.append(seconds)
     out = {}
     for run in (full, lora):
-        per_rank = everyone(run.memory())
+        memory = run.memory()  # after a step, before the count's backward adds to the gradients
+        per_rank = everyone(dict(memory, saved_activations_MiB=saved_activation_bytes(run.model, ids) / MiB))
         out[run.name] = {"median_step_s": statistics.median(run.times), "steps_s": run.times,
                          "calls": sum(c.count for c in run.model.plan.collectives),
                          **{k: max(m[k] for m in per_rank) for k in per_rank[0]}}
@@ -118,6 +120,7 @@ def markdown_table(result: dict) -> str:
     rows = (("parameters taking gradients", "trainable_params", "{:,.0f}"),
             ("their bytes (MiB)", "trainable_MiB", "{:.2f}"), ("gradients (MiB)", "grads_MiB", "{:.2f}"),
             ("AdamW states (MiB)", "optimizer_MiB", "{:.2f}"), ("frozen weights (MiB)", "frozen_MiB", "{:.2f}"),
+            ("activations saved for backward (MiB)", "saved_activations_MiB", "{:.1f}"),
             ("step time (s, median)", "median_step_s", "{:.3f}"), ("collective calls per step", "calls", "{:.0f}"))
     for label, key, fmt in rows:
         if key not in full:  # a result saved before the row was measured
