@@ -97,23 +97,25 @@ def test_sequence_parallel_gathers_join_along_the_features():
 
 def test_gradient_reductions_of_a_layers_parameters_join_within_the_layer():
     """copy_to_tp of parameters (their gradients all-reduced once per step): a layer's join where one is an
-    adapter's; never across layers, nor in a layer without an adapter matrix among them."""
+    adapter's; never across layers or dtypes, nor in a layer without an adapter matrix among them."""
     names = {"n0": "model.layers.0.input_layernorm.weight", "a0": "model.layers.0.q_proj.lora_A.default.weight",
              "b0": "model.layers.0.o_proj.lora_B.default.weight", "n1": "model.layers.1.input_layernorm.weight",
-             "m1": "model.layers.1.post_attention_layernorm.weight", "a2": "model.layers.2.q_proj.lora_A.default.weight"}
+             "m1": "model.layers.1.post_attention_layernorm.weight",
+             "a2": "model.layers.2.q_proj.lora_A.default.weight", "n3": "model.layers.3.input_layernorm.weight",
+             "a3": "model.layers.3.q_proj.lora_A.default.weight", "b3": "model.layers.3.o_proj.lora_B.default.weight"}
     g = fx.Graph()
     outputs, placeholders = [], [g.placeholder(name) for name in names]
-    for p in placeholders:
-        p.meta["example_value"] = torch.empty(4)
+    for p in placeholders:  # layer 3: a bfloat16 base, float32 adapters (one dtype per call)
+        p.meta["example_value"] = torch.empty(4, dtype=torch.bfloat16 if p.name == "n3" else torch.float32)
         copy = g.call_function(collectives.copy_to_tp, (p, 0))
         copy.meta["example_value"] = p.meta["example_value"]
         outputs.append(g.call_function(operator.mul, (copy, 2.0)))
     g.output(tuple(outputs))
-    assert coalesce_adapter_collectives(g, names) == 2
+    assert coalesce_adapter_collectives(g, names) == 3
     g.lint()
-    (joined,) = _calls(g, collectives.copy_to_tp_many)
-    assert [a.name for a in joined.args[0]] == ["n0", "a0", "b0"]
-    assert sorted(c.args[0].name for c in _calls(g, collectives.copy_to_tp)) == ["a2", "m1", "n1"]
+    assert [[a.name for a in j.args[0]] for j in _calls(g, collectives.copy_to_tp_many)] == [["n0", "a0", "b0"],
+                                                                                            ["a3", "b3"]]
+    assert sorted(c.args[0].name for c in _calls(g, collectives.copy_to_tp)) == ["a2", "m1", "n1", "n3"]
 
 
 def test_base_layers_alone_are_left_as_they_are():

@@ -46,10 +46,10 @@ def coalesce_adapter_collectives(graph: fx.Graph, params: dict) -> int:
         if node.op == "call_function" and node.target in _MANY and not node.kwargs:
             root, adapted = _root(node, params)
             if root is not None:
-                groups.setdefault((node.target, tuple(node.args[1:]), root), []).append((node, adapted))
+                groups.setdefault((node.target, tuple(node.args[1:]), root, _dtype(node)), []).append((node, adapted))
     removed, order = 0, {n: float(i) for i, n in enumerate(graph.nodes)}
     draws = [n for n in graph.nodes if _draws_random(n)]
-    for (target, args, _), members in groups.items():
+    for (target, args, _, _), members in groups.items():
         bases = [n for n, adapted in members if not adapted]
         adapters = [n for n, adapted in members if adapted]
         if adapters and len(bases) <= 1 and len(members) > 1:
@@ -70,14 +70,19 @@ def _join_parameter_reductions(graph: fx.Graph, params: dict, order: dict, draws
             name = params.get(value.name, "") if isinstance(value, fx.Node) and value.op == "placeholder" else ""
             layer = layer_of(name, container)
             if layer is not None and not node.kwargs:
-                groups.setdefault((layer, node.args[1]), []).append((node, is_adapter_parameter(name)))
+                groups.setdefault((layer, node.args[1], _dtype(node)), []).append((node, is_adapter_parameter(name)))
     removed = 0
-    for (_, handle), members in groups.items():
+    for (_, handle, _), members in groups.items():
         adapters = [n for n, adapted in members if adapted]
         if adapters and len(members) > 1:
             removed += _join(graph, collectives.copy_to_tp, (handle,), [n for n, adapted in members if not adapted],
                              adapters, order, draws)
     return removed
+
+
+def _dtype(node: fx.Node):
+    """A collective's dtype: one call carries one (fp32 adapters beside a bf16 base join among themselves)."""
+    return getattr(node.meta.get("example_value"), "dtype", None)
 
 
 def _root(node: fx.Node, params: dict):
