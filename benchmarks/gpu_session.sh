@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one call of under 10 minutes on a machine with one CUDA device:
-#   bash benchmarks/gpu_session.sh [OUT_DIR [STAGE ...]]   (default: $OUT, else benchmarks/results/gpu; all stages)
+# Everything that needs a GPU, on a machine with one CUDA device:
+#   bash benchmarks/gpu_session.sh [OUT_DIR [STAGE ...]]   (default: $OUT, else benchmarks/results/gpu; all stages,
+#   about 20 minutes: a lent machine's call runs 10 at most, so name the stages for one call)
 # Stages, in this order:
 #   tests                     the gpu-marked tests (tests/test_cuda.py: TP=1 over NCCL against transformers in
 #                             fp32/bf16/fp16, greedy generation eager / compiled / CUDA graphs, a compiled
 #                             training step, checkpointing with deterministic kernels, a mixture of experts with
-#                             the grouped_mm kernel and its load-balancing loss in fp32 / bf16);
+#                             the grouped_mm kernel and its load-balancing loss in fp32 / bf16, stock Trainer;
+#                             tests/test_cuda_tp2.py: TP=2 as two processes on the one GPU over "cuda:gloo":
+#                             training, LoRA, generate eager / compiled / CUDA graphs, DCP, save_pretrained);
 #   generate-fp32, -bf16      benchmarks/generate.py on CUDA at TP=1: every system (static cache, compile, CUDA
 #                             graphs) on the small default Llama in fp32, then bf16 on a 160M-parameter one;
+#   generate-1b               the same in bf16 on a Llama-3.2-1B-shaped model (16 layers, hidden 2048, vocabulary
+#                             128256; random weights, built on the machine), batch 8 and 1, eager and CUDA graphs;
 #   compile                   benchmarks/compile.py (training step, eager against compiled, both systems);
 #   compare, activation-checkpointing
 #                             benchmarks/compare_tp_plan.py and benchmarks/activation_checkpointing.py (step time,
 #                             peak memory of the CUDA allocator, agreement with the single-device model).
 # Wheels in .whl/ (e.g. a newer transformers than the machine has) are installed into /tmp/site first.
-# Each stage has its own time limit (together under 10 minutes) and a failing stage does not stop the next; the
+# Each stage has its own time limit and a failing stage does not stop the next; the
 # exit status is 1 if any failed. Results in OUT_DIR: session.log and one JSON per benchmark (docs/gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-benchmarks/results/gpu}}
 shift $(($# > 0 ? 1 : 0))
-wanted=" ${*:-tests generate-fp32 generate-bf16 compile compare activation-checkpointing} "
+wanted=" ${*:-tests generate-fp32 generate-bf16 generate-1b compile compare activation-checkpointing} "
 mkdir -p "$out"
 
 session() {
@@ -33,6 +38,8 @@ session() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__,
 '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA DEVICE')"
+  python3 -c "import importlib.util as u; print('test extras:', {m: u.find_spec(m) is not None for m in
+('peft', 'accelerate', 'psutil', 'trl', 'datasets')})"
 
   local failed=() run1=(python3 -m torch.distributed.run --nproc_per_node=1)
   stage() {  # stage NAME SECONDS COMMAND...
@@ -45,12 +52,15 @@ session() {
     echo "== $name: exit $rc after $((SECONDS - start)) s"
     [ "$rc" = 0 ] || failed+=("$name")
   }
-  stage tests 120 python3 -m pytest -q -m gpu tests/test_cuda.py -p no:cacheprovider
+  stage tests 240 python3 -m pytest -q -m gpu tests/test_cuda.py tests/test_cuda_tp2.py -p no:cacheprovider
   stage generate-fp32 130 "${run1[@]}" benchmarks/generate.py --device cuda --systems cuda --repeats 3 \
     --out "$out/generate_tp1.json"
   stage generate-bf16 140 "${run1[@]}" benchmarks/generate.py --device cuda --repeats 3 --dtype bfloat16 \
     --systems fxparallel,fxparallel-cudagraphs,transformers,transformers-cudagraphs \
     --shape hidden=1024,layers=8,heads=16,kv_heads=8,intermediate=2816,vocab=32000 --out "$out/generate_tp1_bf16.json"
+  stage generate-1b 240 "${run1[@]}" benchmarks/generate.py --device cuda --repeats 7 --dtype bfloat16 --batches 8,1 \
+    --systems fxparallel,fxparallel-cudagraphs,transformers,transformers-cudagraphs \
+    --shape hidden=2048,layers=16,heads=32,kv_heads=8,intermediate=8192,vocab=128256 --out "$out/generate_tp1_1b.json"
   stage compile 100 "${run1[@]}" benchmarks/compile.py --device cuda --repeats 10 --out "$out/compile_tp1.json"
   stage compare 40 "${run1[@]}" benchmarks/compare_tp_plan.py --steps 10 --json "$out/compare_tp1.json"
   stage activation-checkpointing 65 "${run1[@]}" benchmarks/activation_checkpointing.py --device cuda \

@@ -31,7 +31,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, done, group_timeout=120.0, environment=None):
+def _worker(rank, world_size, port, fn, args, queue, done, group_timeout=120.0, environment=None, backend="gloo"):
     import torch
     import torch.distributed as dist
 
@@ -42,7 +42,7 @@ def _worker(rank, world_size, port, fn, args, queue, done, group_timeout=120.0, 
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=group_timeout))
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
@@ -57,15 +57,17 @@ def _worker(rank, world_size, port, fn, args, queue, done, group_timeout=120.0, 
 
 
 def run_ranks(world_size: int, fn, *args, timeout: float = 300.0, group_timeout: float = 120.0,
-              fresh: bool = False) -> list:
+              fresh: bool = False, backend: str = "gloo") -> list:
     """Run ``fn(rank, world_size, *args)`` on every rank; returns the per-rank results in rank order.
     ``timeout``: the wait for every rank's report; ``group_timeout``: the process group's own, after which a
-    rank left waiting in a collective fails; ``fresh``: spawn new interpreters (module docstring)."""
+    rank left waiting in a collective fails; ``fresh``: spawn new interpreters (module docstring); ``backend``:
+    the group's (``"cuda:gloo"``: ranks sharing one GPU, CUDA tensors only)."""
     ctx = mp.get_context("spawn" if fresh else "forkserver")
     queue, done = ctx.Queue(), ctx.Event()
     port = free_port()
     environment = None if fresh else dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, done, group_timeout, environment))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, done, group_timeout, environment,
+                                                      backend))
              for r in range(world_size)]
     for p in procs:
         p.start()

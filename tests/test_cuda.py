@@ -1,6 +1,7 @@
 """On a CUDA device (skipped without one): TP=1 over NCCL against transformers on the same GPU, for the forward
-and gradients in each dtype, greedy generation (eager, compiled, CUDA graphs), a compiled training step, and a
-mixture of experts with transformers' grouped_mm kernel and its load-balancing loss.
+and gradients in each dtype, greedy generation (eager, compiled, CUDA graphs), a compiled training step, a
+mixture of experts with transformers' grouped_mm kernel and its load-balancing loss, and stock Trainer on the GPU.
+TP=2 on the GPU: ``tests/test_cuda_tp2.py``.
 Run on a lent GPU by ``benchmarks/gpu_session.sh``; CI has no GPU."""
 from __future__ import annotations
 
@@ -164,3 +165,24 @@ def test_cuda_moe_grouped_mm_with_router_logits(tmp_path, nccl, dtype_name):
     if dtype == torch.float32:
         kwargs = dict(input_ids=ids[:, :5], max_new_tokens=8, do_sample=False)
         assert torch.equal(model.generate(**kwargs), ref.generate(**kwargs))
+
+
+def test_cuda_trainer_tp1_matches_single_device_trainer(checkpoints, nccl, tmp_path):
+    """Stock Trainer on the GPU (accelerate's CUDA path, which the CPU tests simulate): the parallel model's losses,
+    grad norms (clipped by the true norm) and final weights as the single-device Trainer's on the same GPU, with
+    gradient accumulation, gradient checkpointing and a learning-rate schedule."""
+    from transformers import AutoModelForCausalLM
+
+    import fxparallel
+    import test_trainer_stack as stack
+
+    path = checkpoints["llama"]
+    parallel = fxparallel.parallelize(path, nccl, dtype=torch.float32)
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    run = {"trainer": stack._single_process(stack._trainer_run, parallel, str(tmp_path / "parallel"), use_cpu=False),
+           "trainer_ref": stack._single_process(stack._trainer_run, single, str(tmp_path / "single"), use_cpu=False)}
+    assert next(single.parameters()).is_cuda and next(parallel.parameters()).is_cuda
+    ref_params = dict(single.named_parameters())
+    run["trainer_weights"] = max((p.detach() - ref_params[n].detach()).abs().max().item()
+                                 for n, p in parallel.named_parameters())
+    stack._check_trainer(run)

@@ -27,9 +27,9 @@ import os
 from distributed import run_ranks
 
 
-def _trainer_run(model, out_dir, save_to=None, optim="adamw_torch"):
+def _trainer_run(model, out_dir, save_to=None, optim="adamw_torch", use_cpu=True):
     """Train ``model`` with stock Trainer for 4 optimizer steps (then ``save_model(save_to)``); returns
-    (losses, grad norms)."""
+    (losses, grad norms). ``use_cpu=False``: on the GPU (tests/test_cuda.py)."""
     import torch
     from transformers import Trainer, TrainingArguments
 
@@ -43,7 +43,7 @@ def _trainer_run(model, out_dir, save_to=None, optim="adamw_torch"):
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              max_steps=4, learning_rate=5e-2, lr_scheduler_type="linear", warmup_steps=1,
                              max_grad_norm=0.5, gradient_checkpointing=True, logging_steps=1, report_to=[],
-                             use_cpu=True, save_strategy="no", seed=7, dataloader_num_workers=0, optim=optim)
+                             use_cpu=use_cpu, save_strategy="no", seed=7, dataloader_num_workers=0, optim=optim)
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     trainer.train()
     if save_to is not None:
@@ -58,14 +58,14 @@ def _reset_accelerate():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _single_process(fn, *args):
+def _single_process(fn, *args, **kwargs):
     """Run ``fn`` as a job of one process (accelerate reads the launcher's variables)."""
     import os
 
     env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
     _reset_accelerate()
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     finally:
         os.environ.update(env)
         _reset_accelerate()

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CacheNotCarried, InputError
+from ..group import uses_nccl
 from ..inputs import ranks_named
 from . import recompute, transformers_private as hf_private
 from .parallel_cache import ParallelCache, cache_length
@@ -216,6 +217,10 @@ def _prepared(model, request: _Request, streamer) -> _Decoding:
     config, input_ids, mask = request.config, request.input_ids, request.mask
     device = model.device_
     batch, prompt = input_ids.shape
+    refused = cuda_graphs_refusal(None if config.disable_compile else config.compile_config, device.type,
+                                  model.tp_group.size, uses_nccl(model.tp_group))
+    if refused:
+        raise InputError(refused)
     processors = hf_private.logits_processors(model, config, prompt, device,
                                               request.logits_processor or LogitsProcessorList())
     criteria = hf_private.stopping_criteria(model, config, request.stopping_criteria or StoppingCriteriaList(),
@@ -242,6 +247,22 @@ def _shared_generator(model) -> torch.Generator:
         dist.broadcast(seed, src=dist.get_global_rank(model.tp_group.process_group, 0),
                        group=model.tp_group.process_group)
     return torch.Generator(device=device).manual_seed(int(seed))
+
+
+def cuda_graphs_refusal(compile_config, device_type: str, tp: int, nccl: bool) -> Optional[str]:
+    """Why decode steps compiled with ``compile_config`` cannot run on this group, else None. CUDA graphs
+    (inductor's modes "reduce-overhead" and "max-autotune", or its ``triton.cudagraphs`` option) record the
+    step's collectives; NCCL's can be recorded, gloo's on CUDA tensors (``"cuda:gloo"``, staged through the
+    host with waits) cannot: the capture fails inside the first compiled step. Pure."""
+    if compile_config is None or device_type != "cuda" or tp == 1 or nccl:
+        return None
+    mode = getattr(compile_config, "mode", None)
+    if mode not in ("reduce-overhead", "max-autotune") and not (getattr(compile_config, "options", None)
+                                                                 or {}).get("triton.cudagraphs"):
+        return None
+    return (f"generate: compile_config (mode={mode!r}) records the decode steps as CUDA graphs, which cannot hold "
+            f"the collectives of this tp group of {tp} ranks: its CUDA tensors go over gloo, not NCCL. Use an NCCL "
+            f"group, or compile without CUDA graphs (mode='default')")
 
 
 def _steps_cache(model, config, batch: int):
