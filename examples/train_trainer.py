@@ -6,8 +6,9 @@
 Every rank of the job is one tensor-parallel group (world = tp). Trainer reads ``model.tp_size``, takes
 transformers' tensor-parallel path (no DistributedDataParallel, the same batch on every rank) and sees the
 parameters as DTensors, so its gradient clipping uses the true global norm; ``num_items_in_batch``,
-gradient accumulation and gradient checkpointing are the model's own. ``save_model`` gathers the shards
-and writes a checkpoint ``from_pretrained`` loads. accelerate allows that path on GPUs only: on a CPU job
+gradient accumulation and gradient checkpointing are the model's own. Checkpoints every --steps / 2 steps
+resume exactly (``save_only_model=True`` with ``fxparallel.TrainerCheckpoints()``; ``--resume`` continues from the
+last one). ``save_model`` gathers the shards and writes a checkpoint ``from_pretrained`` loads. accelerate allows that path on GPUs only: on a CPU job
 the example calls ``fxparallel.accelerate_cpu.allow_tensor_parallel_on_cpu()`` first.
 
 By default it builds a tiny Llama with a word-level tokenizer (checkpoints/tiny-llama-generate, as
@@ -44,6 +45,7 @@ def main():
     parser.add_argument("--model", default=None, help="hub id or directory (default: a tiny Llama built here)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="out/train_trainer")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -63,11 +65,13 @@ def main():
     training = TrainingArguments(
         output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=1, max_grad_norm=1.0,
-        gradient_checkpointing=True, logging_steps=1, save_strategy="no", report_to=[], use_cpu=device == "cpu",
-        disable_tqdm=rank != 0)
+        gradient_checkpointing=True, logging_steps=1, report_to=[], use_cpu=device == "cpu", disable_tqdm=rank != 0,
+        # checkpoints that resume exactly (train(resume_from_checkpoint=True)): Trainer saves the model (it refuses
+        # optimizer states for models sharded at load), fxparallel.TrainerCheckpoints the optimizer, schedule, RNG
+        save_strategy="steps", save_steps=max(1, args.steps // 2), save_only_model=True)
     trainer = Trainer(model=model, args=training, train_dataset=sentences(tokenizer, 64, 16),
-                      processing_class=tokenizer)
-    trainer.train()
+                      processing_class=tokenizer, callbacks=[fxparallel.TrainerCheckpoints()])
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
     saved = os.path.join(args.out, "final")
     trainer.save_model(saved)  # every rank: the shards are gathered; rank 0 writes
     if rank == 0:

@@ -8,7 +8,8 @@ from .api import parallelize, plan_model
 from .errors import CaptureError, CheckpointError, FxParallelError, GroupError, ShardingError
 from .group import fake_group
 from .plan import ShardingPlan
+from .trainer_checkpoints import TrainerCheckpoints
 from .version import __version__  # noqa: F401 - fxparallel.__version__
 
 __all__ = ["parallelize", "plan_model", "ShardingPlan", "fake_group", "FxParallelError", "ShardingError", "CaptureError",
-           "CheckpointError", "GroupError"]
+           "CheckpointError", "GroupError", "TrainerCheckpoints"]

@@ -195,6 +195,7 @@ class HuggingFaceMethods:
             yield name, (views.get(id(param), param) if views else param)
 
     input_modalities = "text"  # transformers' (pipelines print it)
+    _keys_to_ignore_on_save = None  # transformers' default (Trainer reads it after loading a checkpoint)
 
     def add_model_tags(self, tags) -> None:
         """Tags for the model card (TRL's trainers add theirs), as transformers keeps them."""

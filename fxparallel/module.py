@@ -24,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from . import dcp_optimizer, fused_head
 from .data_parallel_guard import RefusesDistributedDataParallel
 from .dcp_state import describe_state_dict
+from .full_state_loading import shard_full_values
 from .adapter_methods import AdapterMethods
 from .capture.spec import GraphSpec
 from .errors import ArgumentError, CacheNotCarried, ShardingError
@@ -102,6 +103,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             self._add_shard(p)
         # state_dict() handed to torch.distributed.checkpoint saves full-shape tensors (dcp_state.py)
         self.register_state_dict_post_hook(describe_state_dict)
+        # load_state_dict of complete tensors (transformers' state dict, Trainer's resume): this rank's shards
+        self.register_load_state_dict_pre_hook(shard_full_values)
         dcp_optimizer.track(self)  # optimizer.state_dict() to DCP as well (dcp_optimizer.py)
         # eval mode, as transformers' from_pretrained: the model's dropout applies after model.train()
         # (every graph reads self.training per call: ops/dropout_kernels.py)

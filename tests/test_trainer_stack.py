@@ -8,7 +8,10 @@ Trainer's losses, grad norms (the true global norm, clipping by it) and final we
 bit-identical on both ranks. At TP=2 Trainer takes transformers' tensor-parallel path
 (``ParallelismConfig(tp_size=2)``), which accelerate allows on GPUs only: the one check that refuses it
 on CPU is simulated (``fxparallel.accelerate_cpu``, what a CPU user calls); everything else is the path GPU users take.
-``Trainer.save_model`` then writes what transformers loads as the trained model. And
+``Trainer.save_model`` then writes what transformers loads as the trained model. Trainer checkpoints
+(``save_only_model=True``, as transformers requires for models sharded at load, with ``fxparallel.TrainerCheckpoints``
+adding the optimizer, hyperparameters, schedule and random states) resume to the uninterrupted run's steps and weights,
+and a checkpoint without those files is refused on resuming. And
 ``pipeline("text-generation")`` takes the parallel model: its repr, transformers' text, and stop strings
 (``stop_sequence``) stopping where they stop transformers'. TRL: the fused LM head its trainers add
 (``add_fused_lm_head``, with a temperature and every optional output) computed across the vocabulary shards equals
@@ -102,6 +105,63 @@ def _tensor_parallel_trainer(rank, world, path, root):
         for n, p in parallel.local_named_parameters())
     result["saved_vs_single"] = max((saved[n] - p.detach()).abs().max().item() for n, p in single.named_parameters())
     return result
+
+
+def _resumed(rank, world, path, root):
+    """Trainer checkpoints at TP=2 (``save_only_model=True``, ``fxparallel.TrainerCheckpoints``): 4 steps with a
+    checkpoint after 2, then a fresh parallel model resumed from it (``resume_from_checkpoint``): its steps 3 and 4
+    (losses, clipped grad norms, learning rates) and final weights against the uninterrupted run's; a checkpoint
+    without the callback's files refused before the resumed run's first step. And ``load_state_dict`` of
+    transformers' complete state dict (what the resume loads) gives transformers' logits."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import fxparallel
+    from checks import raised
+    from fxparallel.accelerate_cpu import allow_tensor_parallel_on_cpu
+
+    allow_tensor_parallel_on_cpu()
+    g = torch.Generator().manual_seed(11)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (16, 9), generator=g).tolist()]
+    out_dir = f"{root}/resume"
+
+    def train(resume=None, callbacks=None):
+        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+        args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                 max_steps=4, learning_rate=5e-2, lr_scheduler_type="linear", warmup_steps=1,
+                                 max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True, seed=7,
+                                 dataloader_num_workers=0, save_strategy="steps", save_steps=2, save_only_model=True)
+        trainer = Trainer(model=model, args=args, train_dataset=rows,
+                          callbacks=callbacks or [fxparallel.TrainerCheckpoints()])
+        trainer.train(resume_from_checkpoint=resume)
+        logs = [(h["step"], h["loss"], h["grad_norm"], h["learning_rate"]) for h in trainer.state.log_history
+                if "loss" in h]
+        return model, logs
+
+    full, full_logs = train()
+    weights = {n: p.detach().clone() for n, p in full.local_named_parameters()}
+    resumed, resumed_logs = train(resume=f"{out_dir}/checkpoint-2")
+    out = {"full": full_logs, "resumed": resumed_logs,
+           "weights": max((p.detach() - weights[n]).abs().max().item() for n, p in resumed.local_named_parameters())}
+    if rank == 0:  # a checkpoint of Trainer's alone (the callback's files left out)
+        shutil.copytree(f"{out_dir}/checkpoint-2", f"{root}/plain-checkpoint",
+                        ignore=shutil.ignore_patterns("fxparallel_*"))
+    dist.barrier()
+    out["without_files"] = raised(lambda: train(resume=f"{root}/plain-checkpoint", callbacks=[
+        fxparallel.TrainerCheckpoints(resume_from=f"{root}/plain-checkpoint")]))
+
+    model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in single.parameters():
+            p.add_(0.01)  # other weights than the parallel model's
+        ids = torch.randint(0, 128, (2, 9), generator=g)
+        model.load_state_dict(single.state_dict())
+        out["full_state_dict"] = (model(input_ids=ids).logits - single(input_ids=ids).logits).abs().max().item()
+    return out
 
 
 def _pipeline(rank, root):
@@ -314,6 +374,7 @@ def _cases(rank, world, path, root):
         out["offload"] = str(err)
 
     out["tp2"] = _tensor_parallel_trainer(rank, world, path, root)
+    out["resumed"] = _resumed(rank, world, path, root)
     out["pipeline"] = _pipeline(rank, root)
     out["fused_head"] = _fused_head(rank, world, f"{root}/with_tokenizer")
     out["sft"] = _sft(rank, world, root)
@@ -352,6 +413,17 @@ def _check_trainer(run: dict) -> None:
     assert run["trainer_weights"] < 1e-5, run["trainer_weights"]
 
 
+def _check_resumed(resumed: dict) -> None:
+    assert [log[0] for log in resumed["resumed"]] == [1, 2, 3, 4], resumed  # steps 1-2 from the checkpoint's state
+    assert len(resumed["full"]) == 4
+    for ours, theirs in zip(resumed["resumed"][2:], resumed["full"][2:]):
+        assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(ours, theirs)), resumed
+    assert resumed["full"][2][3] > 0 and max(log[2] for log in resumed["full"]) > 0.5, resumed  # lr > 0, clipped
+    assert resumed["weights"] < 1e-6, resumed["weights"]
+    assert "has no fxparallel_optimizer or fxparallel_trainer_state.json" in resumed["without_files"], resumed
+    assert resumed["full_state_dict"] < 1e-5, resumed
+
+
 def test_trainer_stack(checkpoints, tmp_path):
     results = run_ranks(2, _cases, checkpoints["llama"], str(tmp_path))
     for r in results:
@@ -365,6 +437,7 @@ def test_trainer_stack(checkpoints, tmp_path):
         _check_trainer(r["tp2"])
         assert r["tp2"]["replicated_identical"] and r["tp2"]["replicated_count"] == 5  # 2 x 2 layer norms + final
         assert r["tp2"]["saved_equals_shards"] and r["tp2"]["saved_vs_single"] < 1e-5, r["tp2"]
+        _check_resumed(r["resumed"])
         pipe = r["pipeline"]
         assert pipe["texts"][0] == pipe["texts"][1] and pipe["stopped"][0] == pipe["stopped"][1], pipe
         assert len(pipe["stopped"][1]) < len(pipe["texts"][1]) and pipe["stop"] in pipe["stopped"][1], pipe
@@ -419,6 +492,7 @@ def _fused_weights(rank, world, paths, root):
         out[name] = run
     phi3 = fxparallel.parallelize(paths["phi3"], dist.group.WORLD, dtype=torch.float32)
     out["refused"] = raised(lambda: phi3.tp_size)
+    out["gpt2_resumed"] = _resumed(rank, world, paths["gpt2"], root)  # checkpoints of strided (fused) states
     return out
 
 
@@ -436,6 +510,7 @@ def test_trainer_trains_fused_weights_of_equal_parts(tmp_path):
     for r in run_ranks(2, _fused_weights, paths, str(tmp_path)):
         for name in ("mixtral", "gpt2"):
             _check_trainer(r[name])
+        _check_resumed(r["gpt2_resumed"])
         assert r["mixtral"]["strided"] == [f"model.layers.{i}.mlp.experts.gate_up_proj" for i in range(2)], r["mixtral"]
         assert any(n.endswith("attn.c_attn.weight") for n in r["gpt2"]["strided"]), r["gpt2"]["strided"]
         assert "qkv_proj.weight is a segmented shard" in r["refused"] and "DTensor has no placement" in r["refused"], \

@@ -1,0 +1,27 @@
+"""``model.load_state_dict`` of complete tensors: each full-shape value becomes this rank's shard.
+
+nn.Module's ``load_state_dict`` takes what ``state_dict()`` gives, this rank's shards. A state dict of the whole
+model (transformers' ``state_dict()``, a ``save_pretrained`` file; Trainer's ``resume_from_checkpoint`` loads one)
+holds full-shape tensors, which nn.Module refuses for every sharded parameter (size mismatch). Before nn.Module
+copies, a value whose shape is its parameter's full shape, where that differs from the shard's, is replaced by
+this rank's piece of it (``ParamPlan.shard_of``: fused weights and uneven splits included). A value of any other
+shape is left to nn.Module's own check. FSDP's DTensor parameters (``runtime.apply_data_parallel``) are left alone:
+their checkpoints are ``runtime.save_checkpoint``'s."""
+from __future__ import annotations
+
+import torch
+
+
+def shard_full_values(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                      error_msgs) -> None:
+    """nn.Module's load_state_dict pre-hook (see the module docstring)."""
+    from torch.distributed.tensor import DTensor
+
+    group = module.tp_group
+    for name, param in module.local_named_parameters(remove_duplicate=False):
+        value = state_dict.get(prefix + name)
+        if not isinstance(value, torch.Tensor) or isinstance(param, DTensor) or isinstance(value, DTensor):
+            continue
+        plan = module.plan.param(name)
+        if tuple(value.shape) == tuple(plan.shape) != tuple(param.shape):
+            state_dict[prefix + name] = plan.shard_of(value, group.rank, group.size)

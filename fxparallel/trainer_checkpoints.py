@@ -1,0 +1,168 @@
+"""Trainer checkpoints that resume exactly: the optimizer, learning-rate schedule and random state Trainer does not
+save for a model sharded before it saw it.
+
+transformers' Trainer refuses ``save_strategy`` for every model sharded at load (its own ``tp_plan`` models and this
+library's): it cannot ``torch.save`` an optimizer whose states are spread over the ranks, and asks for
+``save_only_model=True``. Its checkpoints then hold the model (``save_pretrained``: complete tensors, which
+``resume_from_checkpoint`` loads back into the shards, ``full_state_loading.py``) and ``trainer_state.json``, but no
+optimizer, schedule or random state, so a resumed run silently starts a fresh optimizer. ``TrainerCheckpoints``,
+a ``TrainerCallback``, adds what is missing to each checkpoint folder when Trainer saves, and puts it back when a
+resumed run begins:
+
+- the optimizer state through torch.distributed.checkpoint (each rank writes its pieces of every state as parts
+  of the full-shape tensor, named by parameter, as ``model.state_dict()`` does: ``dcp_state.py``), in
+  ``fxparallel_optimizer/``;
+- the optimizer's hyperparameters (each parameter group's learning rate, betas, ...) and the learning-rate
+  scheduler's ``state_dict()`` as JSON (rank 0), ``fxparallel_trainer_state.json``;
+- each process's random states in Trainer's own file (``rng_state_{rank}.pth``), which Trainer's resume reads
+  itself.
+
+A resumed run without these files (a checkpoint saved without the callback) is refused before its first step."""
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Optional
+
+import torch
+
+from .errors import CheckpointError
+
+OPTIMIZER_DIR = "fxparallel_optimizer"
+STATE_FILE = "fxparallel_trainer_state.json"
+
+
+def _trainer_callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class TrainerCheckpoints(_trainer_callback_base()):
+    """``Trainer(..., args=TrainingArguments(..., save_only_model=True), callbacks=[TrainerCheckpoints()])``: every
+    checkpoint resumes exactly (see the module docstring). ``resume_from``: the checkpoint folder a resumed run
+    reads (default: ``checkpoint-<step>`` in ``output_dir``, what ``resume_from_checkpoint=True`` picks)."""
+
+    def __init__(self, resume_from: Optional[str] = None):
+        self.resume_from = resume_from
+
+    def on_save(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        directory = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        save(directory, model, optimizer, lr_scheduler, args)
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        if state.global_step == 0:  # not a resumed run
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        directory = self.resume_from or os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        load(directory, model, optimizer, lr_scheduler)
+
+
+def _optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer holds the torch one
+
+
+def _optimizer_states(model, optimizer) -> dict:
+    """{parameter name: the optimizer's state of it}, for every trained parameter, named (not by the optimizer's
+    positions) so that DCP matches them whatever order the parameters were given in. A state of a parameter's
+    shape (Adam's moments) is handed out as this rank's local tensor (the same storage: ``dcp.load`` fills the
+    optimizer's own) carrying DCP's protocol for the pieces of the full tensor it holds (``dcp_state.describe``):
+    DCP's own handling of the DTensors cannot place a fused weight's pieces (``_StridedShard``: "overlapping
+    chunks")."""
+    from torch.distributed.tensor import DTensor
+
+    from .dcp_state import describe
+
+    group = model.tp_group
+    out = {}
+    for name, param in model.named_parameters():
+        if param not in optimizer.state:
+            continue
+        plan, entry = model.plan.param(name), {}
+        for key, value in optimizer.state[param].items():
+            if isinstance(value, DTensor) and value.shape == param.shape:
+                value = value.to_local().detach()
+                if plan.placement.is_shard:
+                    describe(value, plan, group.rank, group.size)
+            entry[key] = value
+        out[name] = entry
+    return out
+
+
+def _create_states(optimizer) -> None:
+    """Create the optimizer's states (Adam's moments) without changing a parameter: a step with zero gradients at
+    learning rate 0, before the checkpoint's states are loaded into them."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if all(p in optimizer.state for p in params):
+        return
+    grads = [p.grad for p in params]
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    for p, grad in zip(params, grads):
+        p.grad = grad
+
+
+def save(directory: str, model, optimizer, lr_scheduler, args) -> None:
+    """Write the optimizer, scheduler and random states of a Trainer checkpoint into ``directory``."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"param_groups": [{k: v for k, v in group.items() if k != "params"}
+                              for group in _optimizer(optimizer).param_groups],
+             "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
+    try:  # on every rank (they hold the same), so that all refuse alike
+        text = json.dumps(state)
+    except TypeError as err:
+        raise CheckpointError(f"the optimizer's hyperparameters or the learning-rate scheduler's state_dict() are not "
+                              f"plain data ({err}): TrainerCheckpoints writes them as JSON") from None
+    dcp.save(_optimizer_states(model, _optimizer(optimizer)), checkpoint_id=os.path.join(directory, OPTIMIZER_DIR))
+    if args.process_index == 0:
+        with open(os.path.join(directory, STATE_FILE), "w") as f:
+            f.write(text)
+    _save_random_states(directory, args)
+
+
+def _save_random_states(directory: str, args) -> None:
+    """Trainer's ``rng_state_{rank}.pth`` (what its ``_load_rng_state`` reads when a run resumes)."""
+    import numpy as np
+
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.random.get_rng_state_all()
+    name = f"rng_state_{args.process_index}.pth" if args.world_size > 1 else "rng_state.pth"
+    torch.save(states, os.path.join(directory, name))
+
+
+def load(directory: str, model, optimizer, lr_scheduler) -> None:
+    """Put a checkpoint's optimizer and scheduler states back (before the resumed run's first step); refused
+    before anything changes where the checkpoint lacks them."""
+    import torch.distributed.checkpoint as dcp
+
+    missing = [n for n in (OPTIMIZER_DIR, STATE_FILE) if not os.path.exists(os.path.join(directory, n))]
+    if missing:
+        raise CheckpointError(f"resuming from {directory}: it has no {' or '.join(missing)} (a checkpoint saved "
+                              f"without fxparallel.TrainerCheckpoints, or another folder: pass "
+                              f"TrainerCheckpoints(resume_from=...)); the resumed run would start a fresh optimizer")
+    with open(os.path.join(directory, STATE_FILE)) as f:
+        saved = json.load(f)
+    optimizer = _optimizer(optimizer)
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(f"resuming from {directory}: the optimizer has {len(optimizer.param_groups)} parameter "
+                              f"groups, the checkpoint {len(saved['param_groups'])}")
+    _create_states(optimizer)
+    dcp.load(_optimizer_states(model, optimizer), checkpoint_id=os.path.join(directory, OPTIMIZER_DIR))  # in place
+    # the hyperparameters, the learning rate among them (a scheduler sets it in the groups when it steps; loading
+    # its state does not)
+    for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in hyper.items()})
+    if lr_scheduler is not None and saved["scheduler"] is not None:
+        lr_scheduler.load_state_dict(saved["scheduler"])
