@@ -22,6 +22,9 @@ def shard_full_values(module, state_dict, prefix, local_metadata, strict, missin
         value = state_dict.get(prefix + name)
         if not isinstance(value, torch.Tensor) or isinstance(param, DTensor) or isinstance(value, DTensor):
             continue
-        plan = module.plan.param(name)
+        try:
+            plan = module.plan.param(name)
+        except KeyError:  # not a planned parameter: nn.Module's own check
+            continue
         if tuple(value.shape) == tuple(plan.shape) != tuple(param.shape):
             state_dict[prefix + name] = plan.shard_of(value, group.rank, group.size)

@@ -94,22 +94,12 @@ def _optimizer_states(model, optimizer) -> dict:
 
 
 def _create_states(optimizer) -> None:
-    """Create the optimizer's states (Adam's moments) without changing a parameter: a step with zero gradients at
-    learning rate 0, before the checkpoint's states are loaded into them."""
+    """Create the optimizer's states before the checkpoint's are loaded into them, changing no parameter."""
+    from .runtime.checkpoint import step_without_change
+
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    if all(p in optimizer.state for p in params):
-        return
-    grads = [p.grad for p in params]
-    rates = [group["lr"] for group in optimizer.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    optimizer.step()
-    for group, rate in zip(optimizer.param_groups, rates):
-        group["lr"] = rate
-    for p, grad in zip(params, grads):
-        p.grad = grad
+    if not all(p in optimizer.state for p in params):
+        step_without_change(optimizer, params)
 
 
 def save(directory: str, model, optimizer, lr_scheduler, args) -> None:

@@ -96,7 +96,12 @@ def init_optimizer_state(model, optimizer) -> None:
     one step with zero gradients and learning rate 0. Needed before loading into it."""
     if _optimizer_has_state(model, optimizer):
         return
-    params = [p for _, p, _ in _params(model)]
+    step_without_change(optimizer, [p for _, p, _ in _params(model)])
+
+
+def step_without_change(optimizer, params: list) -> None:
+    """One step of ``optimizer`` with zero gradients on ``params`` at learning rate 0: creates its state (Adam's
+    moments) and changes no parameter; the gradients and learning rates are put back."""
     saved_grads = [p.grad for p in params]
     saved_lr = [g["lr"] for g in optimizer.param_groups]
     for p in params:
