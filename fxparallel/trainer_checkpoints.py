@@ -17,7 +17,8 @@ resumed run begins:
 - each process's random states in Trainer's own file (``rng_state_{rank}.pth``), which Trainer's resume reads
   itself.
 
-A resumed run without these files (a checkpoint saved without the callback) is refused before its first step."""
+A resumed run without these files (a checkpoint saved without the callback), or whose files were saved with other
+weights than those Trainer loaded (another run's folder), is refused before its first step."""
 from __future__ import annotations
 
 import json
@@ -60,6 +61,37 @@ class TrainerCheckpoints(_trainer_callback_base()):
 
         directory = self.resume_from or os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         load(directory, model, optimizer, lr_scheduler)
+
+
+def _weights_digest(model) -> dict:
+    """{parameter name: the sum of squares of the whole parameter} (one all-reduce over the tp group; the same at any
+    layout up to rounding): which weights an optimizer state belongs to."""
+    import torch.distributed as dist
+
+    group = model.tp_group
+    names, sums = [], []
+    for name, param in model.local_named_parameters():
+        plan = model.plan.param(name)
+        whole_here = plan.placement.is_shard or group.rank == 0  # a replicated one counted once
+        names.append(name)
+        sums.append(param.detach().double().pow(2).sum() if whole_here else param.new_zeros((), dtype=torch.float64))
+    total = torch.stack(sums)
+    if group.size > 1 and group.process_group is not None:
+        dist.all_reduce(total, group=group.process_group)
+    return dict(zip(names, total.tolist()))
+
+
+def _check_weights(directory: str, saved: dict, model) -> None:
+    """Refuse optimizer states saved with other weights than the model now holds (Trainer loaded them from the
+    checkpoint it resumes: another folder's states would be silently wrong)."""
+    now = _weights_digest(model)
+    differ = [n for n in sorted(set(saved) | set(now))
+              if n not in saved or n not in now or abs(now[n] - saved[n]) > 1e-6 * max(abs(saved[n]), 1e-30)]
+    if differ:
+        raise CheckpointError(f"resuming from {directory}: its optimizer states were saved with other weights than "
+                              f"the model Trainer resumed holds ({', '.join(differ[:3])}"
+                              f"{', ...' if len(differ) > 3 else ''} differ): pass TrainerCheckpoints(resume_from=...) "
+                              f"the folder Trainer resumes from")
 
 
 def _optimizer(optimizer):
@@ -108,7 +140,8 @@ def save(directory: str, model, optimizer, lr_scheduler, args) -> None:
 
     state = {"param_groups": [{k: v for k, v in group.items() if k != "params"}
                               for group in _optimizer(optimizer).param_groups],
-             "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
+             "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+             "weights": _weights_digest(model)}
     try:  # on every rank (they hold the same), so that all refuse alike
         text = json.dumps(state)
     except TypeError as err:
@@ -144,6 +177,7 @@ def load(directory: str, model, optimizer, lr_scheduler) -> None:
                               f"TrainerCheckpoints(resume_from=...)); the resumed run would start a fresh optimizer")
     with open(os.path.join(directory, STATE_FILE)) as f:
         saved = json.load(f)
+    _check_weights(directory, saved.get("weights", {}), model)
     optimizer = _optimizer(optimizer)
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointError(f"resuming from {directory}: the optimizer has {len(optimizer.param_groups)} parameter "

@@ -111,7 +111,8 @@ def _resumed(rank, world, path, root):
     """Trainer checkpoints at TP=2 (``save_only_model=True``, ``fxparallel.TrainerCheckpoints``): 4 steps with a
     checkpoint after 2, then a fresh parallel model resumed from it (``resume_from_checkpoint``): its steps 3 and 4
     (losses, clipped grad norms, learning rates) and final weights against the uninterrupted run's; a checkpoint
-    without the callback's files refused before the resumed run's first step. And ``load_state_dict`` of
+    without the callback's files, and states of another checkpoint than the one Trainer resumes, refused before the
+    resumed run's first step. And ``load_state_dict`` of
     transformers' complete state dict (what the resume loads) gives transformers' logits."""
     import shutil
 
@@ -152,6 +153,8 @@ def _resumed(rank, world, path, root):
     dist.barrier()
     out["without_files"] = raised(lambda: train(resume=f"{root}/plain-checkpoint", callbacks=[
         fxparallel.TrainerCheckpoints(resume_from=f"{root}/plain-checkpoint")]))
+    out["other_folder"] = raised(lambda: train(resume=f"{out_dir}/checkpoint-2", callbacks=[  # step 4's states
+        fxparallel.TrainerCheckpoints(resume_from=f"{out_dir}/checkpoint-4")]))
 
     model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
     single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -421,6 +424,7 @@ def _check_resumed(resumed: dict) -> None:
     assert resumed["full"][2][3] > 0 and max(log[2] for log in resumed["full"]) > 0.5, resumed  # lr > 0, clipped
     assert resumed["weights"] < 1e-6, resumed["weights"]
     assert "has no fxparallel_optimizer or fxparallel_trainer_state.json" in resumed["without_files"], resumed
+    assert "its optimizer states were saved with other weights" in resumed["other_folder"], resumed["other_folder"]
     assert resumed["full_state_dict"] < 1e-5, resumed
 
 
