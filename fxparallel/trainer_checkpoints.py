@@ -27,6 +27,7 @@ import random
 from typing import Optional
 
 import torch
+from transformers import TrainerCallback
 
 from .errors import CheckpointError
 
@@ -34,13 +35,7 @@ OPTIMIZER_DIR = "fxparallel_optimizer"
 STATE_FILE = "fxparallel_trainer_state.json"
 
 
-def _trainer_callback_base():
-    from transformers import TrainerCallback
-
-    return TrainerCallback
-
-
-class TrainerCheckpoints(_trainer_callback_base()):
+class TrainerCheckpoints(TrainerCallback):
     """``Trainer(..., args=TrainingArguments(..., save_only_model=True), callbacks=[TrainerCheckpoints()])``: every
     checkpoint resumes exactly (see the module docstring). ``resume_from``: the checkpoint folder a resumed run
     reads (default: ``checkpoint-<step>`` in ``output_dir``, what ``resume_from_checkpoint=True`` picks)."""
@@ -158,9 +153,12 @@ def _save_random_states(directory: str, args) -> None:
     """Trainer's ``rng_state_{rank}.pth`` (what its ``_load_rng_state`` reads when a run resumes)."""
     import numpy as np
 
+    from transformers.training_args import ParallelMode
+
     states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.random.get_rng_state_all()
+    if torch.cuda.is_available():  # as Trainer writes it (and reads it back)
+        distributed = args.parallel_mode == ParallelMode.DISTRIBUTED
+        states["cuda"] = torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
     name = f"rng_state_{args.process_index}.pth" if args.world_size > 1 else "rng_state.pth"
     torch.save(states, os.path.join(directory, name))
 
