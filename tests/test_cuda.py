@@ -186,3 +186,12 @@ def test_cuda_trainer_tp1_matches_single_device_trainer(checkpoints, nccl, tmp_p
     run["trainer_weights"] = max((p.detach() - ref_params[n].detach()).abs().max().item()
                                  for n, p in parallel.named_parameters())
     stack._check_trainer(run)
+
+
+def test_cuda_trainer_checkpoints_resume_exactly(checkpoints, nccl, tmp_path):
+    """Trainer checkpoints on the GPU (``save_only_model=True`` with ``fxparallel.TrainerCheckpoints``, whose random
+    states Trainer reads back in its CUDA format): the resumed run's steps and weights as the uninterrupted run's."""
+    import test_trainer_stack as stack
+
+    stack._check_resumed(stack._single_process(stack._resumed, 0, 1, checkpoints["llama"], str(tmp_path),
+                                               use_cpu=False))

@@ -107,13 +107,14 @@ def _tensor_parallel_trainer(rank, world, path, root):
     return result
 
 
-def _resumed(rank, world, path, root):
+def _resumed(rank, world, path, root, use_cpu=True):
     """Trainer checkpoints at TP=2 (``save_only_model=True``, ``fxparallel.TrainerCheckpoints``): 4 steps with a
     checkpoint after 2, then a fresh parallel model resumed from it (``resume_from_checkpoint``): its steps 3 and 4
     (losses, clipped grad norms, learning rates) and final weights against the uninterrupted run's; a checkpoint
     without the callback's files, and states of another checkpoint than the one Trainer resumes, refused before the
     resumed run's first step. And ``load_state_dict`` of
-    transformers' complete state dict (what the resume loads) gives transformers' logits."""
+    transformers' complete state dict (what the resume loads) gives transformers' logits. ``use_cpu=False``: on the
+    GPU (tests/test_cuda.py)."""
     import shutil
 
     import torch
@@ -133,7 +134,7 @@ def _resumed(rank, world, path, root):
         model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                  max_steps=4, learning_rate=5e-2, lr_scheduler_type="linear", warmup_steps=1,
-                                 max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True, seed=7,
+                                 max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=use_cpu, seed=7,
                                  dataloader_num_workers=0, save_strategy="steps", save_steps=2, save_only_model=True)
         trainer = Trainer(model=model, args=args, train_dataset=rows,
                           callbacks=callbacks or [fxparallel.TrainerCheckpoints()])
@@ -163,7 +164,7 @@ def _resumed(rank, world, path, root):
             p.add_(0.01)  # other weights than the parallel model's
         ids = torch.randint(0, 128, (2, 9), generator=g)
         model.load_state_dict(single.state_dict())
-        out["full_state_dict"] = (model(input_ids=ids).logits - single(input_ids=ids).logits).abs().max().item()
+        out["full_state_dict"] = (model(input_ids=ids).logits.cpu() - single(input_ids=ids).logits).abs().max().item()
     return out
 
 
