@@ -89,7 +89,7 @@ def _generate(model, ref, device, modes) -> dict:
     return out
 
 
-def _checkpoint(model, path, other, root, ids) -> dict:
+def _checkpoint(model, other, root, ids) -> dict:
     """dcp.save of the parallel model's state_dict, loaded into a parallel model of other weights."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -109,7 +109,7 @@ def _checkpoint(model, path, other, root, ids) -> dict:
     return {"before": (before - expected).abs().max().item(), "after": (after - expected).abs().max().item()}
 
 
-def _export(model, root, ids, rank) -> dict:
+def _export(model, root, ids) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -135,8 +135,8 @@ def _cases(rank, world, path, other, adapter, root, modes=MODES):
     ids = batch(128, 2, 9).to(device)
     out["generate"] = _generate(model.eval(), ref.eval(), device, modes)
     out["training"] = _attempt(lambda: _training(model.train(), ref.train(), rank, world, ids))
-    out["checkpoint"] = _attempt(lambda: _checkpoint(model, path, other, root, ids))
-    out["export"] = _attempt(lambda: _export(model, root, ids, rank))
+    out["checkpoint"] = _attempt(lambda: _checkpoint(model, other, root, ids))
+    out["export"] = _attempt(lambda: _export(model, root, ids))
     out["lora"] = _attempt(lambda: _lora(adapter, dist.group.WORLD, rank, world, ids, device))
     return out
 
