@@ -29,7 +29,8 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from comm_counter import DIST_FUNCTIONS  # noqa: E402
-from generate import FxParallel, TransformersTP, build_checkpoint, parse_shape, prompts  # noqa: E402
+from generate import (FxParallel, TransformersTP, build_checkpoint, parse_args, parse_shape, prompts,  # noqa: E402
+                      shape_directory)
 from ranks import cpu_run_meta, everyone, start  # noqa: E402
 
 KINDS = {  # kind: substrings of the op names it takes (the first kind that matches)
@@ -115,8 +116,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     load_start = os.getloadavg()[0]
     shape = parse_shape(args.shape)
-    directory = os.path.join(os.path.dirname(HERE), "checkpoints", "bench-llama-generate") + (
-        "-" + "-".join(f"{k}{v}" for k, v in shape.items()) if args.shape else "")
+    directory = parse_args([]).checkpoint_dir  # generate.py's, one folder per shape
+    if args.shape:
+        directory = shape_directory(directory, shape)
     rank, world, path = start(None, directory, lambda d: build_checkpoint(d, shape))
     ids, mask = prompts(args.batch, args.prompt, shape["vocab"])
     results = {}

@@ -89,6 +89,11 @@ def build_checkpoint(directory: str, shape: dict = SHAPE) -> str:
                          **shape)
 
 
+def shape_directory(base: str, shape: dict) -> str:
+    """``base`` with the shape in its name: one checkpoint folder per shape."""
+    return base + "-" + "-".join(f"{k}{v}" for k, v in shape.items())
+
+
 def parse_shape(text: str) -> dict:
     """SHAPE with ``key=value,...`` overrides."""
     shape = dict(SHAPE)
@@ -482,7 +487,7 @@ def main(argv=None):
     load_start = os.getloadavg()[0]
     shape = parse_shape(args.shape)
     if args.shape and args.checkpoint_dir == parse_args([]).checkpoint_dir:
-        args.checkpoint_dir += "-" + "-".join(f"{k}{v}" for k, v in shape.items())  # one folder per shape
+        args.checkpoint_dir = shape_directory(args.checkpoint_dir, shape)
     if args.systems == "cuda":
         args.systems = CUDA_SYSTEMS
     rank, world, path = start(args.model, args.checkpoint_dir, lambda d: build_checkpoint(d, shape), args.timeout,
