@@ -11,10 +11,15 @@ Bytes are the size of the complete tensor one call acts on, the convention of
 ``ShardingPlan.bytes_per_token``: an all-reduce counts its input, an all-gather its
 gathered output, a reduce-scatter its unscattered input. Nested calls (one
 wrapped function implemented with another) count once.
+
+Each record also holds the call's wall time: for a ``torch.distributed`` call without ``async_op`` that
+includes the wait for the other ranks; a functional collective only issues its work (the wait is in
+``wait_tensor``, not wrapped), so its time is the issue alone.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from contextlib import contextmanager
 
@@ -103,21 +108,25 @@ class CommCounter:
 
     def __init__(self):
         self.phase = "other"  # a plain attribute, not thread-local: CUDA backward runs on another thread
-        self.records: list = []  # (phase, kind, bytes)
+        self.records: list = []  # (phase, kind, bytes, seconds)
         self._saved: list = []
         self._local = threading.local()
 
     # ---- results -------------------------------------------------------------
     def count(self, kind=None, phase=None) -> int:
-        return sum(1 for p, k, _ in self.records if kind in (None, k) and phase in (None, p))
+        return sum(1 for p, k, _, _ in self.records if kind in (None, k) and phase in (None, p))
 
     def bytes(self, phase=None, kind=None) -> int:
-        return sum(b for p, k, b in self.records if kind in (None, k) and phase in (None, p))
+        return sum(b for p, k, b, _ in self.records if kind in (None, k) and phase in (None, p))
+
+    def seconds(self, phase=None, kind=None) -> float:
+        """Wall seconds inside the recorded calls (see the module docstring for what that includes)."""
+        return sum(t for p, k, _, t in self.records if kind in (None, k) and phase in (None, p))
 
     def summary(self, phase) -> dict:
         """{kind: (calls, bytes)} of one phase."""
         calls, size = Counter(), Counter()
-        for p, k, b in self.records:
+        for p, k, b, _ in self.records:
             if p == phase:
                 calls[k] += 1
                 size[k] += b
@@ -140,10 +149,11 @@ class CommCounter:
         if depth:
             return call()
         self._local.depth = 1
+        phase, size, start = self.phase, size_fn(), time.perf_counter()
         try:
-            self.records.append((self.phase, kind, size_fn()))
             return call()
         finally:
+            self.records.append((phase, kind, size, time.perf_counter() - start))
             self._local.depth = 0
 
     def _wrap_dist(self, name, original):

@@ -58,7 +58,7 @@ def transformers_tp(path: str, world: int, dtype, device: str) -> tuple:
             raise
         note = f'tp_plan="auto" failed at TP=1 ({short_error(err)}); the plain model is the reference'
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    if model.device.type != device:  # at TP=1 transformers may leave the model on the CPU
+    if model.device.type != torch.device(device).type:  # at TP=1 transformers may leave the model on the CPU
         model.to(device)
     return model, note
 

@@ -61,13 +61,19 @@ class FxParallel(System):
         Activation collectives scale with the tokens; a parameter-gradient all-reduce
         has a fixed size per call (``bytes_per_call``).
         """
+        from fxparallel.inputs import FIELDS
+
         out = {}
-        if self.model.tp_group.size == 1:  # every collective is the identity
+        tp = self.model.tp_group.size
+        if tp == 1:  # every collective is the identity
             return out
         for c in self.model.plan.collectives:
             calls_bytes = out.setdefault(c.direction, {}).setdefault(c.kind, [0, 0])
             calls_bytes[0] += c.count
             calls_bytes[1] += round(c.count * (c.bytes_per_token * tokens + c.bytes_per_call))
+        check = out.setdefault("forward", {}).setdefault("all_gather", [0, 0])  # the arguments' check of the call:
+        check[0] += 1  # each rank's fingerprint of FIELDS int64 numbers (fxparallel/inputs.py), not in the plan
+        check[1] += FIELDS * 8 * tp
         return out
 
 

@@ -204,6 +204,22 @@ NOTES = """## How to read these numbers
 """.splitlines()
 
 
+FULL_TABLES = "## Full tables of every run"
+
+
+def written_by_hand(path: str) -> list:
+    """The sections of the page that other benchmarks' results were written into by hand (those after the
+    planning-speed section and before the full tables), kept when the sweep rewrites the page."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        text = f.read()
+    planning = text.find("## Planning speed")
+    start, end = text.find("\n## ", planning + 1), text.find(FULL_TABLES)
+    kept = text[start + 1:end].rstrip() if planning >= 0 and 0 <= start < end else ""
+    return kept.splitlines() + [""] if kept else []
+
+
 def write_page(sweep, docs_dir) -> str:
     os.makedirs(docs_dir, exist_ok=True)
     m = sweep["machine"]
@@ -243,12 +259,12 @@ def write_page(sweep, docs_dir) -> str:
     else:
         out += ["Plots skipped: matplotlib is not installed (`pip install matplotlib` into the venv and rerun with "
                 "`--render-only`).", ""]
+    path = os.path.join(docs_dir, "benchmarks.md")
     out += ["## Planning speed (Llama-3-8B shape on the meta device)", ""] + plan_speed_table(sweep.get("plan_speed"))
-    out += ["", "## Full tables of every run", ""]
+    out += [""] + written_by_hand(path) + [FULL_TABLES, ""]
     for run in sweep["runs"]:
         out += [f"<details><summary>{run['meta']['model_type']}, TP={run['meta']['tp']}</summary>", "", "```",
                 run.get("table", "").strip(), "```", "", "</details>", ""]
-    path = os.path.join(docs_dir, "benchmarks.md")
     with open(path, "w") as f:
         f.write("\n".join(out).rstrip() + "\n")
     return path

@@ -278,6 +278,12 @@ def _all_gather_seq(x: torch.Tensor, dim: int, handle: int, batch=None) -> torch
     return _token_merge(_merge_ranks(stacked, d), dim, batch)
 
 
+def _named(function: type, name: str) -> type:
+    """``function`` (an autograd.Function made by a factory here) as a subclass called ``name``: its backward
+    node is then ``name + "Backward"`` in profiles and autograd graphs, not the factory's class name."""
+    return type(name, (function,), {"__qualname__": name, "__module__": __name__})
+
+
 def _sequence_pair(fwd, bwd, name: str):
     """An autograd op along the sequence: ``fwd`` and, on the gradient, ``bwd``
     (each ``f(x, dim, handle, batch)``)."""
@@ -292,8 +298,7 @@ def _sequence_pair(fwd, bwd, name: str):
         def backward(ctx, grad):
             return bwd(grad, *ctx.args), None, None, None
 
-    Pair.__name__ = Pair.__qualname__ = name
-    return Pair
+    return _named(Pair, name)
 
 
 _ReduceScatterSeq = _sequence_pair(_reduce_scatter_seq, _all_gather_seq, "_ReduceScatterSeq")
@@ -324,8 +329,7 @@ def _sequence_many(fwd, bwd, name: str):
         def backward(ctx, *grads):
             return (None, None, None) + _along_tokens(bwd, grads, *ctx.args)
 
-    Many.__name__ = Many.__qualname__ = name
-    return Many
+    return _named(Many, name)
 
 
 _ReduceScatterSeqMany = _sequence_many(_reduce_scatter_seq, _all_gather_seq, "_ReduceScatterSeqMany")
@@ -366,8 +370,7 @@ def _gradient_only(bwd, name: str):
         def backward(ctx, grad):
             return (bwd(grad, *ctx.args),) + (None,) * len(ctx.args)
 
-    GradientOnly.__name__ = GradientOnly.__qualname__ = name
-    return GradientOnly
+    return _named(GradientOnly, name)
 
 
 def _first_rank_keeps(grad: torch.Tensor, handle: int) -> torch.Tensor:
