@@ -10,6 +10,12 @@ process's `rchar` (/proc/self/io: bytes it got from read calls; reads through a 
 do not show there, so for transformers, which maps the files, the touched file pages show in
 RSS instead). Per rank, one line per system. fxparallel's load stage is also measured alone
 (the rest of its growth is the capture of the meta model, a fixed overhead).
+
+Speed: seconds of each system's load (to a model whose every weight was read once), fxparallel's load stage
+alone, and the read speed of that stage (bytes read / its seconds) against the reference row, safetensors' own
+``get_tensor`` of whole tensors copied into memory of their own and kept until a rank's share of the checkpoint
+is held, on every rank at once, run after a first such read that puts the files in the page cache. Any checkpoint folder works (``--checkpoint DIR``, built only where it is
+missing), e.g. benchmarks/generate.py's 1B-shaped one.
 """
 from __future__ import annotations
 
@@ -92,7 +98,7 @@ def build_checkpoint(path: str, size_mb: float) -> None:
     from transformers import AutoModelForCausalLM
 
     done = os.path.join(path, ".complete")
-    if os.path.exists(done):
+    if os.path.exists(done) or os.path.exists(os.path.join(path, "config.json")):  # built here, or a given model
         return
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(llama_config(size_mb), dtype=torch.float32)
@@ -119,7 +125,7 @@ def measure_fxparallel(path: str, dtype) -> dict:
     def measured_load(module, plan, files, rank, tp, **kw):
         with Peak() as p:
             n = original(module, plan, files, rank, tp, **kw)
-        stage.update(load_growth=p.growth, load_rchar=p.read)
+        stage.update(load_growth=p.growth, load_rchar=p.read, load_seconds=p.seconds)
         return n
 
     api.load_from_files = measured_load
@@ -133,6 +139,7 @@ def measure_fxparallel(path: str, dtype) -> dict:
     tp, rank = model.tp_group.size, model.tp_group.rank
     pieces = [p_.local_shape(tp, rank) for p_ in model.plan.params]
     result = dict(system="fxparallel", loaded=loaded, growth=p.growth, rchar=p.read, bytes_read=model.bytes_read,
+                  seconds=p.seconds,
                   shard=sum(q.numel() * q.element_size() for q in model.parameters()),
                   largest_piece=max(4 * _numel(s) for s in pieces), **stage)  # stored fp32
     del model
@@ -149,6 +156,28 @@ def touch(model) -> None:
         for q in model.parameters():
             local = q.to_local() if hasattr(q, "to_local") else q
             float(local.sum())
+
+
+def measure_plain_read(path: str, keep_bytes: int) -> dict:
+    """The reference read speed: safetensors' own ``get_tensor`` of the checkpoint's tensors copied out of its
+    memory map into memory of their own (``clone``) and kept, as a load keeps its shards, until ``keep_bytes``
+    (a rank's share of the checkpoint) are held; on every rank at once, as the systems load."""
+    from safetensors import safe_open
+
+    kept = []
+    read = 0
+    with Peak() as p:
+        for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+            with safe_open(os.path.join(path, name), framework="pt") as f:
+                for key in f.keys():
+                    if read >= keep_bytes:
+                        break
+                    kept.append(f.get_tensor(key).clone())
+                    read += kept[-1].numel() * kept[-1].element_size()
+    del kept
+    release_memory()
+    return dict(system="safetensors get_tensor + clone (kept, a rank's share)", loaded=0, growth=p.growth,
+                rchar=p.read, bytes_read=read, shard=read, seconds=p.seconds)
 
 
 def _numel(shape) -> int:
@@ -179,7 +208,7 @@ def measure_transformers(path: str, tp: int, dtype) -> dict:
     for q in model.parameters():
         local = q.to_local() if hasattr(q, "to_local") else q
         shard += local.numel() * local.element_size()
-    result = dict(system=label, loaded=loaded, growth=p.growth, rchar=p.read, shard=shard)
+    result = dict(system=label, loaded=loaded, growth=p.growth, rchar=p.read, shard=shard, seconds=p.seconds)
     del model
     release_memory()
     return result
@@ -199,7 +228,9 @@ def run_rank(args) -> None:
     size = checkpoint_bytes(args.checkpoint)
     imported = status("VmRSS")
     dtype = getattr(torch, args.dtype)
-    rows = [measure_fxparallel(args.checkpoint, dtype), measure_transformers(args.checkpoint, tp, dtype)]
+    measure_plain_read(args.checkpoint, size // tp)  # the files in the page cache before anyone is measured
+    rows = [measure_plain_read(args.checkpoint, size // tp), measure_fxparallel(args.checkpoint, dtype),
+            measure_transformers(args.checkpoint, tp, dtype)]
     for row in rows:
         row.update(rank=rank, tp=tp, checkpoint=size, rss_before=imported, dtype=args.dtype)
     everyone = [None] * tp
@@ -212,9 +243,17 @@ def run_rank(args) -> None:
     dist.destroy_process_group()
 
 
+def speed(r: dict) -> str:
+    """MB per second of reading: the bytes read over the time of the load stage (fxparallel) or of the whole
+    read (the plain read); "-" where the bytes are not counted (transformers maps the files)."""
+    seconds = r.get("load_seconds", r.get("seconds")) if "bytes_read" in r else None
+    return f"{r['bytes_read'] / 1e6 / seconds:.0f}" if seconds else "-"
+
+
 def table(rows: list) -> str:
     head = ("tp", "rank", "system", "RSS before MiB", "ckpt MiB", "shard MiB", "read MiB", "rchar MiB", "load rchar MiB",
-            "peak growth (loaded) MiB", "peak growth (+touch) MiB", "load-stage growth MiB", "growth - shard MiB")
+            "peak growth (loaded) MiB", "peak growth (+touch) MiB", "load-stage growth MiB", "growth - shard MiB",
+            "s (+touch)", "load-stage s", "read MB/s")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         if "error" in r:
@@ -222,10 +261,12 @@ def table(rows: list) -> str:
                          f"{r['checkpoint'] / MiB:.0f} | error: {r['error']}")
             continue
         cell = lambda k: f"{r[k] / MiB:.1f}" if k in r else "-"  # noqa: E731
+        seconds = lambda k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
         lines.append(" | ".join([str(r["tp"]), str(r["rank"]), r["system"], f"{r['rss_before'] / MiB:.0f}",
                                  f"{r['checkpoint'] / MiB:.1f}",
                                  cell("shard"), cell("bytes_read"), cell("rchar"), cell("load_rchar"), cell("loaded"), cell("growth"),
-                                 cell("load_growth"), f"{(r['growth'] - r['shard']) / MiB:.1f}"]))
+                                 cell("load_growth"), f"{(r['growth'] - r['shard']) / MiB:.1f}",
+                                 seconds("seconds"), seconds("load_seconds"), speed(r)]))
     return "\n".join(lines)
 
 
