@@ -172,21 +172,10 @@ def byte_runs(shape: tuple, index: tuple, itemsize: int) -> list:
     d = partial[-1]  # innermost dimension that is cut; everything inside it is whole
     a, b = index[d]
     run = (b - a) * strides[d] * itemsize
-    runs = []
-    outer = [range(lo, hi) for lo, hi in index[:d]]
-    for idx in _product(outer):
-        offset = sum(i * strides[k] for k, i in enumerate(idx)) + a * strides[d]
-        runs.append((offset * itemsize, run))
-    return runs
-
-
-def _product(ranges):
-    if not ranges:
-        yield ()
-        return
-    for i in ranges[0]:
-        for rest in _product(ranges[1:]):
-            yield (i,) + rest
+    starts = [a * strides[d]]  # element offsets of the runs, one outer dimension at a time (row-major order)
+    for (lo, hi), stride in zip(reversed(index[:d]), reversed(strides[:d])):
+        starts = [i * stride + s for i in range(lo, hi) for s in starts]
+    return [(s * itemsize, run) for s in starts]
 
 
 # ---- header -------------------------------------------------------------------
