@@ -107,6 +107,23 @@ def test_reader_reads_exact_pieces_in_any_dtype(tmp_path, monkeypatch):
     assert safetensors_io.byte_runs((6, 10), ((0, 6), (0, 10)), 4) == [(0, 240)]
 
 
+def test_byte_runs_cover_exactly_the_slice_in_order():
+    """For random boxes of random 1-4 d shapes: the runs, expanded to element offsets, are the row-major
+    offsets of ``tensor[box]``, and no two runs could merge (each is as long as it can be)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        shape = tuple(int(n) for n in torch.randint(1, 6, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g))
+        box = []
+        for n in shape:
+            a = int(torch.randint(0, n + 1, (1,), generator=g))
+            box.append((a, int(torch.randint(a, n + 1, (1,), generator=g))))
+        expected = torch.arange(math.prod(shape)).reshape(shape)[tuple(slice(a, b) for a, b in box)].flatten()
+        runs = safetensors_io.byte_runs(shape, tuple(box), 2)
+        got = [o // 2 + k for o, n in runs for k in range(n // 2)]
+        assert got == expected.tolist(), (shape, box)
+        assert all(o1 + n1 < o2 for (o1, n1), (o2, _) in zip(runs, runs[1:])), (shape, box, runs)
+
+
 # ---- correct shards ----------------------------------------------------------------
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("kind", ["single", "sharded", "tied-single", "tied-sharded"])
