@@ -14,8 +14,9 @@ RSS instead). Per rank, one line per system. fxparallel's load stage is also mea
 Speed: seconds of each system's load (to a model whose every weight was read once), fxparallel's load stage
 alone, and the read speed of that stage (bytes read / its seconds) against the reference row, safetensors' own
 ``get_tensor`` of whole tensors copied into memory of their own and kept until a rank's share of the checkpoint
-is held, on every rank at once, run after a first such read that puts the files in the page cache. Any checkpoint folder works (``--checkpoint DIR``, built only where it is
-missing), e.g. benchmarks/generate.py's 1B-shaped one.
+is held, on every rank at once, run after a first such read that puts the files in the page cache. Any
+checkpoint folder works (``--checkpoint DIR``, built only where it is missing), e.g. benchmarks/generate.py's
+1B-shaped one.
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ it gives: it records each op, and a system that runs more ops pays more):
 
 - ``decode``: a greedy ``generate`` of --new-tokens tokens and one of a single token (``benchmarks/generate.py``'s
   systems, batch --batch, prompt --prompt); the difference, divided by the decode steps, is one decode step.
-- ``train``: --steps training steps (forward with labels, backward, AdamW; ``benchmarks/systems.py``'s systems,
-  the same as ``compare_tp_plan.py``) on a --batch x --seq batch after two warm-up steps, divided by the steps.
+- ``train``: --steps training steps (forward with labels, backward, AdamW: ``compare_tp_plan.train_step`` on
+  ``benchmarks/systems.py``'s systems) on a --batch x --seq batch after two warm-up steps, divided by the steps.
 
 A step is split into the self time of the ops by kind (matrix products, attention, the other aten ops), the
 wall time inside the collectives (``comm_counter.CommCounter``'s calls: for ``torch.distributed``'s functions the
@@ -41,6 +41,7 @@ sys.path.insert(0, HERE)
 import generate  # noqa: E402
 import systems  # noqa: E402
 from comm_counter import CommCounter  # noqa: E402
+from compare_tp_plan import train_step  # noqa: E402
 from ranks import cpu_run_meta, everyone, start  # noqa: E402
 
 KINDS = {  # kind: substrings of the op names it takes (the first kind that matches)
@@ -77,8 +78,9 @@ def profile(run, ops: bool) -> dict:
     if ops:
         out = dict.fromkeys(list(KINDS) + ["other ops"], 0.0)
         for event in prof.key_averages():
-            out[kind_of(event.key)] += event.self_cpu_time_total / 1e6
-            if kind_of(event.key) == "other ops":
+            kind = kind_of(event.key)
+            out[kind] += event.self_cpu_time_total / 1e6
+            if kind == "other ops":
                 out["op " + event.key] = event.self_cpu_time_total / 1e6
         del out["collective ops"]  # inside the collectives' wall time
     out["collectives"] = counter.seconds()
@@ -111,17 +113,13 @@ def decode_steps(system, args, shape):
 def train_steps(system, args, shape):
     """One training step's profile (forward with labels, backward, AdamW), measured and profiled."""
     ids = torch.randint(0, shape["vocab"], (args.batch, args.seq), generator=torch.Generator().manual_seed(1234))
-
-    def step():
-        system.optimizer.zero_grad(set_to_none=True)
-        system.loss(ids).backward()
-        system.optimizer.step()
-
     system.make_optimizer(1e-5)
+    system.losses = []  # compare_tp_plan.train_step records each step's loss
     for _ in range(2):  # warm-up: captures, optimizer state
-        step()
+        train_step(system, ids)
     for ops in (False, True):
-        yield ops, per_step(profile(lambda: [step() for _ in range(args.steps)], ops), None, args.steps)
+        yield ops, per_step(profile(lambda: [train_step(system, ids) for _ in range(args.steps)], ops), None,
+                            args.steps)
 
 
 STEPS = {"decode": (decode_steps, (generate.FxParallel, generate.TransformersTP)),
