@@ -215,6 +215,11 @@ class Solver:
         in_pl = {i: (self._placement_of_param(i, plan) or R) if i in self.param_nodes else plan.placements.get(i, R)
                  for i in ins}
         if not undecided and all(p is None or p.is_replicate for p in in_pl.values()):
+            for i in ins:  # a parameter whole by its layer pattern, read whole here: it stays whole (a later reader
+                # that wants a shard slices it; recording that shard instead would split what this op read whole:
+                # DeepSeek-V2's latent cache, written whole, then read by a row-parallel kv_b_proj)
+                if i in self.param_nodes:
+                    plan.params.setdefault(self.param_nodes[i], R)
             plan.placements[node] = _replicated_like(value)
             return None
         if not _has_tensor(value) and op_name(node) != "setitem":  # setitem returns nothing but writes a tensor

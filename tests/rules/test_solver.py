@@ -71,3 +71,23 @@ def test_a_whole_weight_read_by_shards_is_sliced_locally():
         assert plan.params == {"up.weight": S(0), "d": R, "down.weight": S(1)}
         assert plan.placements[product] == S(2) and not plan.fallbacks
     assert plans[False].comm_bytes < plans[True].comm_bytes  # d's gradient reduction, charged when training
+
+
+def _two_cache_layers(pos, new, c0, w0, c1, w1):
+    c0.index_copy_(2, pos, new)
+    c1.index_copy_(2, pos, new)
+    return F.linear(c0, w0) + F.linear(c1, w1)
+
+
+def test_a_tensor_written_whole_stays_whole_for_a_later_reader_of_a_shard():
+    """DeepSeek-V2's latent KV cache at TP=4: each layer writes its cache whole (the new latent is replicated),
+    then a row-parallel kv_b_proj reads it by shards. Layer 0's write decides the layers' pattern (whole); layer 1's
+    write, all of its inputs whole, is planned by the fast path. Its cache must stay whole for the later reader
+    (sliced locally): it was planned split, so the graph wrote a whole latent into a quarter of a cache."""
+    from fxparallel.plan.placement import R
+
+    gm = capture(_two_cache_layers, ("ids", (3,)), (2, 1, 3, 16), (2, 1, 8, 16), (32, 16), (2, 1, 8, 16), (32, 16))
+    names = {2: "layers.0.cache", 3: "layers.0.w", 4: "layers.1.cache", 5: "layers.1.w"}
+    captured = captured_graph(gm, params=names, inputs={0: "pos", 1: "new"})
+    plan = solve(captured, 4, fixed={"layers.0.w": S(1), "layers.1.w": S(1)}, layout=ShardLayout(4))
+    assert plan.params["layers.0.cache"] == plan.params["layers.1.cache"] == R
