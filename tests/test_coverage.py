@@ -60,9 +60,9 @@ def latent_cache_checkpoint(tmp_path_factory):
 
 
 def _every_case(rank, world, tp4_paths, tp2_paths, extra_paths, latent_cache_path):
-    """The TP=4 types on all four ranks; then, on ranks 0-1 (a group of their own), the TP=2 types and the
-    data-dependent ones, while ranks 2-3 wait (two busy ranks at a time suit a two-core machine). Every rank waits
-    for the others at the end (rank 0 hosts the store the agreement points use)."""
+    """The TP=4 types and DeepSeek-V2's generate on all four ranks; then, on ranks 0-1 (a group of their own), the
+    TP=2 types and the data-dependent ones, while ranks 2-3 wait (two busy ranks at a time suit a two-core machine).
+    Every rank waits for the others at the end (rank 0 hosts the store the agreement points use)."""
     import datetime
 
     import torch.distributed as dist
@@ -79,7 +79,7 @@ def _every_case(rank, world, tp4_paths, tp2_paths, extra_paths, latent_cache_pat
 
 @pytest.fixture(scope="module")
 def on_ranks(arch_checkpoints, arch_checkpoints_extra, latent_cache_checkpoint):
-    """Per case (4, 2, "data-dependent"): the results of each of its ranks, in tp-rank order."""
+    """Per case (4, 2, "data-dependent", "latent cache"): the results of each of its ranks, in tp-rank order."""
     per_rank = run_ranks(4, _every_case, {t: arch_checkpoints[t] for t in TP4}, {t: arch_checkpoints[t] for t in TP2},
                          arch_checkpoints_extra, latent_cache_checkpoint, timeout=1800)
     return {case: [r[case] for r in per_rank if case in r] for case in (4, 2, "data-dependent", "latent cache")}
@@ -197,9 +197,6 @@ def test_architectures_without_transformers_plan(on_ranks, tp, types):
             # fused projections are split per part, not gathered; every matrix of the ten is split
             assert "c_attn" in results["gpt2"]["segmented"]
             assert {n: results[n]["replicated"] for n in TP2[:10] if results[n]["replicated"]} == {}
-
-
-
 
 
 def _latent_cache(path):
