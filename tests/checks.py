@@ -1,5 +1,5 @@
 """Comparisons of a parallelized model with the single-device transformers model (run inside ranks), and the
-small helpers the tests share: the largest difference of two sets of tensors, what a call raised, a saved
+small helpers the tests share: a left-padded batch of prompts, the largest difference of two sets of tensors, what a call raised, a saved
 dequantized checkpoint checked, an example script loaded."""
 from __future__ import annotations
 
@@ -11,6 +11,14 @@ import torch
 def batch(vocab: int, b: int = 2, s: int = 9, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (b, s), generator=g)
+
+
+def left_padded_prompts(shape=(2, 7), high: int = 200, seed: int = 4, low: int = 3):
+    """(ids, attention_mask) of a batch of prompts whose first row is padded on the left by 2 tokens (id 0)."""
+    ids = torch.randint(low, high, shape, generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    return ids * mask, mask
 
 
 def compare(model, reference, rank: int, tp: int, ids=None, gather_logits: bool = False, **kwargs) -> dict:

@@ -207,13 +207,11 @@ def _latent_cache(path):
     import torch.distributed as dist
 
     import fxparallel
+    from checks import left_padded_prompts
     from models import reference
 
     model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
-    ids = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0
-    ids = ids * mask
+    ids, mask = left_padded_prompts()
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True)
     got = model.generate(input_ids=ids, **kwargs)

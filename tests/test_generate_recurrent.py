@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from checks import raised
+from checks import left_padded_prompts, raised
 from distributed import run_ranks
 
 NEW_TOKENS = 8
@@ -35,10 +35,7 @@ def _generate(rank, tp, paths):
     for name, path in paths.items():
         model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
         ref = reference(path)
-        ids = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(4))
-        mask = torch.ones_like(ids)
-        mask[0, :2] = 0
-        ids = ids * mask
+        ids, mask = left_padded_prompts()
         kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                       return_dict_in_generate=True)
         got, expected = model.generate(input_ids=ids, **kwargs), ref.generate(input_ids=ids, **kwargs)

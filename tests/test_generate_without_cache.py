@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from checks import raised
+from checks import left_padded_prompts, raised
 from distributed import run_ranks
 
 NEW_TOKENS = 6
@@ -29,10 +29,7 @@ def _generate(rank, tp, paths):
     for name, path in paths.items():
         model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32,
                                        sequence_parallel=name == "llama-sp")
-        ids = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(6))
-        mask = torch.ones_like(ids)
-        mask[0, :2] = 0
-        ids = ids * mask
+        ids, mask = left_padded_prompts(seed=6)
         kwargs = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
         asked = {"use_cache": False} if name.startswith("llama") else {}
         theirs = {"use_cache": False} if name.startswith("llama") or name == "rwkv" else {}

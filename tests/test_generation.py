@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from checks import raised
+from checks import left_padded_prompts, raised
 from distributed import run_ranks
 
 
@@ -217,10 +217,7 @@ def _families(rank, tp, paths):
     for name, path in paths.items():
         model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
         ref = reference(path)
-        ids = torch.randint(3, 120, (2, 6), generator=torch.Generator().manual_seed(1))
-        mask = torch.ones_like(ids)
-        mask[0, :2] = 0
-        ids = ids * mask
+        ids, mask = left_padded_prompts((2, 6), high=120, seed=1)
         tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
         out[name] = torch.equal(tokens, ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
                                                      do_sample=False, pad_token_id=0))

@@ -22,13 +22,9 @@ SAMPLING = {"top-k cuts": dict(do_sample=True, top_k=5, top_p=0.9, temperature=0
 
 
 def _prompts():
-    import torch
+    from checks import left_padded_prompts
 
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(1, 128, (3, 7), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0  # left padding with id 0
-    return ids * mask, mask
+    return left_padded_prompts((3, 7), high=128, seed=3, low=1)
 
 
 def _reference_scores(ref, sequences, mask, prompt: int, kwargs: dict) -> list:
