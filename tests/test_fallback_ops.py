@@ -8,6 +8,10 @@ and must be summed before the gather's backward takes this rank's part), and on 
 dimension (a parameter gathered for the op: its gradient from the replicated branch is complete on every rank
 and is added to the shard's). Loss, logits and every gradient must match at TP=2, and the plan must list both
 fallbacks.
+
+The MLP also reads one row of ``gate_proj``'s weight, split by rows (``weight[-3]``, as Gemma 4 reads its pad
+token's row of the vocabulary-split embedding): that has a rule, not a fallback. The rank holding the row gives it,
+the others zeros (a partial sum), so the weight is not gathered, and the row's gradient reaches its owner only.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ def flipped_mlp(self, x):
     h = torch.flip(h, dims=[-1])  # not elementwise: flipping a sharded dim locally would be wrong
     out = self.down_proj(h)
     # a sharded weight read as a whole by an op without a rule (after down_proj has decided its placement)
-    return out + 0.5 * torch.flip(self.down_proj.weight, dims=[1])[:, :5].sum(-1)
+    out = out + 0.5 * torch.flip(self.down_proj.weight, dims=[1])[:, :5].sum(-1)
+    return out + 0.25 * self.gate_proj.weight[-3]  # one row of a weight split by rows: read from its owner
 
 
 def _patch():
@@ -65,3 +70,4 @@ def test_plan_lists_the_fallbacks(fallback_run):
         # two per layer (the hidden units and down_proj's weight), two layers
         assert len(flips) == 4, fallbacks
         assert "replicated by fallback (gathered):" in report and all(f in report for f in flips)
+        assert not [f for f in fallbacks if f.startswith("getitem")], fallbacks  # the row of gate_proj

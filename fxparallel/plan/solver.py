@@ -15,7 +15,8 @@ consumer needs costs a collective. Minimise, lexicographically:
    its all-reduce where it is reduced (ops linear in it may carry it there, e.g.
    a MoE block's combine), a shard its all-gather where a consumer needs it
    whole, and a replicated value that requires grad and is used on shards its
-   backward all-reduce (once per value).
+   backward all-reduce, once, where the rewrite puts it (slices of one tensor
+   read by several layers share the reduction of that tensor).
 
 Search. Parameters of the same layer pattern (``model.layers.*.mlp.up_proj``)
 are tied: one decision serves every layer, so the decision variables are the
@@ -44,7 +45,7 @@ import torch.fx as fx
 
 from ..capture.spec import EXAMPLE_BATCH, EXAMPLE_SEQ
 from ..capture.graph import CapturedGraph
-from .grad_reduction import hoisted_point
+from .grad_reduction import hoisted_point, reduction_point
 from .op_traits import SHAPE_QUERIES, op_name
 from .placement import R, Placement, is_sharded
 from .rules import RuleContext, Strategy, expert_rows, rule_for, tensor_inputs
@@ -98,7 +99,8 @@ class GraphPlan:
     reasons: dict = field(default_factory=dict)  # parameter name -> why
     fallbacks: list = field(default_factory=list)  # (op, why) gathered to replicated
     patterns: dict = field(default_factory=dict)  # layer pattern -> Placement (the decisions)
-    grad_reduced: set = field(default_factory=set)  # replicated values whose grad is all-reduced
+    grad_reduced: set = field(default_factory=set)  # parameters / gathered copies whose grad is all-reduced
+    grad_paid: dict = field(default_factory=dict)  # reduction point -> its all-reduce's bytes charged so far
     redistributed: set = field(default_factory=set)  # (partial value, placement) reduced, shared by consumers
     replicated_bytes: float = 0.0
     comm_bytes: float = 0.0
@@ -111,8 +113,8 @@ class GraphPlan:
 
     def copy(self) -> "GraphPlan":
         return GraphPlan(dict(self.placements), dict(self.strategies), dict(self.params), dict(self.reasons),
-                         list(self.fallbacks), dict(self.patterns), set(self.grad_reduced), set(self.redistributed),
-                         self.replicated_bytes, self.comm_bytes, self.explored)
+                         list(self.fallbacks), dict(self.patterns), set(self.grad_reduced), dict(self.grad_paid),
+                         set(self.redistributed), self.replicated_bytes, self.comm_bytes, self.explored)
 
 
 class Solver:
@@ -181,9 +183,17 @@ class Solver:
             if self.best is not None and plan.cost >= self.best.cost:
                 return
             i += 1
+        self._charge_unpaid_reductions(plan)
         self.explored += 1
         if self.best is None or plan.cost < self.best.cost:
             self.best = plan
+
+    def _charge_unpaid_reductions(self, plan: GraphPlan) -> None:
+        """A complete plan pays what the uses of a shared gradient reduction left unpaid (``_grad_share``): the
+        slices of a tensor used on shards by some layers only still reduce the whole tensor. Charged at the end,
+        the walk's running cost stays a lower bound."""
+        unpaid = sum(max(0.0, self.ctx.bytes_per_token(point) - paid) for point, paid in plan.grad_paid.items())
+        plan.comm_bytes += unpaid * self.backward_weight
 
     def _branches(self, options):
         """Best option per distinct decision on undecided matrix patterns."""
@@ -304,19 +314,33 @@ class Solver:
             if (i, req) not in plan.redistributed:  # the rewriter reduces each partial sum once per placement
                 comm += cost
             if in_pl[i] is not None and in_pl[i].is_replicate and (out_sharded or (req is not None and req.is_shard)):
-                point = self._reduction_point(i, plan)
-                if requires_grad(i) and point not in plan.grad_reduced and not _whole_segment(point, plan):
-                    comm += self.ctx.bytes_per_token(point) * self.backward_weight
+                if requires_grad(i):
+                    comm += self._grad_share(i, plan)[1] * self.backward_weight
             elif _made_whole_for_shards(in_pl[i], req, out_sharded) and requires_grad(i) \
                     and (i, R) not in plan.grad_reduced:
                 # the gathered / reduced copy's gradient is partial: all-reduced
                 comm += self.ctx.bytes_per_token(i) * self.backward_weight
         return (replicated, comm, index, tuple(sorted(decision)))
 
-    @staticmethod
-    def _reduction_point(value, plan: GraphPlan):
-        return hoisted_point(value, lambda n: isinstance(plan.placements.get(n), Placement)
-                             and plan.placements[n].is_replicate)
+    def _grad_share(self, value, plan: GraphPlan):
+        """(point, bytes per token) of the gradient all-reduce of a replicated ``value`` used on shards that this
+        use is charged: the reduction runs once, at the point the rewrite hoists it to (a reduction hoisted onto a
+        smaller tensor, a MoE block's rows ``x[perm // top_k]`` reduced as ``x``, costs the smaller). Where that
+        point has several users, each use pays at most what reducing its own value would cost, until the point's
+        reduction is paid, and a complete plan pays what is left (``_charge_unpaid_reductions``): layers reading
+        slices of one tensor (Gemma's per-layer inputs) share its reduction. Charged all to the first layer, it
+        made gathering the layer's own shard look cheaper to the greedy walk. A whole segment's gradient is
+        summed at its weight (``_whole_segment``): point None, nothing charged."""
+        def replicated(n):
+            return isinstance(plan.placements.get(n), Placement) and plan.placements[n].is_replicate
+
+        point = hoisted_point(value, replicated)
+        if _whole_segment(point, plan):
+            return None, 0.0
+        left = self.ctx.bytes_per_token(point) - plan.grad_paid.get(point, 0.0)
+        if len(point.users) > 1:  # one reduction for several uses: each pays at most what its own value would
+            left = min(left, self.ctx.bytes_per_token(reduction_point(value, replicated)))
+        return point, max(0.0, left)
 
     def _grad_bytes(self, param_node) -> float:
         fake = param_node.meta["example_value"]
@@ -349,7 +373,12 @@ class Solver:
             if isinstance(cur, Placement) and cur.is_partial and cur != req:
                 plan.redistributed.add((i, req))
             if cur is not None and cur.is_replicate and (out_sharded or req.is_shard) and requires_grad(i):
-                plan.grad_reduced.add(self._reduction_point(i, plan) if i not in self.param_nodes else i)
+                if i in self.param_nodes:
+                    plan.grad_reduced.add(i)
+                else:
+                    point, share = self._grad_share(i, plan)
+                    if point is not None:
+                        plan.grad_paid[point] = plan.grad_paid.get(point, 0.0) + share
             elif _made_whole_for_shards(cur, req, out_sharded) and requires_grad(i) and i not in self.param_nodes:
                 plan.grad_reduced.add((i, R))
         if s.name == "fallback" and any(

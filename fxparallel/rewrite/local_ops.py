@@ -15,6 +15,7 @@ from .dropout_masks import attention_with_dropout, dropout_on_shards
 from .expert_masks import masked_rows
 from ..ops.expert_parallel import gather_local_experts, roll_to_local_rows, unroll_local_rows
 from ..plan.op_traits import op_name
+from ..plan.rules.dim_maps import index_shard_dim
 from ..plan.rules.experts import gather_index
 from .editor import GraphEditor
 from ..ops.vocab_parallel import vocab_parallel_cross_entropy as _vocab_ce
@@ -101,6 +102,24 @@ def segment_slice(node: fx.Node, editor: GraphEditor, placement: Placement, inde
         editor.partial_grad_after(node)
 
 
+def owned_item(node: fx.Node, editor: GraphEditor, dim: int, position: int, item: int) -> None:
+    """``x[..., k, ...]`` on the sharded dim ``dim`` (``position`` in the index): the slice ``k:k+1`` of this
+    rank's part where it holds index ``k``, an empty slice elsewhere, summed over that dim: the value on its
+    owner, zeros on the others (a partial sum), by the same graph on every rank."""
+    x, index = node.args[0], node.args[1]
+    items = list(index) if isinstance(index, tuple) else [index]
+    full = editor.full_size(x, dim)
+    start, size = editor.shard_start(full), editor.local_size(full)
+    local = item - start if start <= item < start + size else None
+    items[position] = slice(local, local + 1) if local is not None else slice(0, 0)
+    node.args = (x, tuple(items) if isinstance(index, tuple) else items[0])
+    kept = index_shard_dim(tuple(slice(None) if k == position else it for k, it in enumerate(items)),
+                           len(node.args[0].meta["example_value"].shape), dim)
+    with editor.graph.inserting_after(node):
+        summed = editor.graph.call_method("sum", (node, kept))
+    editor.replace_uses(node, summed)
+
+
 def expert_gather(node: fx.Node, editor: GraphEditor, experts: int) -> None:
     """``W[ids]`` of a weight split by whole experts: this rank's experts (``ops/expert_parallel.py``)."""
     weight = node.args[0]
@@ -156,6 +175,7 @@ LOCAL_OPS = {
     "segment_slice": segment_slice,
     "local_groups": local_groups,
     "expert_gather": expert_gather,
+    "owned_item": owned_item,
     "mask_foreign_rows": mask_foreign_rows,
     "local_expert_groups": local_expert_groups,
     "dropout_on_shards": dropout_on_shards,

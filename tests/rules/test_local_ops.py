@@ -1,4 +1,6 @@
 """rewrite/local_ops.py: what each LocalOp does to a node, per rank (fake group, no processes)."""
+import operator
+
 import torch.nn.functional as F
 from rule_graphs import capture, node
 
@@ -34,3 +36,15 @@ def test_mean_of_full_rescales_the_local_mean():
                    GraphEditor(gm.graph, fake_group(3, rank=2), ShardLayout(3, {10: (4, 4, 2)})))
     scaled = next(iter(n.users))
     assert scaled.args == (n, 2 / 10)
+
+
+def test_owned_item_reads_its_slice_on_the_owner_and_nothing_elsewhere():
+    # row 40 of 100 at tp=3 (34/34/32): rank 1 holds rows 34..67, so its local row 6; rank 2 holds none
+    for rank, kept in ((1, slice(6, 7)), (2, slice(0, 0))):
+        gm = capture(lambda w: w[40], (100, 16))
+        n = node(gm, operator.getitem)
+        apply_local_op(n, LocalOp.of("owned_item", dim=0, position=0, item=40),
+                       GraphEditor(gm.graph, fake_group(3, rank=rank), ShardLayout(3, {100: (34, 34, 32)})))
+        assert n.args[1] == kept
+        (summed,) = n.users
+        assert summed.target == "sum" and summed.args == (n, 0) and gm.graph.output_node().args[0] in (summed, (summed,))

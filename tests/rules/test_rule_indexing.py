@@ -1,7 +1,8 @@
 """plan/rules/indexing.py, reads (writes: test_rule_writes.py): basic indexing keeps a shard of a dim it
 leaves whole, moved to where that dim lands; every k-th element of a shard whose blocks hold whole
-strides (GPT-OSS's interleaved gate/up); one segment of a fused projection (``segment_slice``, a whole
-segment coming out replicated); and ``aten.slice`` on another dim. Anything else reads the value whole."""
+strides (GPT-OSS's interleaved gate/up); one index of the sharded dim (its owner's value, a partial
+sum: ``owned_item``); one segment of a fused projection (``segment_slice``, a whole segment coming out
+replicated); and ``aten.slice`` on another dim. Anything else reads the value whole."""
 import operator
 
 import torch
@@ -23,9 +24,8 @@ def test_basic_indexing_moves_the_shard_with_its_dim():
                     (lambda x: x[1], S(1))):
         x, found = _found(fn, S(2))
         assert [(s.inputs, s.output) for s in found] == [({x: S(2)}, out), ({x: R}, R)]
-    for fn in (lambda x: x[:, 0], lambda x: x[:, 2:4]):  # indexing the sharded dim itself
-        x, found = _found(fn, S(1))
-        assert [s.output for s in found] == [R]
+    x, found = _found(lambda x: x[:, 2:4], S(1))  # a slice of the sharded dim itself (one index of it: below)
+    assert [s.output for s in found] == [R]
 
 
 def test_every_kth_element_of_a_shard():
@@ -58,3 +58,15 @@ def test_aten_slice_keeps_a_shard_of_another_dim():
     sliced = next(n for n in gm.graph.nodes if n.op == "call_function")
     assert [(s.inputs, s.output) for s in strategies(sliced, {x: S(2)})] == [({x: S(2)}, S(2)), ({x: R}, R)]
     assert [s.output for s in strategies(sliced, {x: S(1)})] == [R]
+
+
+def test_one_index_of_the_sharded_dim_is_its_owners_partial_value():
+    from fxparallel.plan.placement import P
+
+    for fn, placement, local in ((lambda x: x[:, 3], S(1), LocalOp.of("owned_item", dim=1, position=1, item=3)),
+                                 (lambda x: x[-1], S(0), LocalOp.of("owned_item", dim=0, position=0, item=3)),
+                                 (lambda x: x[..., 5], S(2), LocalOp.of("owned_item", dim=2, position=1, item=5))):
+        x, found = _found(fn, placement)
+        assert [(s.inputs, s.output, s.local) for s in found] == [({x: placement}, P, local), ({x: R}, R, None)]
+    x, found = _found(lambda x: x[:, 3], S(1), shape=(4, 7, 16))  # 7 rows cannot be split at tp=2
+    assert [s.output for s in found] == [R]

@@ -91,3 +91,27 @@ def test_a_tensor_written_whole_stays_whole_for_a_later_reader_of_a_shard():
     captured = captured_graph(gm, params=names, inputs={0: "pos", 1: "new"})
     plan = solve(captured, 4, fixed={"layers.0.w": S(1), "layers.1.w": S(1)}, layout=ShardLayout(4))
     assert plan.params["layers.0.cache"] == plan.params["layers.1.cache"] == R
+
+
+def _per_layer_inputs(x, scale, g0, p0, g1, p1):
+    per_layer = (x.sum(-1, keepdim=True) * scale).view(3, 5, 2, 64)  # replicated, requires grad
+    h = x + F.linear(F.gelu(F.linear(x, g0)) * per_layer[:, :, 0, :], p0)
+    return h + F.linear(F.gelu(F.linear(h, g1)) * per_layer[:, :, 1, :], p1)
+
+
+def test_layers_reading_slices_of_one_replicated_tensor_share_its_gradient_reduction():
+    """Gemma 4's per-layer inputs: each layer multiplies its column-parallel gate by its slice of one replicated
+    tensor, then a row-parallel projection. Each slice is used by shards (sliced locally), and the gradients of
+    all the slices are reduced once, on the whole tensor. Charging that whole reduction to the first layer made
+    gathering the gate (an all-gather per layer, and a backward all-reduce per layer) look cheaper at TP=4."""
+    import operator
+
+    gm = capture(_per_layer_inputs, (3, 5, 16), (128,), (64, 16), (16, 64), (64, 16), (16, 64), params=(1, 2, 3, 4, 5))
+    names = {1: "scale", 2: "layers.0.gate.weight", 3: "layers.0.proj.weight", 4: "layers.1.gate.weight",
+             5: "layers.1.proj.weight"}
+    for tp in (2, 4):
+        plan = solve(captured_graph(gm, params=names, inputs={0: "x"}), tp, layout=ShardLayout(tp))
+        products = [n for n in gm.graph.nodes if n.target is operator.mul and n.args[0].target is F.gelu]
+        assert [plan.placements[n] for n in products] == [S(2), S(2)], tp
+        assert plan.params["layers.0.gate.weight"] == S(0) and plan.params["layers.1.proj.weight"] == S(1)
+

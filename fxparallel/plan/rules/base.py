@@ -48,7 +48,7 @@ class LocalOp:
     ``local_view_size`` (dim, full, segmented), ``block_view_size`` (dim, block),
     ``segment_slice`` (placement, position, segment), ``dropout_on_shards`` (placement),
     ``attention_with_dropout`` (placement), ``local_groups`` (channels), ``expert_gather`` (experts),
-    ``mask_foreign_rows`` (lead)."""
+    ``owned_item`` (dim, position, item), ``mask_foreign_rows`` (lead)."""
 
     kind: str
     args: tuple = ()  # (name, value) pairs, so the op is hashable and compares by value

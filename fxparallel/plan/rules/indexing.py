@@ -1,13 +1,14 @@
 """Indexing: ``x[...]`` (getitem) on a sharded value: basic indexing that keeps the sharded dim
-whole, expert-id gathers (``experts.py``), strided slices of a block, and one segment of a
-fused projection (its local slice is rewritten by ``rewrite/local_ops.py: segment_slice``)."""
+whole, one index of the sharded dim (a partial sum: its owner's value), expert-id gathers
+(``experts.py``), strided slices of a block, and one segment of a fused projection (its local
+slice is rewritten by ``rewrite/local_ops.py: segment_slice``)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch.fx as fx
 
-from ..placement import R, S
+from ..placement import P, R, S
 from .base import LocalOp, Strategy, norm_dim, register, tensor_inputs
 from .dim_maps import index_shard_dim
 from .experts import gather_index, gather_strategies
@@ -41,6 +42,7 @@ def _getitem(node, placements, ctx):
                 strategies.extend(segment_slice_strategy(node, x, p, index, ctx))
             elif p.block is None:
                 strategies.extend(strided_slice_strategy(x, p, index, ctx))
+                strategies.extend(owned_item_strategy(x, p, index, ctx))
     elif p.is_shard and p.whole and inputs == [x] and _one_item_list_as_slice(index, ctx.fake(x).shape):
         # ``fused[..., [-2], :]``: one head picked by a list, as the slice it equals (Falcon-7B's k and v)
         strategies.extend(segment_slice_strategy(node, x, p, _one_item_list_as_slice(index, ctx.fake(x).shape), ctx))
@@ -185,6 +187,20 @@ def strided_slice_strategy(x, p, index, ctx) -> list:
     out_dim = index_shard_dim(tuple(slice(None) if j == position else it for j, it in enumerate(items)),
                               ctx.ndim(x), p.dim)
     return [] if out_dim is None else [Strategy({x: p}, p.with_dim(out_dim), note="every k-th element of a shard")]
+
+
+def owned_item_strategy(x, p, index, ctx) -> list:
+    """``x[..., k, ...]`` with an int on the sharded dim: the rank holding index k gives its value, the others
+    zeros, so the result is a partial sum (one all-reduce of the item where a consumer needs it whole) instead of
+    a gather of ``x``. Gemma 4 reads its pad token's row of the vocabulary-split embedding,
+    ``embed_tokens.weight[pad_id, :]``: the gather was of the whole table, every step."""
+    items = index if isinstance(index, tuple) else (index,)
+    position = _sharded_item(items, ctx.ndim(x), p.dim)
+    size = ctx.fake(x).shape[p.dim]
+    if position is None or type(items[position]) is not int or not isinstance(size, int) or not ctx.can_split(size):
+        return []
+    return [Strategy({x: p}, P, note="one index of a shard: its owner's value, zeros on the other ranks",
+                     local=LocalOp.of("owned_item", dim=p.dim, position=position, item=items[position] % size))]
 
 
 def segment_slice_strategy(node, x, p, index, ctx) -> list:
