@@ -2,10 +2,13 @@
 
     torchrun --nproc_per_node=2 examples/train_trainer.py                      # a tiny Llama built here
     torchrun --nproc_per_node=2 examples/train_trainer.py --model DIR_OR_HUB_ID --steps 20
+    torchrun --nproc_per_node=4 examples/train_trainer.py --dp 2                # dp 2 x tp 2
 
-Every rank of the job is one tensor-parallel group (world = tp). Trainer reads ``model.tp_size``, takes
-transformers' tensor-parallel path (no DistributedDataParallel, the same batch on every rank) and sees the
-parameters as DTensors, so its gradient clipping uses the true global norm; ``num_items_in_batch``,
+The job is a (dp, tp) mesh (``fxparallel.runtime.init_mesh``; --dp 1: one tensor-parallel group) and the model is
+parallelized over its tp sub-mesh. Trainer reads ``model.tp_size`` and the dp size from
+``model.config.distributed_config``, takes transformers' tensor-parallel path (no DistributedDataParallel, the
+same batch on the ranks of a tp group, the data split over dp) and sees the parameters as DTensors over the mesh,
+so its gradient clipping uses the true global norm; gradients are averaged over dp once per step; ``num_items_in_batch``,
 gradient accumulation and gradient checkpointing are the model's own. Checkpoints every --steps / 2 steps
 resume exactly (``save_only_model=True`` with ``fxparallel.TrainerCheckpoints()``; ``--resume`` continues from the
 last one). ``save_model`` gathers the shards and writes a checkpoint ``from_pretrained`` loads. accelerate allows that path on GPUs only: on a CPU job
@@ -25,6 +28,7 @@ import torch.distributed as dist
 
 import fxparallel
 from fxparallel.accelerate_cpu import allow_tensor_parallel_on_cpu
+from fxparallel.runtime import init_mesh
 from generate import WORDS, build_default
 
 
@@ -46,6 +50,7 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="out/train_trainer")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel size (tp = world / dp)")
     args = parser.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,7 +65,8 @@ def main():
     if device == "cpu":
         allow_tensor_parallel_on_cpu()  # accelerate's one GPU-only check on this path (see the docstring)
 
-    model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    mesh = init_mesh(dp=args.dp, tp=dist.get_world_size() // args.dp)
+    model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     training = TrainingArguments(
         output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,

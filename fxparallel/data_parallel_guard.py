@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from .errors import GroupError
 
-ADVICE = ("for data parallelism over more ranks use fxparallel.runtime (init_mesh, then parallelize over "
-          "mesh.tp_mesh and apply_data_parallel(model, mesh): FSDP2 over the dp ranks); to train one "
-          "tensor-parallel group, use transformers.Trainer (it reads model.tp_size and leaves the model unwrapped), "
-          "accelerate with ParallelismConfig(tp_size=...), or your own loop (fxparallel.runtime.train_step)")
+ADVICE = ("parallelize over mesh.tp_mesh of fxparallel.runtime.init_mesh(tp=..., dp=...) and train with "
+          "transformers.Trainer (it reads model.tp_size and leaves the model unwrapped; the dp ranks then average "
+          "the gradients), accelerate with ParallelismConfig(tp_size=...), or fxparallel.runtime "
+          "(apply_data_parallel(model, mesh): FSDP2 over the dp ranks, then train_step)")
 
 
 class DataParallelError(GroupError):

@@ -28,6 +28,7 @@ from .errors import GroupError
 log = logging.getLogger("fxparallel")
 
 _GROUPS: dict[int, "TPGroup"] = {}
+_MESHES: dict[int, object] = {}  # handle -> the 1-D DeviceMesh a group was given as (its root names the other dims)
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,7 +110,9 @@ def resolve_group(group, name: str, error=GroupError) -> TPGroup:
         if group.ndim != 1:
             raise error(f"{name} is a {group.ndim}-D DeviceMesh {tuple(group.mesh_dim_names or ())}; pass the 1-D "
                         f"sub-mesh, e.g. mesh['{sub}']")
-        group = group.get_group()
+        mesh, group = group, group.get_group()
+    else:
+        mesh = None
     if not dist.is_available() or not dist.is_initialized():
         raise error(f"{name} was given but torch.distributed is not initialized: call dist.init_process_group(...) "
                     "(torchrun does this through the environment) before parallelize")
@@ -123,7 +126,16 @@ def resolve_group(group, name: str, error=GroupError) -> TPGroup:
         rank = -1
     if rank < 0:
         raise _not_a_member(group, name, error)
-    return _register(group, rank, dist.get_world_size(group))
+    registered = _register(group, rank, dist.get_world_size(group))
+    if mesh is not None:
+        _MESHES.setdefault(registered.handle, mesh)
+    return registered
+
+
+def given_mesh(group: TPGroup):
+    """The 1-D DeviceMesh ``group`` was given as (None for a ProcessGroup): its root mesh holds the job's other
+    dimensions (``dtensor_parameters``' data-parallel dim)."""
+    return _MESHES.get(group.handle)
 
 
 def resolve_tp_group(tp_group, planning: bool = False) -> TPGroup:

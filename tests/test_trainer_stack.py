@@ -30,24 +30,27 @@ import os
 from distributed import run_ranks
 
 
-def _trainer_run(model, out_dir, save_to=None, optim="adamw_torch", use_cpu=True):
-    """Train ``model`` with stock Trainer for 4 optimizer steps (then ``save_model(save_to)``); returns
-    (losses, grad norms). ``use_cpu=False``: on the GPU (tests/test_cuda.py)."""
+def _trainer_run(model, out_dir, save_to=None, optim="adamw_torch", use_cpu=True, batch=2, rows=16,
+                 sampling="random"):
+    """Train ``model`` with stock Trainer for 4 optimizer steps of 2 micro-batches of ``batch`` rows (then
+    ``save_model(save_to)``); returns (losses, grad norms). ``use_cpu=False``: on the GPU (tests/test_cuda.py);
+    ``sampling="sequential"``: the same rows make each global batch however data parallelism splits it."""
     import torch
     from transformers import Trainer, TrainingArguments
 
     g = torch.Generator().manual_seed(3)
-    rows = []
-    for _ in range(16):
+    data = []
+    for i in range(rows):
         ids = torch.randint(0, 128, (9,), generator=g).tolist()
         labels = list(ids)
-        labels[2] = -100  # a masked token: num_items_in_batch must count only the others
-        rows.append({"input_ids": ids, "labels": labels})
-    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        labels[2 + i % 3] = -100  # masked tokens, unequal per row: num_items_in_batch counts only the others
+        data.append({"input_ids": ids, "labels": labels})
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=batch, gradient_accumulation_steps=2,
                              max_steps=4, learning_rate=5e-2, lr_scheduler_type="linear", warmup_steps=1,
                              max_grad_norm=0.5, gradient_checkpointing=True, logging_steps=1, report_to=[],
-                             use_cpu=use_cpu, save_strategy="no", seed=7, dataloader_num_workers=0, optim=optim)
-    trainer = Trainer(model=model, args=args, train_dataset=rows)
+                             use_cpu=use_cpu, save_strategy="no", seed=7, dataloader_num_workers=0, optim=optim,
+                             train_sampling_strategy=sampling)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     if save_to is not None:
         trainer.save_model(save_to)
@@ -107,14 +110,14 @@ def _tensor_parallel_trainer(rank, world, path, root):
     return result
 
 
-def _resumed(rank, world, path, root, use_cpu=True):
+def _resumed(rank, world, path, root, use_cpu=True, tp_group=None):
     """Trainer checkpoints at TP=2 (``save_only_model=True``, ``fxparallel.TrainerCheckpoints``): 4 steps with a
     checkpoint after 2, then a fresh parallel model resumed from it (``resume_from_checkpoint``): its steps 3 and 4
     (losses, clipped grad norms, learning rates) and final weights against the uninterrupted run's; a checkpoint
     without the callback's files, and states of another checkpoint than the one Trainer resumes, refused before the
     resumed run's first step. And ``load_state_dict`` of
     transformers' complete state dict (what the resume loads) gives transformers' logits. ``use_cpu=False``: on the
-    GPU (tests/test_cuda.py)."""
+    GPU (tests/test_cuda.py); ``tp_group``: the model's (default: the whole job; a tp sub-mesh for dp x tp)."""
     import shutil
 
     import torch
@@ -126,12 +129,13 @@ def _resumed(rank, world, path, root, use_cpu=True):
     from fxparallel.accelerate_cpu import allow_tensor_parallel_on_cpu
 
     allow_tensor_parallel_on_cpu()
+    tp_group = dist.group.WORLD if tp_group is None else tp_group
     g = torch.Generator().manual_seed(11)
-    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (16, 9), generator=g).tolist()]
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 9), generator=g).tolist()]
     out_dir = f"{root}/resume"
 
     def train(resume=None, callbacks=None):
-        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+        model = fxparallel.parallelize(path, tp_group, dtype=torch.float32)
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                  max_steps=4, learning_rate=5e-2, lr_scheduler_type="linear", warmup_steps=1,
                                  max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=use_cpu, seed=7,
@@ -157,7 +161,7 @@ def _resumed(rank, world, path, root, use_cpu=True):
     out["other_folder"] = raised(lambda: train(resume=f"{out_dir}/checkpoint-2", callbacks=[  # step 4's states
         fxparallel.TrainerCheckpoints(resume_from=f"{out_dir}/checkpoint-4")]))
 
-    model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    model = fxparallel.parallelize(path, tp_group, dtype=torch.float32)
     single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         for p in single.parameters():

@@ -1,0 +1,94 @@
+"""Stock ``transformers.Trainer`` over dp x tp (issue 31): 4 ranks, the model parallelized over the tp sub-mesh of
+``fxparallel.runtime.init_mesh(tp=2, dp=2)``. Trainer reads the dp size from the model's
+``config.distributed_config`` and splits the data over dp only; the parameters are DTensors over the (dp, tp) mesh,
+so that its clipping takes the true global norm; gradients are averaged over dp once per optimizer step (accelerate's
+``no_sync`` between the micro-batches of gradient accumulation). Against the single-device Trainer on the same
+global batches: losses, clipped grad norms, every final weight; every rank of a tp position holds the same shard
+and replicated weights are bit-identical on all four; ``save_model`` writes what transformers loads as the trained
+model; Trainer checkpoints (``fxparallel.TrainerCheckpoints``) resume to the uninterrupted run (test_trainer_stack's
+``_resumed`` over the tp sub-mesh). A model parallelized over a ProcessGroup cannot say which ranks are its data-parallel peers: refused,
+naming the mesh to use."""
+from __future__ import annotations
+
+from distributed import run_ranks
+from test_trainer_stack import _check_resumed, _resumed, _single_process, _trainer_run
+
+
+def _dp_tp(rank, world, path, root):
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    import fxparallel
+    from checks import raised
+    from fxparallel.accelerate_cpu import allow_tensor_parallel_on_cpu
+    from fxparallel.runtime import init_mesh
+
+    allow_tensor_parallel_on_cpu()
+    mesh = init_mesh(tp=2, dp=2)
+    out = {}
+    over_group = fxparallel.parallelize(path, mesh.tp_mesh.get_group(), dtype=torch.float32)
+    out["over_group"] = raised(lambda: over_group.tp_size)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp_outer = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))  # tp groups {0, 2} and {1, 3}
+    out["tp_outer"] = raised(lambda: fxparallel.parallelize(path, tp_outer["tp"], dtype=torch.float32).tp_size)
+
+    model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32)
+    averages = []
+    model.tp_size  # noqa: B018 -- Trainer's first read; here to count the averages that follow
+    dp = model.__dict__["_dtensor_data_parallel"]
+    average = dp.average
+    dp.average = lambda: (averages.append(1), average())[1]
+    out["trainer"] = _trainer_run(model, f"{root}/dp{rank}", save_to=f"{root}/saved", rows=32, sampling="sequential")
+    out["averages"] = len(averages)
+    out["placements"] = sorted({str(p.placements) for _, p in model.named_parameters()})
+    local = torch.cat([p.detach().flatten() for _, p in model.local_named_parameters()])
+    copies = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(copies, local)
+    tp_rank = mesh.tp_rank
+    out["same_shard_over_dp"] = all(torch.equal(copies[r], local) for r in range(world) if r % 2 == tp_rank)
+
+    if rank == 0:
+        single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        out["trainer_ref"] = _single_process(_trainer_run, single, f"{root}/single", batch=4, rows=32,
+                                              sampling="sequential")
+        save_file({n: p.detach().contiguous() for n, p in single.named_parameters()}, f"{root}/single.safetensors")
+    dist.barrier()
+    ref = load_file(f"{root}/single.safetensors")
+    out["weights"] = max((p.detach() - model.plan.param(n).shard_of(ref[n], tp_rank, 2)).abs().max().item()
+                         for n, p in model.local_named_parameters())
+    replicated = [p.detach().flatten() for n, p in model.local_named_parameters()
+                  if not model.plan.param(n).placement.is_shard]
+    local = torch.cat(replicated)
+    dist.all_gather(copies := [torch.empty_like(local) for _ in range(world)], local)
+    out["replicated_identical"] = all(torch.equal(c, local) for c in copies)
+    out["replicated_count"] = len(replicated)
+    saved = AutoModelForCausalLM.from_pretrained(f"{root}/saved", dtype=torch.float32)
+    out["saved_equals_shards"] = all(torch.equal(model.plan.param(n).shard_of(p.detach(), tp_rank, 2),
+                                                 dict(model.local_named_parameters())[n].detach())
+                                     for n, p in saved.named_parameters())
+    out["resumed"] = _resumed(rank, world, path, root, tp_group=mesh.tp_mesh)
+    return out
+
+
+def test_trainer_over_dp_and_tp(checkpoints, tmp_path):
+    results = run_ranks(4, _dp_tp, checkpoints["llama"], str(tmp_path))
+    ref_losses, ref_norms = results[0]["trainer_ref"]
+    assert max(ref_norms) > 0.5  # the clipping acted
+    for r in results:
+        losses, norms = r["trainer"]
+        assert len(losses) == 4 == len(ref_losses)
+        for ours, theirs in zip(losses + norms, ref_losses + ref_norms):
+            assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (losses, ref_losses, norms, ref_norms)
+        assert r["weights"] < 1e-5, r["weights"]
+        assert r["averages"] == 4, r["averages"]  # once per optimizer step: not after the no_sync micro-batch
+        assert all(p.startswith("(Replicate(), ") for p in r["placements"]), r["placements"]
+        assert r["same_shard_over_dp"] and r["replicated_identical"] and r["replicated_count"] == 5, r
+        assert r["saved_equals_shards"], r
+        _check_resumed(r["resumed"])
+        assert "as if consecutive ranks formed each tp group" in r["tp_outer"] and "[[0, 2], [1, 3]]" in r["tp_outer"], \
+            r["tp_outer"]
+        assert "the world has 4 ranks and the model's tp group 2" in r["over_group"] and \
+            "init_mesh(tp=..., dp=...).tp_mesh" in r["over_group"], r["over_group"]
