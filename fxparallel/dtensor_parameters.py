@@ -21,23 +21,19 @@ allowed: a fused weight of equal parts (gate / up) is a ``_StridedShard`` (``tra
 parts (q / k / v with fewer kv heads) or an uneven split is refused naming the parameter, before anything
 changes.
 
-Data parallelism around the tp group (world = dp x tp): the model must have been parallelized over the tp
-sub-mesh of a DeviceMesh over the whole job (``fxparallel.runtime.init_mesh(tp=..., dp=...).tp_mesh``), whose
-other dimension is the data-parallel one. The views are then DTensors over the 2-D (dp, tp) mesh, ``Replicate()``
-over dp (every dp rank keeps its whole tp shard, as DDP does), and at the end of each backward the gradients are
-averaged over the dp ranks in one all-reduce (``_DataParallelGradients``), skipped inside ``model.no_sync()``,
-DDP's name, which accelerate calls between the micro-batches of gradient accumulation. Trainer learns the dp size
-from ``config.distributed_config`` (``DistributedConfig(tp_size, dp_replicate_size)``, transformers' record) and
-splits the data over dp only."""
+Data parallelism around the tp group (world = dp x tp, the model parallelized over the tp sub-mesh of the job's
+mesh): the views are DTensors over the (dp, tp) mesh, ``Replicate()`` over dp, and their gradients are averaged
+over dp once per optimizer step (``trainer_data_parallel.py``); Trainer learns the dp size from
+``config.distributed_config`` (``DistributedConfig(tp_size, dp_replicate_size)``) and splits the data over dp only."""
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import torch.distributed as dist
 
 from .errors import GroupError
+from .trainer_data_parallel import DataParallelGradients, view_mesh
 
 
 class DTensorParametersError(GroupError):
@@ -74,7 +70,7 @@ def use_dtensor_parameters(model) -> None:
                 f"transformers.Trainer / accelerate need the parallel model's parameters as DTensors, and {err}: "
                 "DTensor has no placement for it. Train this model with fxparallel.runtime.train_step (its clipping "
                 "and checkpoints handle every placement), or choose a tp size without such shards") from None
-    mesh = _view_mesh(model)
+    mesh = view_mesh(model)
     over_dp = [Replicate()] * (mesh.ndim - 1)
     views = {}
     for name, param in model.local_named_parameters():
@@ -83,7 +79,7 @@ def use_dtensor_parameters(model) -> None:
             DTensor.from_local(param.detach(), mesh, over_dp + [placements[id(param)]], run_check=False, shape=full,
                                stride=contiguous_stride(full)), requires_grad=param.requires_grad)
         views[id(param)] = view
-    dp = _DataParallelGradients(mesh.get_group(0), list(views.values())) if mesh.ndim == 2 else None
+    dp = DataParallelGradients(mesh.get_group(0), list(views.values())) if mesh.ndim == 2 else None
     for _, param in model.local_named_parameters():
         _hook(param, views[id(param)], dp)
     model.__dict__["_dtensor_views"] = views
@@ -113,7 +109,7 @@ def trainer_placement(plan_param, tp: int):
 
 def _hook(param, view, dp=None) -> None:
     """Move ``param``'s gradients onto ``view`` from now on, once (a frozen parameter takes no hook: a LoRA
-    adapter's base weights); ``dp``: the model's ``_DataParallelGradients``, told of each backward."""
+    adapter's base weights); ``dp``: the model's ``DataParallelGradients``, told of each backward."""
     if param.requires_grad and not getattr(param, "_fxparallel_moves_grad", False):
         param.register_post_accumulate_grad_hook(functools.partial(_move_gradient, view, dp))
         param._fxparallel_moves_grad = True
@@ -138,7 +134,7 @@ def refresh_views(model) -> None:
         view = views[id(param)]
         if view._local_tensor.data_ptr() != param.data_ptr() or view.dtype != param.dtype:
             # ``view.data = ...`` would leave the DTensor's local tensor behind: swap the whole object's contents
-            fresh = torch.nn.Parameter(_like(view, param.detach()), requires_grad=view.requires_grad)
+            fresh = torch.nn.Parameter(like_view(view, param.detach()), requires_grad=view.requires_grad)
             torch.utils.swap_tensors(view, fresh)
 
 
@@ -148,70 +144,14 @@ def _move_gradient(view, dp, param) -> None:
     if grad is None or not view.requires_grad:
         return
     if view.grad is None:
-        view.grad = _like(view, grad)
+        view.grad = like_view(view, grad)
     else:
         view.grad._local_tensor.add_(grad)
     if dp is not None:
         dp.after_backward()
 
 
-class _DataParallelGradients:
-    """Averages the views' gradients over the data-parallel ranks once per backward, at its end (one all-reduce
-    per dtype), as DDP does; inside ``suspended()`` (``model.no_sync()``) gradients only accumulate, and the
-    next backward outside it averages the sum. Which views have a gradient travels with them, so a parameter
-    without one on every rank keeps none."""
-
-    def __init__(self, group, views):
-        self.group, self.views = group, views
-        self.size = dist.get_world_size(group)
-        self.sync = True
-        self.queued_in = None  # the backward (autograd graph task) whose end averages; one that failed never ends
-
-    def after_backward(self) -> None:
-        task = torch._C._current_graph_task_id()
-        if self.sync and task != self.queued_in:
-            self.queued_in = task
-            torch.autograd.Variable._execution_engine.queue_callback(self.average)
-
-    @contextlib.contextmanager
-    def suspended(self):
-        before, self.sync = self.sync, False
-        try:
-            yield
-        finally:
-            self.sync = before
-
-    def average(self) -> None:
-        by_dtype = {}
-        for view in self.views:
-            if view.requires_grad:
-                by_dtype.setdefault(view.dtype, []).append(view)
-        for dtype, views in by_dtype.items():
-            local = [v._local_tensor for v in views]
-            parts = [v.grad._local_tensor.reshape(-1) if v.grad is not None else t.new_zeros(t.numel())
-                     for v, t in zip(views, local)]
-            held = torch.tensor([v.grad is not None for v in views], dtype=dtype, device=local[0].device)
-            flat = torch.cat(parts + [held])
-            dist.all_reduce(flat, group=self.group)
-            counts = flat[-len(views):].tolist()
-            pieces = flat[:-len(views)].div_(self.size).split([t.numel() for t in local])
-            for view, t, piece, count in zip(views, local, pieces, counts):
-                if count == 0:
-                    continue
-                if view.grad is None:
-                    view.grad = _like(view, piece.view_as(t).clone())
-                else:
-                    view.grad._local_tensor.copy_(piece.view_as(t))
-
-
-def no_gradient_sync(model):
-    """The context of ``model.no_sync()``: no data-parallel gradient average in the backwards run inside it
-    (a no-op without data parallelism)."""
-    dp = model.__dict__.get("_dtensor_data_parallel")
-    return dp.suspended() if dp is not None else contextlib.nullcontext()
-
-
-def _like(view, local):
+def like_view(view, local):
     """A DTensor with ``view``'s mesh, placements and global shape over the local tensor ``local``."""
     from torch.distributed.tensor import DTensor
 
@@ -224,43 +164,3 @@ def _refuse_unsupported_layouts(model) -> None:
     if model.cp_group is not None:
         raise DTensorParametersError("transformers.Trainer with context parallelism (cp_group) is not supported; "
                                      "use fxparallel.runtime.train_step")
-
-
-def _view_mesh(model):
-    """The mesh of the views: the tp group's (1-D) when it spans the job; else the 2-D (dp, tp) mesh from the
-    root of the DeviceMesh the model was parallelized over, checked to be laid out as accelerate lays out
-    ``ParallelismConfig(dp_shard_size=dp, tp_size=tp)`` (consecutive ranks form a tp group), so that Trainer's
-    data split and the model's groups agree."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from .group import given_mesh
-
-    group = model.tp_group
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == group.size:
-        return DeviceMesh.from_group(group.process_group, model.device_.type)
-    tp_mesh = given_mesh(group)
-    if tp_mesh is None:
-        raise DTensorParametersError(
-            f"transformers.Trainer / accelerate with data parallelism around the parallel model (the world has {world} "
-            f"ranks and the model's tp group {group.size}) need its device mesh: parallelize over the tp sub-mesh of a "
-            "DeviceMesh over the whole job, fxparallel.parallelize(..., fxparallel.runtime.init_mesh(tp=..., "
-            "dp=...).tp_mesh) (or torch's init_device_mesh(..., mesh_dim_names=('dp', 'tp'))['tp']), not a "
-            "ProcessGroup")
-    root = tp_mesh._get_root_mesh()
-    tp_name = tp_mesh.mesh_dim_names[0]
-    others = [(n, s) for n, s in zip(root.mesh_dim_names, root.mesh.shape) if n != tp_name and s > 1]
-    if root.mesh.numel() != world or len(others) != 1 or "cp" in others[0][0]:
-        raise DTensorParametersError(
-            f"transformers.Trainer / accelerate with the parallel model need a mesh of one data-parallel dim and the "
-            f"tp dim over the whole job ({world} ranks); the model's tp mesh {tp_name!r} belongs to a mesh of dims "
-            f"{dict(zip(root.mesh_dim_names, root.mesh.shape.tolist()))} over {root.mesh.numel()} ranks"
-            + (" (context parallelism through Trainer is not supported)" if any("cp" in n for n, _ in others) else ""))
-    (dp_name, dp), names = others[0], list(root.mesh_dim_names)
-    grid = root.mesh.movedim((names.index(dp_name), names.index(tp_name)), (0, 1)).reshape(dp, group.size).cpu()
-    if not torch.equal(grid, torch.arange(world).reshape(dp, group.size)):
-        raise DTensorParametersError(
-            f"transformers.Trainer / accelerate split the data as if consecutive ranks formed each tp group "
-            f"(ParallelismConfig(dp_shard_size={dp}, tp_size={group.size})), but the model's mesh groups ranks "
-            f"{grid.tolist()} (dp x tp): put the tp dim after the data-parallel one when building the mesh")
-    return root[(dp_name, tp_name)]

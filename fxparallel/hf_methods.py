@@ -66,7 +66,8 @@ import torch
 from torch import nn
 
 from . import fused_head
-from .dtensor_parameters import dtensor_views, no_gradient_sync, refresh_views, use_dtensor_parameters
+from .dtensor_parameters import dtensor_views, refresh_views, use_dtensor_parameters
+from .trainer_data_parallel import no_gradient_sync
 from .errors import ArgumentError, ShardingError
 from .inputs import ARGUMENTS
 
@@ -179,7 +180,7 @@ class HuggingFaceMethods:
     def no_sync(self):
         """DDP's context for the micro-batches of gradient accumulation, which accelerate enters: under Trainer
         with data parallelism around the tp group, the backwards inside it leave the gradient average over the
-        dp ranks to the next one outside (``dtensor_parameters.py``); otherwise nothing to skip."""
+        dp ranks to the next one outside (``trainer_data_parallel.py``); otherwise nothing to skip."""
         return no_gradient_sync(self)
 
     @property

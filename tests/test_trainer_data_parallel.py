@@ -6,18 +6,20 @@ so that its clipping takes the true global norm; gradients are averaged over dp 
 global batches: losses, clipped grad norms, every final weight; every rank of a tp position holds the same shard
 and replicated weights are bit-identical on all four; ``save_model`` writes what transformers loads as the trained
 model; Trainer checkpoints (``fxparallel.TrainerCheckpoints``) resume to the uninterrupted run (test_trainer_stack's
-``_resumed`` over the tp sub-mesh). A model parallelized over a ProcessGroup cannot say which ranks are its data-parallel peers: refused,
-naming the mesh to use."""
+``_resumed`` over the tp sub-mesh); TRL's SFTTrainer trains a LoRA adapter over dp x tp with PeftModel's results.
+A model parallelized over a ProcessGroup cannot say which ranks are its data-parallel peers: refused, naming the
+mesh to use; so is a mesh whose tp groups are not consecutive ranks (accelerate's data split assumes they are)."""
 from __future__ import annotations
 
 from distributed import run_ranks
-from test_trainer_stack import _check_resumed, _resumed, _single_process, _trainer_run
+from test_trainer_stack import _check_resumed, _resumed, _sft_run, _single_process, _trainer_run
 
 
 def _dp_tp(rank, world, path, root):
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
+    from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
     import fxparallel
@@ -30,8 +32,6 @@ def _dp_tp(rank, world, path, root):
     out = {}
     over_group = fxparallel.parallelize(path, mesh.tp_mesh.get_group(), dtype=torch.float32)
     out["over_group"] = raised(lambda: over_group.tp_size)
-    from torch.distributed.device_mesh import init_device_mesh
-
     tp_outer = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))  # tp groups {0, 2} and {1, 3}
     out["tp_outer"] = raised(lambda: fxparallel.parallelize(path, tp_outer["tp"], dtype=torch.float32).tp_size)
 
@@ -70,6 +70,39 @@ def _dp_tp(rank, world, path, root):
                                                  dict(model.local_named_parameters())[n].detach())
                                      for n, p in saved.named_parameters())
     out["resumed"] = _resumed(rank, world, path, root, tp_group=mesh.tp_mesh)
+    out["sft_lora"] = _sft_lora(rank, mesh, root)
+    return out
+
+
+def _sft_lora(rank, mesh, root):
+    """TRL's SFTTrainer training a LoRA adapter over dp x tp, against PeftModel's in one process on the same global
+    batches: logged losses, grad norms, entropies, token accuracies, and the trained adapter."""
+    import torch
+    import torch.distributed as dist
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import fxparallel
+    from models import save_with_tokenizer
+
+    path, adapter = f"{root}/with_tokenizer", f"{root}/sft-adapter"
+    if rank == 0:
+        save_with_tokenizer(path)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), config).save_pretrained(adapter)
+    dist.barrier()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    parallel = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32)
+    parallel.load_adapter(adapter, is_trainable=True)
+    out = {"dp_tp": _sft_run(parallel, tokenizer, f"{root}/sft-lora{rank}")}
+    ours = parallel.get_adapter_state_dict()  # gathers over tp: every rank takes part
+    if rank == 0:
+        single = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adapter,
+                                           is_trainable=True)
+        out["single"] = _single_process(_sft_run, single, tokenizer, f"{root}/sft-lora-single", batch=4)
+        theirs = {k.removeprefix("base_model.model.").replace(".default.", "."): p.detach()
+                  for k, p in single.named_parameters() if ".lora_" in k}
+        out["adapter"] = (sorted(ours) == sorted(theirs), max((ours[k] - theirs[k]).abs().max().item() for k in theirs))
     return out
 
 
@@ -88,7 +121,14 @@ def test_trainer_over_dp_and_tp(checkpoints, tmp_path):
         assert r["same_shard_over_dp"] and r["replicated_identical"] and r["replicated_count"] == 5, r
         assert r["saved_equals_shards"], r
         _check_resumed(r["resumed"])
+        lora = r["sft_lora"]
+        for key, ours in lora["dp_tp"].items():
+            theirs = results[0]["sft_lora"]["single"][key]
+            assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(ours, theirs)), (
+                key, ours, theirs)
         assert "as if consecutive ranks formed each tp group" in r["tp_outer"] and "[[0, 2], [1, 3]]" in r["tp_outer"], \
             r["tp_outer"]
         assert "the world has 4 ranks and the model's tp group 2" in r["over_group"] and \
             "init_mesh(tp=..., dp=...).tp_mesh" in r["over_group"], r["over_group"]
+    same_keys, adapter_error = results[0]["sft_lora"]["adapter"]
+    assert same_keys and adapter_error < 1e-5, adapter_error

@@ -232,9 +232,9 @@ def _fused_head(rank, world, path):
     return out
 
 
-def _sft_run(model, tokenizer, out_dir):
-    """Stock SFTTrainer for 3 optimizer steps on pre-tokenized rows of different lengths (padded, the pads
-    masked); returns its logged losses, grad norms, entropies and token accuracies."""
+def _sft_run(model, tokenizer, out_dir, batch=2):
+    """Stock SFTTrainer for 3 optimizer steps of 2 micro-batches of ``batch`` rows, pre-tokenized, of different
+    lengths (padded, the pads masked); returns its logged losses, grad norms, entropies and token accuracies."""
     import torch
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
@@ -242,7 +242,7 @@ def _sft_run(model, tokenizer, out_dir):
     g = torch.Generator().manual_seed(11)
     rows = [{"input_ids": torch.randint(3, tokenizer.vocab_size, (int(n),), generator=g).tolist()}
             for n in torch.randint(5, 12, (16,), generator=g)]
-    args = SFTConfig(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+    args = SFTConfig(output_dir=out_dir, per_device_train_batch_size=batch, gradient_accumulation_steps=2, max_steps=3,
                      learning_rate=5e-2, max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True,
                      save_strategy="no", seed=7, dataloader_num_workers=0, bf16=False, max_length=None, optim="sgd")
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)

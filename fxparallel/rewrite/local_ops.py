@@ -114,7 +114,7 @@ def owned_item(node: fx.Node, editor: GraphEditor, dim: int, position: int, item
     items[position] = slice(local, local + 1) if local is not None else slice(0, 0)
     node.args = (x, tuple(items) if isinstance(index, tuple) else items[0])
     kept = index_shard_dim(tuple(slice(None) if k == position else it for k, it in enumerate(items)),
-                           len(node.args[0].meta["example_value"].shape), dim)
+                           len(x.meta["example_value"].shape), dim)
     with editor.graph.inserting_after(node):
         summed = editor.graph.call_method("sum", (node, kept))
     editor.replace_uses(node, summed)
