@@ -134,7 +134,7 @@ def resolve_group(group, name: str, error=GroupError) -> TPGroup:
 
 def given_mesh(group: TPGroup):
     """The 1-D DeviceMesh ``group`` was given as (None for a ProcessGroup): its root mesh holds the job's other
-    dimensions (``dtensor_parameters``' data-parallel dim)."""
+    dimensions (the data-parallel dim of ``trainer_data_parallel.view_mesh``)."""
     return _MESHES.get(group.handle)
 
 

@@ -67,9 +67,9 @@ from torch import nn
 
 from . import fused_head
 from .dtensor_parameters import dtensor_views, refresh_views, use_dtensor_parameters
-from .trainer_data_parallel import no_gradient_sync
 from .errors import ArgumentError, ShardingError
 from .inputs import ARGUMENTS
+from .trainer_data_parallel import no_gradient_sync
 
 # forward arguments the graphs do not take: what to do instead
 ALTERNATIVES = {
