@@ -1,14 +1,15 @@
 """Stock ``transformers.Trainer`` over dp x tp (issue 31): 4 ranks, the model parallelized over the tp sub-mesh of
 ``fxparallel.runtime.init_mesh(tp=2, dp=2)``. Trainer reads the dp size from the model's
 ``config.distributed_config`` and splits the data over dp only; the parameters are DTensors over the (dp, tp) mesh,
-so that its clipping takes the true global norm; gradients are averaged over dp once per optimizer step (accelerate's
-``no_sync`` between the micro-batches of gradient accumulation). Against the single-device Trainer on the same
-global batches: losses, clipped grad norms, every final weight; every rank of a tp position holds the same shard
-and replicated weights are bit-identical on all four; ``save_model`` writes what transformers loads as the trained
-model; Trainer checkpoints (``fxparallel.TrainerCheckpoints``) resume to the uninterrupted run (test_trainer_stack's
-``_resumed`` over the tp sub-mesh); TRL's SFTTrainer trains a LoRA adapter over dp x tp with PeftModel's results.
-A model parallelized over a ProcessGroup cannot say which ranks are its data-parallel peers: refused, naming the
-mesh to use; so is a mesh whose tp groups are not consecutive ranks (accelerate's data split assumes they are)."""
+so that its clipping takes the true global norm; gradients are averaged over dp once per optimizer step
+(accelerate's ``no_sync`` between the micro-batches of gradient accumulation). Against the single-device Trainer on
+the same global batches: losses, clipped grad norms, every final weight; every rank of a tp position holds the same
+shard and replicated weights are bit-identical on all four; ``save_model`` writes what transformers loads as the
+trained model, and so does ``dcp.save(model.state_dict())``; Trainer checkpoints (``fxparallel.TrainerCheckpoints``)
+resume to the uninterrupted run (test_trainer_stack's ``_resumed`` over the tp sub-mesh); TRL's SFTTrainer trains a
+LoRA adapter over dp x tp with PeftModel's results. A model parallelized over a ProcessGroup cannot say which ranks
+are its data-parallel peers: refused, naming the mesh to use; so is a mesh whose tp groups are not consecutive ranks
+(accelerate's data split assumes they are)."""
 from __future__ import annotations
 
 from distributed import run_ranks
@@ -18,6 +19,7 @@ from test_trainer_stack import _check_resumed, _resumed, _sft_run, _single_proce
 def _dp_tp(rank, world, path, root):
     import torch
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file, save_file
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
@@ -69,6 +71,11 @@ def _dp_tp(rank, world, path, root):
     out["saved_equals_shards"] = all(torch.equal(model.plan.param(n).shard_of(p.detach(), tp_rank, 2),
                                                  dict(model.local_named_parameters())[n].detach())
                                      for n, p in saved.named_parameters())
+    # the DCP habit at dp x tp: every dp replica describes the same pieces; the checkpoint holds the full weights
+    dcp.save(model.state_dict(), checkpoint_id=f"{root}/dcp")
+    whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    dcp.load(whole, checkpoint_id=f"{root}/dcp")
+    out["dcp_equals_saved"] = all(torch.equal(whole[n], p.detach()) for n, p in saved.state_dict().items())
     out["resumed"] = _resumed(rank, world, path, root, tp_group=mesh.tp_mesh)
     out["sft_lora"] = _sft_lora(rank, mesh, root)
     return out
@@ -119,7 +126,7 @@ def test_trainer_over_dp_and_tp(checkpoints, tmp_path):
         assert r["averages"] == 4, r["averages"]  # once per optimizer step: not after the no_sync micro-batch
         assert all(p.startswith("(Replicate(), ") for p in r["placements"]), r["placements"]
         assert r["same_shard_over_dp"] and r["replicated_identical"] and r["replicated_count"] == 5, r
-        assert r["saved_equals_shards"], r
+        assert r["saved_equals_shards"] and r["dcp_equals_saved"], r
         _check_resumed(r["resumed"])
         lora = r["sft_lora"]
         for key, ours in lora["dp_tp"].items():
