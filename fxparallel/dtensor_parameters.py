@@ -9,7 +9,8 @@ clip by different factors (silently), and replicated weights drift apart.
 The graphs run on plain local tensors, so the registered parameters stay plain. In this mode
 ``named_parameters()`` / ``parameters()`` answer with a DTensor view of each (``DTensor.from_local`` on
 the same storage, placement ``Shard(d)`` or ``Replicate()`` from the plan): an optimizer built on them
-updates the model's own shards in place. After each backward a hook moves the gradient of every plain
+updates the model's own shards in place (one built earlier on the plain parameters is re-pointed at the views
+when it steps: ``optimizer_views.py``). After each backward a hook moves the gradient of every plain
 parameter onto its view (no copy the first time, an in-place add under gradient accumulation), so
 ``clip_grad_norm_`` sums the shards' squares over the group once and counts replicated weights once: one
 all-reduce, the same total norm on every rank.
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import GroupError
+from .optimizer_views import follow_views
 from .trainer_data_parallel import DataParallelGradients, view_mesh
 
 
@@ -84,6 +86,7 @@ def use_dtensor_parameters(model) -> None:
         _hook(param, views[id(param)], dp)
     model.__dict__["_dtensor_views"] = views
     model.__dict__["_dtensor_data_parallel"] = dp
+    follow_views(model)  # an optimizer built on the plain parameters before now steps the views
     if group.size > 1 or dp is not None:  # transformers' record of a sharded model, which Trainer and accelerate read
         model.config.distributed_config = DistributedConfig(tp_size=group.size,
                                                             dp_replicate_size=dp.size if dp else 1)

@@ -78,6 +78,64 @@ def _dp_tp(rank, world, path, root):
     out["dcp_equals_saved"] = all(torch.equal(whole[n], p.detach()) for n, p in saved.state_dict().items())
     out["resumed"] = _resumed(rank, world, path, root, tp_group=mesh.tp_mesh)
     out["sft_lora"] = _sft_lora(rank, mesh, root)
+    out["accelerate"] = _accelerate_loop(rank, mesh, path, root)
+    return out
+
+
+def _accelerate_loop(rank, mesh, path, root):
+    """accelerate's own loop over dp x tp, the optimizer built before ``prepare`` as accelerate's examples build it
+    (its parameters are then the plain shards; the DTensor views start at prepare): gradient accumulation 2,
+    clipping, AdamW, against one process stepping the same global batches."""
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.utils import ParallelismConfig
+    from transformers import AutoModelForCausalLM
+
+    import fxparallel
+    from test_trainer_stack import _reset_accelerate
+
+    _reset_accelerate()
+    model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+    rows = torch.randint(0, 100, (16, 12), generator=torch.Generator().manual_seed(3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2,
+                              parallelism_config=ParallelismConfig(tp_size=2, dp_shard_size=2))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, torch.utils.data.DataLoader(rows, batch_size=2))
+    losses, norms = [], []
+    for batch in loader:  # dp rank d's micro-batch m of step s: rows of loader batch 2 * (2 s + m) + d
+        with accelerator.accumulate(model):
+            loss = model(input_ids=batch, labels=batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0).item())
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.detach())
+    dist.all_reduce(means := torch.stack(losses), group=mesh.dp_cp_group)
+    out = {"losses": (means / 2).tolist(), "norms": norms}
+    if rank == 0:
+        single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        reference = torch.optim.AdamW(single.parameters(), lr=1e-3)
+        ref_losses, ref_norms = [], []
+        for step in range(2):
+            for micro in range(2):
+                first = 2 * (2 * step + micro)
+                batch = rows[2 * first: 2 * first + 4]  # loader batches `first` and `first + 1`, the two dp ranks'
+                loss = single(input_ids=batch, labels=batch).loss
+                (loss / 2).backward()
+                ref_losses.append(loss.item())
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(single.parameters(), 1.0).item())
+            reference.step()
+            reference.zero_grad()
+        out["ref"] = ref_losses, ref_norms
+        torch.save({n: p.detach() for n, p in single.named_parameters()}, f"{root}/accelerate_single.pt")
+    dist.barrier()
+    ref = torch.load(f"{root}/accelerate_single.pt")
+    out["weights"] = max((p.detach() - model.plan.param(n).shard_of(ref[n], mesh.tp_rank, 2)).abs().max().item()
+                         for n, p in model.local_named_parameters())
+    out["moved"] = min((p.detach() - before[n]).abs().max().item() for n, p in model.local_named_parameters())
     return out
 
 
@@ -137,5 +195,10 @@ def test_trainer_over_dp_and_tp(checkpoints, tmp_path):
             r["tp_outer"]
         assert "the world has 4 ranks and the model's tp group 2" in r["over_group"] and \
             "init_mesh(tp=..., dp=...).tp_mesh" in r["over_group"], r["over_group"]
+        ours, theirs = r["accelerate"], results[0]["accelerate"]["ref"]
+        for a, b in zip(ours["losses"] + ours["norms"], theirs[0] + theirs[1]):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (ours, theirs)
+        assert len(ours["losses"]) == 4 and len(ours["norms"]) == 2 and max(theirs[1]) > 1.0, (ours, theirs)
+        assert ours["weights"] < 1e-5 and ours["moved"] > 5e-4, ours  # every tensor was trained (AdamW: ~lr a step)
     same_keys, adapter_error = results[0]["sft_lora"]["adapter"]
     assert same_keys and adapter_error < 1e-5, adapter_error
