@@ -31,7 +31,7 @@ TOL = 1e-5
 # (not 1e-14: transformers' loss casts the logits to float32, so the reference itself keeps float32 rounding)
 TOL_FLOAT64 = 1e-6
 GENERATED = 6  # new tokens per greedy generation check
-TIMEOUT = 240  # seconds per type
+TIMEOUT = 240  # seconds per type (--timeout)
 MAX_PARAMS = 20_000_000  # larger "tiny" models are skipped (they would not be tiny)
 
 
@@ -148,7 +148,7 @@ def _transformers_error(model_type: str, layers=None, default=False):
         return f"{type(err).__name__}: {err}"
 
 
-def check_type(model_type: str, tp: int, layers=None, generate=True) -> dict:
+def check_type(model_type: str, tp: int, layers=None, generate=True, timeout=TIMEOUT) -> dict:
     from distributed import run_ranks
     from models import save_checkpoint
 
@@ -185,14 +185,14 @@ def check_type(model_type: str, tp: int, layers=None, generate=True) -> dict:
             row.update(status="config", why=f"cannot build/save model: {type(err).__name__}: {err}"[:300])
             return row
         try:
-            results = run_ranks(tp, _check, model_type, tmp, "float32", generate, timeout=TIMEOUT)
+            results = run_ranks(tp, _check, model_type, tmp, "float32", generate, timeout=timeout)
         except AssertionError as err:
             text = str(err).strip().splitlines()
             last = next((ln for ln in reversed(text) if ln.strip()), "")
             row.update(status="error", why=last[:300])
             return row
-        except Exception as err:  # noqa: BLE001 - e.g. no answer within TIMEOUT
-            row.update(status="error", why=f"{type(err).__name__}: no result within {TIMEOUT} s")
+        except Exception as err:  # noqa: BLE001 - e.g. no answer within timeout
+            row.update(status="error", why=f"{type(err).__name__}: no result within {timeout} s")
             return row
         worst, scales = _worst(results)
         # like torch.allclose(atol=rtol=TOL): fp32 rounding grows with the size of the values compared
@@ -201,7 +201,7 @@ def check_type(model_type: str, tp: int, layers=None, generate=True) -> dict:
             try:
                 # (greedy tokens again too where float32's differ: near-tied logits, or a wrong plan?)
                 again = generate and _agreed(r["generation"] for r in results) == "differs"
-                results64 = run_ranks(tp, _check, model_type, tmp, "float64", again, timeout=TIMEOUT)
+                results64 = run_ranks(tp, _check, model_type, tmp, "float64", again, timeout=timeout)
                 row["float64_errors"], _ = _worst(results64)
                 if again:
                     row["generation_float64"] = _agreed(r["generation"] for r in results64)
@@ -374,6 +374,7 @@ def main(argv=None):
     parser.add_argument("--tp4", default=None, help="rows of a TP=4 sweep (JSON), shown as a column")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of each tiny model (default: "
                         "the tiny config's, mostly 2; 5 or more exercises capture/repeat_layers.py)")
+    parser.add_argument("--timeout", type=int, default=TIMEOUT, help="seconds per type before its row is an error")
     args = parser.parse_args(argv)
     tp4 = None
     if args.tp4:
@@ -393,7 +394,7 @@ def main(argv=None):
     rows = []
     for t in types:
         start = time.time()
-        row = check_type(t, args.tp, args.layers, args.generate)
+        row = check_type(t, args.tp, args.layers, args.generate, args.timeout)
         rows.append(row)
         print(f"{t:28s} {row['status']:6s} {time.time() - start:5.1f}s {row.get('max_error', '')} "
               f"{row.get('why', '')[:160]}", flush=True)
