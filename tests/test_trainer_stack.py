@@ -347,6 +347,34 @@ def _grpo_refused(rank, world, root):
     return {"error": error, "unchanged": unchanged}
 
 
+def _own_loop(rank, world, path):
+    """A loop of one's own with torch's clipping: the optimizer built on ``parameters()`` first (the plain shards),
+    then ``model.tp_size`` read (transformers' convention; ``parameters()`` become DTensor views), then
+    ``torch.nn.utils.clip_grad_norm_(model.parameters())`` is the global norm and the optimizer, re-pointed at the
+    views when it steps, trains the model: norms and weights of the single-device loop."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import fxparallel
+
+    model = fxparallel.parallelize(path, torch.distributed.group.WORLD, dtype=torch.float32)
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    rows = torch.randint(0, 128, (4, 10), generator=torch.Generator().manual_seed(11))
+    norms = []
+    for m, optimizer in ((model, torch.optim.AdamW(model.parameters(), lr=3e-4)),
+                         (single, torch.optim.AdamW(single.parameters(), lr=3e-4))):
+        m.tp_size  # noqa: B018 -- after the optimizer: it holds the plain shards
+        for _ in range(3):
+            m(input_ids=rows, labels=rows).loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5).item())
+            optimizer.step()
+            optimizer.zero_grad()
+    reference = dict(single.named_parameters())
+    weights = max((p.detach() - model.plan.param(n).shard_of(reference[n].detach(), rank, world)).abs().max().item()
+                  for n, p in model.local_named_parameters())
+    return {"norms": norms, "weights": weights}
+
+
 def _cases(rank, world, path, root):
     import torch
     import torch.distributed as dist
@@ -388,6 +416,7 @@ def _cases(rank, world, path, root):
     out["sft"] = _sft(rank, world, root)
     out["sft_lora"] = _sft_lora(rank, world, root)
     out["grpo"] = _grpo_refused(rank, world, root)
+    out["own_loop"] = _own_loop(rank, world, path)
 
     # stock Trainer at TP=1 (a group of this rank alone, as a job of one process)
     groups = [dist.new_group([r]) for r in range(world)]
@@ -433,6 +462,13 @@ def _check_resumed(resumed: dict) -> None:
     assert resumed["full_state_dict"] < 1e-5, resumed
 
 
+def _check_own_loop(r):
+    norms = r["own_loop"]["norms"]
+    assert min(norms) > 0.5, norms  # the clipping acted
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(norms[:3], norms[3:])), norms
+    assert r["own_loop"]["weights"] < 1e-5, r["own_loop"]
+
+
 def test_trainer_stack(checkpoints, tmp_path):
     results = run_ranks(2, _cases, checkpoints["llama"], str(tmp_path))
     for r in results:
@@ -447,6 +483,7 @@ def test_trainer_stack(checkpoints, tmp_path):
         assert r["tp2"]["replicated_identical"] and r["tp2"]["replicated_count"] == 5  # 2 x 2 layer norms + final
         assert r["tp2"]["saved_equals_shards"] and r["tp2"]["saved_vs_single"] < 1e-5, r["tp2"]
         _check_resumed(r["resumed"])
+        _check_own_loop(r)
         pipe = r["pipeline"]
         assert pipe["texts"][0] == pipe["texts"][1] and pipe["stopped"][0] == pipe["stopped"][1], pipe
         assert len(pipe["stopped"][1]) < len(pipe["texts"][1]) and pipe["stop"] in pipe["stopped"][1], pipe
