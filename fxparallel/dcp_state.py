@@ -14,11 +14,13 @@ value as the plain shard it is. ``dcp_optimizer.py`` does the same for a torch o
 
 Under FSDP (``runtime.apply_data_parallel``) a value is a DTensor over the data-parallel ranks of
 this rank's tensor-parallel shard, which DCP cannot combine with the tensor-parallel pieces: DCP
-is refused there, naming ``runtime.save_checkpoint`` / ``load_checkpoint``."""
+is refused there, naming ``runtime.save_checkpoint`` / ``load_checkpoint``. accelerate's calls, which write one
+process's state dict for the whole model, take complete tensors or are refused (``accelerate_state.py``)."""
 from __future__ import annotations
 
 import torch
 
+from .accelerate_state import complete_for_accelerate
 from .errors import CheckpointError
 
 
@@ -85,7 +87,7 @@ def _refuse_under_fsdp(value, name: str) -> None:
 def describe_state_dict(model, state_dict: dict, prefix: str, _local_metadata) -> None:
     """``state_dict`` post-hook of the parallel model (see the module docstring)."""
     tp, rank = model.tp_group.size, model.tp_group.rank
-    if tp == 1:
+    if tp == 1 or complete_for_accelerate(model, state_dict, prefix):  # accelerate's calls: accelerate_state.py
         return
     by_name = {n: p for p in model.plan.params for n in (p.name,) + tuple(p.aliases)}
     from torch.distributed.tensor import DTensor

@@ -375,6 +375,67 @@ def _own_loop(rank, world, path):
     return {"norms": norms, "weights": weights}
 
 
+def _accelerate_checkpoints(rank, world, path, root):
+    """accelerate writes a state dict from its main process alone: ``accelerator.save_model`` (through its
+    ``get_state_dict``) writes the complete trained weights; ``accelerator.save_state``, whose optimizer file would
+    be the main process's moments alone, is refused before anything is written."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from accelerate import Accelerator
+    from accelerate.utils import ParallelismConfig
+    from safetensors.torch import load_file
+
+    import fxparallel
+    from checks import raised
+    from fxparallel.accelerate_cpu import allow_tensor_parallel_on_cpu
+
+    allow_tensor_parallel_on_cpu()
+    _reset_accelerate()
+    model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(tp_size=world))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    rows = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    accelerator.backward(model(input_ids=rows, labels=rows).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    accelerator.save_model(model, f"{root}/accelerate_model")
+    out = {"others_get": len(accelerator.get_state_dict(model))}
+    dist.barrier()
+    saved = load_file(f"{root}/accelerate_model/model.safetensors")
+    equal = []
+    for name, param in model.local_named_parameters():
+        plan = model.plan.param(name)
+        key = next(n for n in (plan.name,) + tuple(plan.aliases) if n in saved)
+        equal.append(torch.equal(plan.shard_of(saved[key], rank, world), param.detach()))
+    out["saved_equals_shards"] = (len(equal), all(equal))
+    out["save_state"] = raised(lambda: accelerator.save_state(f"{root}/accelerate_state"))
+    out["state_files"] = sorted(os.listdir(f"{root}/accelerate_state")) if os.path.isdir(
+        f"{root}/accelerate_state") else []
+    # what the refusal names instead: DCP of the model and the optimizer (over the DTensor views), then resumed
+    dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=f"{root}/accelerate_dcp")
+    fresh = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    fresh.tp_size  # noqa: B018 -- the views, as accelerate's run had them
+    resumed = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    fresh(input_ids=rows, labels=rows).loss.backward()
+    resumed.step()  # the optimizer's state exists: DCP loads into it in place
+    resumed.zero_grad()
+    state = {"model": fresh.state_dict(), "optim": resumed.state_dict()}
+    dcp.load(state, checkpoint_id=f"{root}/accelerate_dcp")
+    fresh.load_state_dict(state["model"])
+    resumed.load_state_dict(state["optim"])
+    for m, o in ((model, optimizer), (fresh, resumed)):
+        m(input_ids=rows, labels=rows).loss.backward()
+        o.step()
+        o.zero_grad()
+    out["dcp_resumed"] = max((p.detach() - q.detach()).abs().max().item()
+                             for (_, p), (_, q) in zip(model.local_named_parameters(), fresh.local_named_parameters()))
+    _reset_accelerate()
+    return out
+
+
 def _cases(rank, world, path, root):
     import torch
     import torch.distributed as dist
@@ -417,6 +478,7 @@ def _cases(rank, world, path, root):
     out["sft_lora"] = _sft_lora(rank, world, root)
     out["grpo"] = _grpo_refused(rank, world, root)
     out["own_loop"] = _own_loop(rank, world, path)
+    out["accelerate_checkpoints"] = _accelerate_checkpoints(rank, world, path, root)
 
     # stock Trainer at TP=1 (a group of this rank alone, as a job of one process)
     groups = [dist.new_group([r]) for r in range(world)]
@@ -484,6 +546,12 @@ def test_trainer_stack(checkpoints, tmp_path):
         assert r["tp2"]["saved_equals_shards"] and r["tp2"]["saved_vs_single"] < 1e-5, r["tp2"]
         _check_resumed(r["resumed"])
         _check_own_loop(r)
+        ckpt = r["accelerate_checkpoints"]
+        assert ckpt["saved_equals_shards"][1] and ckpt["saved_equals_shards"][0] > 10, ckpt
+        assert ckpt["others_get"] > 10 if r is results[0] else ckpt["others_get"] == 0, ckpt
+        assert "accelerator.save_state() cannot checkpoint the parallel model" in ckpt["save_state"] and \
+            "dcp.save(" in ckpt["save_state"] and ckpt["state_files"] == [], ckpt
+        assert ckpt["dcp_resumed"] == 0.0, ckpt  # the same step from the same weights and moments
         pipe = r["pipeline"]
         assert pipe["texts"][0] == pipe["texts"][1] and pipe["stopped"][0] == pipe["stopped"][1], pipe
         assert len(pipe["stopped"][1]) < len(pipe["texts"][1]) and pipe["stop"] in pipe["stopped"][1], pipe
