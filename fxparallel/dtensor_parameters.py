@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import GroupError
-from .optimizer_views import follow_views
+from .optimizer_views import follow_view
 from .trainer_data_parallel import DataParallelGradients, view_mesh
 
 
@@ -81,12 +81,12 @@ def use_dtensor_parameters(model) -> None:
             DTensor.from_local(param.detach(), mesh, over_dp + [placements[id(param)]], run_check=False, shape=full,
                                stride=contiguous_stride(full)), requires_grad=param.requires_grad)
         views[id(param)] = view
+        follow_view(param, view)  # an optimizer built on the plain parameter before now steps the view
     dp = DataParallelGradients(mesh.get_group(0), list(views.values())) if mesh.ndim == 2 else None
     for _, param in model.local_named_parameters():
         _hook(param, views[id(param)], dp)
     model.__dict__["_dtensor_views"] = views
     model.__dict__["_dtensor_data_parallel"] = dp
-    follow_views(model)  # an optimizer built on the plain parameters before now steps the views
     if group.size > 1 or dp is not None:  # transformers' record of a sharded model, which Trainer and accelerate read
         model.config.distributed_config = DistributedConfig(tp_size=group.size,
                                                             dp_replicate_size=dp.size if dp else 1)

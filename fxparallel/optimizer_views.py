@@ -15,33 +15,26 @@ placements). What accelerate itself does for transformers' tensor-parallel model
 parameters are DTensors before it looks."""
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-_MODELS: "weakref.WeakSet" = weakref.WeakSet()
 _HOOK = []
 
 
-def follow_views(model) -> None:
-    """From now on, optimizers stepping ``model``'s plain parameters step their views instead."""
-    _MODELS.add(model)
+def follow_view(param, view) -> None:
+    """From now on, an optimizer stepping the plain parameter ``param`` steps ``view`` instead (the view is kept
+    on the parameter: a view keeps its object for good, ``refresh_views`` swaps its contents)."""
+    param._fxparallel_view = view
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_repoint))
 
 
 def _repoint(optimizer, args, kwargs) -> None:
-    views = {}
-    for model in list(_MODELS):
-        views.update(model.__dict__.get("_dtensor_views") or {})
-    if not views:
-        return
     for group in optimizer.param_groups:
         params = group["params"]
         for i, param in enumerate(params):
-            view = views.get(id(param))
-            if view is None or view is param:
+            view = getattr(param, "_fxparallel_view", None)
+            if view is None:
                 continue
             params[i] = view
             state = optimizer.state.pop(param, None)
