@@ -43,9 +43,9 @@ def accelerate_caller():
     return found
 
 
-def complete_for_accelerate(model, state_dict: dict, prefix: str) -> bool:
+def complete_for_accelerate(model, state_dict: dict, prefix: str, planned) -> bool:
     """Answer accelerate's calls (see the module docstring) in ``state_dict``, in place; False where the call is
-    not accelerate's and the shards stay."""
+    not accelerate's and the shards stay. ``planned``: the names of the planned parameters."""
     caller = accelerate_caller()
     if caller is None:
         return False
@@ -54,7 +54,6 @@ def complete_for_accelerate(model, state_dict: dict, prefix: str) -> bool:
     from .runtime.export import gather_full_state_dict
 
     full = gather_full_state_dict(model)
-    planned = {n for p in model.plan.params for n in (p.name,) + tuple(p.aliases)}
     whole = {k: v for k, v in state_dict.items() if k[len(prefix):] not in planned}  # buffers: whole on every rank
     state_dict.clear()
     if full:

@@ -87,9 +87,11 @@ def _refuse_under_fsdp(value, name: str) -> None:
 def describe_state_dict(model, state_dict: dict, prefix: str, _local_metadata) -> None:
     """``state_dict`` post-hook of the parallel model (see the module docstring)."""
     tp, rank = model.tp_group.size, model.tp_group.rank
-    if tp == 1 or complete_for_accelerate(model, state_dict, prefix):  # accelerate's calls: accelerate_state.py
+    if tp == 1:
         return
-    by_name = {n: p for p in model.plan.params for n in (p.name,) + tuple(p.aliases)}
+    by_name = {n: p for p in model.plan.params for n in p.names}
+    if complete_for_accelerate(model, state_dict, prefix, by_name):  # accelerate's calls: accelerate_state.py
+        return
     from torch.distributed.tensor import DTensor
 
     for key, value in state_dict.items():

@@ -228,7 +228,7 @@ class HuggingFaceMethods:
                        if (p.requires_grad or not only_trainable) and name not in excluded)
         total = 0
         for p in self.plan.params:
-            if excluded.intersection((p.name,) + tuple(p.aliases)):
+            if excluded.intersection(p.names):
                 continue
             count = 1
             for size in p.shape:

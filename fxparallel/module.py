@@ -130,7 +130,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         group = self.tp_group
         param = nn.Parameter(torch.empty(p.local_shape(group.size, group.rank), device=self.device_, dtype=self.dtype_))
         param._fxparallel = p  # type: ignore[attr-defined]
-        for name in (p.name,) + tuple(p.aliases):
+        for name in p.names:
             _set_path(self, name, param, "param")
 
     # ---- graphs --------------------------------------------------------------

@@ -61,7 +61,7 @@ def check_shards(module, plan, full, rank, tp, dtype=torch.float32):
     """Every parameter equals its rank slice of the full tensor; returns the bytes the rank should read."""
     expected_bytes = 0
     for p in plan.params:
-        stored = next(full[n] for n in (p.name,) + p.aliases if n in full)
+        stored = next(full[n] for n in p.names if n in full)
         want = stored[p.local_slices(rank, tp)].to(dtype)
         got = module.get_parameter(p.name)
         assert got.dtype == dtype and torch.equal(got, want), (p.name, rank, tp)

@@ -408,7 +408,7 @@ def _accelerate_checkpoints(rank, world, path, root):
     equal = []
     for name, param in model.local_named_parameters():
         plan = model.plan.param(name)
-        key = next(n for n in (plan.name,) + tuple(plan.aliases) if n in saved)
+        key = next(n for n in plan.names if n in saved)
         equal.append(torch.equal(plan.shard_of(saved[key], rank, world), param.detach()))
     out["saved_equals_shards"] = (len(equal), all(equal))
     out["save_state"] = raised(lambda: accelerator.save_state(f"{root}/accelerate_state"))

@@ -48,10 +48,6 @@ class _Read:
     decode: Optional[Callable] = None  # a quantized piece: decode(handle) reads and dequantizes it (dequantize.py)
 
 
-def _names(p) -> tuple:
-    return (p.name,) + tuple(p.aliases)
-
-
 MAX_LISTED = 8
 
 
@@ -72,7 +68,7 @@ def _conversions(module, plan, needed: dict, files: CheckpointFiles, shape_of_st
         except Exception as err:  # noqa: BLE001 - e.g. remote code: no conversion mapping then
             log.debug("no meta model for the conversion mapping: %s", err)
             return None
-    shapes = {n: tuple(p.shape) for p in plan.params for n in _names(p)}
+    shapes = {n: tuple(p.shape) for p in plan.params for n in p.names}
     return find_conversions(meta_model, needed, shapes, files.weight_map, shape_of_stored, shapes.__getitem__,
                             module.config)
 
@@ -98,7 +94,7 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
         return info.shape
 
     form = loaded_format(module.config)  # a quantized checkpoint: dequantized on load
-    direct = {p.name: next((n for n in _names(p) if n in stored), None) for p in plan.params}
+    direct = {p.name: next((n for n in p.names if n in stored), None) for p in plan.params}
     packed, problems = {}, []  # parameters stored in the format's own layout (MXFP4's X_blocks / X_scales)
     for p in (p for p in plan.params if form is not None and direct[p.name] is None):
         node, why = form.parameter(p.name, tuple(p.shape), stored, header)
@@ -106,15 +102,15 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
             packed[p.name] = node  # None: refused (``why``)
             problems += [why] if why is not None else []
     needed = {n: tuple(p.shape) for p in plan.params if direct[p.name] is None and p.name not in packed
-              for n in _names(p)}
+              for n in p.names}
     conv = _conversions(module, plan, needed, files, shape_of_stored, meta_model) if needed else None
     converted, missing = {}, []
     for p in plan.params:
         if direct[p.name] is not None or p.name in packed:
             continue
-        name = next((n for n in _names(p) if conv is not None and n in conv.groups), None)
+        name = next((n for n in p.names if conv is not None and n in conv.groups), None)
         if name is None:
-            expected = next((list(conv.expected[n]) for n in _names(p) if conv is not None and n in conv.expected), [])
+            expected = next((list(conv.expected[n]) for n in p.names if conv is not None and n in conv.expected), [])
             missing.append(_absent_note(p.name, [n for n in expected if n not in stored]))
         elif conv.absent(name, stored):
             missing.append(_absent_note(p.name, conv.absent(name, stored)))
@@ -123,7 +119,7 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
     if missing:
         where = files.source or "the checkpoint"
         raise CheckpointError(f"{where} has no weights for {len(missing)} parameter(s): {', '.join(missing)}")
-    known = {n for p in plan.params for n in _names(p)} | {n for n, _ in module.named_buffers()}
+    known = {n for p in plan.params for n in p.names} | {n for n, _ in module.named_buffers()}
     used = known | (conv.consumed if conv is not None else set())
     if form is not None:  # the scales of the weights the model uses are read with them
         used |= {c for n in used for c in form.companions(n, stored)}
@@ -282,16 +278,16 @@ def load_from_files(module, plan, files: CheckpointFiles, rank: int, tp: int, *,
 
 
 def load_from_state_dict(module, plan, state: dict, rank: int, tp: int) -> None:
-    missing = [p.name for p in plan.params if not any(n in state for n in _names(p))]
+    missing = [p.name for p in plan.params if not any(n in state for n in p.names)]
     if missing:
         raise CheckpointError(f"the given model has no weights for: {', '.join(missing)}")
     for p in plan.params:
-        full = state[next(n for n in _names(p) if n in state)]
+        full = state[next(n for n in p.names if n in state)]
         if tuple(full.shape) != tuple(p.shape):
             raise CheckpointError(f"parameter {p.name} has shape {list(full.shape)}, expected {list(p.shape)}")
     with torch.no_grad():
         for p in plan.params:
-            full = state[next(n for n in _names(p) if n in state)]
+            full = state[next(n for n in p.names if n in state)]
             param = module.get_parameter(p.name)
             for source, dest in slice_pieces(p, rank, tp):
                 param[dest].copy_(full[source])

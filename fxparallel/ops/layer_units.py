@@ -78,7 +78,7 @@ def install_layer_units(root: nn.Module, params: list) -> tuple:
     never runs), before the parameters are registered under them. Returns (layer paths, None), or
     (layer paths, why they cannot be FSDP units: one parameter object under names of two units,
     e.g. a weight shared by several layers)."""
-    param_names = [(p.name,) + tuple(p.aliases) for p in params if p.used]
+    param_names = [p.names for p in params if p.used]
     container = layer_container(names[0] for names in param_names)
     if container is None:
         return [], None

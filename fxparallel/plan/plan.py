@@ -32,6 +32,11 @@ class ParamPlan:
             object.__setattr__(self, "placement", Placement.parse(self.placement))
 
     @property
+    def names(self) -> tuple:
+        """Every name the parameter goes by: its own, then its aliases (tied weights)."""
+        return (self.name,) + tuple(self.aliases)
+
+    @property
     def used(self) -> bool:
         """Does the forward read it? (A multimodal model's vision tower does not, in a text forward.)"""
         return self.reason != UNUSED

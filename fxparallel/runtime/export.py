@@ -98,7 +98,7 @@ def _named_full(model, dtype: Optional[torch.dtype], full_of, only=None) -> dict
         full = full_of(param, plan)
         if full is not None:
             full = full.to("cpu", dtype=dtype or full.dtype)
-            for n in (plan.name,) + tuple(plan.aliases):
+            for n in plan.names:
                 state[n] = full
         del full
     return state
