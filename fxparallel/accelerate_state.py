@@ -15,8 +15,7 @@ into every rank (tried at TP=2: rank 1's ``q_proj`` took rank 0's shard, silentl
 """
 from __future__ import annotations
 
-import sys
-
+from .callers import functions_on_stack
 from .errors import CheckpointError
 
 SAVE_STATE_REFUSAL = (
@@ -32,15 +31,8 @@ SAVE_STATE_REFUSAL = (
 def accelerate_caller():
     """"save_state" while ``Accelerator.save_state`` is on the stack, else "get_state_dict" while
     ``Accelerator.get_state_dict`` is, else None."""
-    frame, found = sys._getframe(1), None
-    while frame is not None:
-        if frame.f_globals.get("__name__") == "accelerate.accelerator":
-            if frame.f_code.co_name == "save_state":
-                return "save_state"
-            if frame.f_code.co_name == "get_state_dict":
-                found = "get_state_dict"
-        frame = frame.f_back
-    return found
+    running = functions_on_stack("accelerate.accelerator")
+    return next((name for name in ("save_state", "get_state_dict") if name in running), None)
 
 
 def complete_for_accelerate(model, state_dict: dict, prefix: str, planned) -> bool:

@@ -47,8 +47,16 @@ def dtensor_views(model):
     return model.__dict__.get("_dtensor_views")
 
 
-def use_dtensor_parameters(model) -> None:
-    """Enter the mode (see the module docstring); once per model, a no-op afterwards."""
+TRAINER = ("transformers.Trainer / accelerate", "train it with fxparallel.runtime.train_step")
+CLIPPING = "torch.nn.utils.clip_grad"  # the module of torch's clip_grad_norm_
+_CLIPPING_USER = (f"torch.nn.utils.clip_grad_norm_(model.parameters(), ...) (over the plain shards each rank would "
+                  "clip by its own norm)", "clip with fxparallel.runtime.clip_grad_norm_(model, max_norm, mesh), as "
+                  "fxparallel.runtime.train_step does")
+
+
+def use_dtensor_parameters(model, user: tuple = TRAINER) -> None:
+    """Enter the mode (see the module docstring); once per model, a no-op afterwards. ``user``: (who needs the
+    views, what to do instead), for the refusals."""
     if dtensor_views(model) is not None:
         return
     from torch.distributed.tensor import DTensor, Replicate
@@ -56,23 +64,24 @@ def use_dtensor_parameters(model) -> None:
 
     from .runtime.dtensor import contiguous_stride
 
+    who, instead = user
     group = model.tp_group
-    _refuse_unsupported_layouts(model)
+    if model.cp_group is not None:  # (Trainer would give the cp ranks whole sequences)
+        raise DTensorParametersError(f"{who} with context parallelism (cp_group) is not supported: {instead}")
     placements = {}
     for name, param in model.local_named_parameters():
         if isinstance(param, DTensor):
             raise DTensorParametersError(
                 f"{name} is already a DTensor (fxparallel.runtime.apply_data_parallel sharded it over the data-parallel "
-                "ranks): transformers.Trainer cannot train a model under fxparallel's FSDP; train it with "
-                "fxparallel.runtime.train_step")
+                f"ranks): {who} cannot work on a model under fxparallel's FSDP; {instead}")
         try:
             placements[id(param)] = trainer_placement(model.plan.param(name), group.size)
         except NotImplementedError as err:
             raise DTensorParametersError(
-                f"transformers.Trainer / accelerate need the parallel model's parameters as DTensors, and {err}: "
-                "DTensor has no placement for it. Train this model with fxparallel.runtime.train_step (its clipping "
-                "and checkpoints handle every placement), or choose a tp size without such shards") from None
-    mesh = view_mesh(model)
+                f"{who} needs the parallel model's parameters as DTensors, and {err}: DTensor has no placement for "
+                f"it. {instead[0].upper()}{instead[1:]} (every placement is handled there), or choose a tp size "
+                "without such shards") from None
+    mesh = view_mesh(model, who)
     over_dp = [Replicate()] * (mesh.ndim - 1)
     views = {}
     for name, param in model.local_named_parameters():
@@ -90,6 +99,21 @@ def use_dtensor_parameters(model) -> None:
     if group.size > 1 or dp is not None:  # transformers' record of a sharded model, which Trainer and accelerate read
         model.config.distributed_config = DistributedConfig(tp_size=group.size,
                                                             dp_replicate_size=dp.size if dp else 1)
+
+
+def views_for_clipping(model) -> dict:
+    """Enter the mode from within torch's ``clip_grad_norm_`` (in a loop of one's own, the optimizer built on the
+    plain parameters before: re-pointed when it steps, ``optimizer_views.py``), the gradients of the backward just
+    run moved onto the views (averaged over dp with data parallelism around the tp group, as a backward in the mode
+    would have), before any is scaled; a model with no DTensor view is refused, naming the way that clips it."""
+    use_dtensor_parameters(model, _CLIPPING_USER)
+    views, dp = dtensor_views(model), model.__dict__.get("_dtensor_data_parallel")
+    for _, param in model.local_named_parameters():
+        if param.grad is not None:
+            _move_gradient(views[id(param)], None, param)
+    if dp is not None:
+        dp.average()
+    return views
 
 
 def trainer_placement(plan_param, tp: int):
@@ -160,10 +184,3 @@ def like_view(view, local):
 
     return DTensor.from_local(local, view.device_mesh, view.placements, run_check=False, shape=view.shape,
                               stride=view.stride())
-
-
-def _refuse_unsupported_layouts(model) -> None:
-    """Context parallelism is refused (Trainer would give the cp ranks whole sequences)."""
-    if model.cp_group is not None:
-        raise DTensorParametersError("transformers.Trainer with context parallelism (cp_group) is not supported; "
-                                     "use fxparallel.runtime.train_step")

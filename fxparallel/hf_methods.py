@@ -59,14 +59,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import sys
 from typing import Optional
 
 import torch
 from torch import nn
 
 from . import fused_head
-from .dtensor_parameters import dtensor_views, refresh_views, use_dtensor_parameters
+from .callers import functions_on_stack
+from .dtensor_parameters import CLIPPING, dtensor_views, refresh_views, use_dtensor_parameters, views_for_clipping
 from .errors import ArgumentError, ShardingError
 from .inputs import ARGUMENTS
 from .trainer_data_parallel import no_gradient_sync
@@ -197,7 +197,12 @@ class HuggingFaceMethods:
         return nn.Module.named_parameters(self, prefix, recurse, remove_duplicate)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The DTensor views in their mode (``dtensor_parameters.py``), else the plain shards; iterated by torch's
+        ``clip_grad_norm_`` at tp > 1 (``clip_grad_norm_(model.parameters(), ...)`` in a loop of one's own), the
+        mode begins first, so that the norm is the whole model's."""
         views = dtensor_views(self)
+        if views is None and self.tp_group.size > 1 and functions_on_stack(CLIPPING, limit=4):
+            views = views_for_clipping(self)
         for name, param in nn.Module.named_parameters(self, prefix, recurse, remove_duplicate):
             yield name, (views.get(id(param), param) if views else param)
 
@@ -403,12 +408,7 @@ _PEFT_WRAP = ("peft.get_peft_model / PeftModel(...) cannot wrap the parallel mod
 
 def called_from_peft() -> bool:
     """Whether PEFT's code is on the stack (its tuners read transformers attributes while injecting layers)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if str(frame.f_globals.get("__name__", "")).startswith("peft."):
-            return True
-        frame = frame.f_back
-    return False
+    return bool(functions_on_stack("peft."))
 
 
 def _missing(cls_name: str, name: str) -> MissingHuggingFaceMethod:

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 
-def view_mesh(model):
+def view_mesh(model, who: str = "transformers.Trainer / accelerate"):
     """The mesh of the views: the tp group's (1-D) when it spans the job; else the 2-D (dp, tp) mesh from the
     root of the DeviceMesh the model was parallelized over, checked to be laid out as accelerate lays out
     ``ParallelismConfig(dp_shard_size=dp, tp_size=tp)`` (consecutive ranks form a tp group), so that Trainer's
-    data split and the model's groups agree."""
+    data split and the model's groups agree. ``who``: what needs the views, for the refusals."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from .dtensor_parameters import DTensorParametersError
@@ -35,8 +35,8 @@ def view_mesh(model):
     tp_mesh = given_mesh(group)
     if tp_mesh is None:
         raise DTensorParametersError(
-            f"transformers.Trainer / accelerate with data parallelism around the parallel model (the world has {world} "
-            f"ranks and the model's tp group {group.size}) need its device mesh: parallelize over the tp sub-mesh of a "
+            f"{who}, with data parallelism around the parallel model (the world has {world} ranks and the model's "
+            f"tp group {group.size}), needs the DTensor views of its parameters, and they need its device mesh: parallelize over the tp sub-mesh of a "
             "DeviceMesh over the whole job, fxparallel.parallelize(..., fxparallel.runtime.init_mesh(tp=..., "
             "dp=...).tp_mesh) (or torch's init_device_mesh(..., mesh_dim_names=('dp', 'tp'))['tp']), not a "
             "ProcessGroup")
@@ -45,16 +45,16 @@ def view_mesh(model):
     others = [(n, s) for n, s in zip(root.mesh_dim_names, root.mesh.shape) if n != tp_name and s > 1]
     if root.mesh.numel() != world or len(others) != 1 or "cp" in others[0][0]:
         raise DTensorParametersError(
-            f"transformers.Trainer / accelerate with the parallel model need a mesh of one data-parallel dim and the "
-            f"tp dim over the whole job ({world} ranks); the model's tp mesh {tp_name!r} belongs to a mesh of dims "
+            f"{who}: the DTensor views of the parallel model's parameters need a mesh of one data-parallel dim and "
+            f"the tp dim over the whole job ({world} ranks); the model's tp mesh {tp_name!r} belongs to a mesh of dims "
             f"{dict(zip(root.mesh_dim_names, root.mesh.shape.tolist()))} over {root.mesh.numel()} ranks"
             + (" (context parallelism through Trainer is not supported)" if any("cp" in n for n, _ in others) else ""))
     (dp_name, dp), names = others[0], list(root.mesh_dim_names)
     grid = root.mesh.movedim((names.index(dp_name), names.index(tp_name)), (0, 1)).reshape(dp, group.size).cpu()
     if not torch.equal(grid, torch.arange(world).reshape(dp, group.size)):
         raise DTensorParametersError(
-            f"transformers.Trainer / accelerate split the data as if consecutive ranks formed each tp group "
-            f"(ParallelismConfig(dp_shard_size={dp}, tp_size={group.size})), but the model's mesh groups ranks "
+            f"{who}: the DTensor views of the parallel model's parameters assume consecutive ranks form each tp "
+            f"group, as accelerate splits the data (ParallelismConfig(dp_shard_size={dp}, tp_size={group.size})), but the model's mesh groups ranks "
             f"{grid.tolist()} (dp x tp): put the tp dim after the data-parallel one when building the mesh")
     return root[(dp_name, tp_name)]
 

@@ -34,6 +34,7 @@ def _dp_tp(rank, world, path, root):
     out = {}
     over_group = fxparallel.parallelize(path, mesh.tp_mesh.get_group(), dtype=torch.float32)
     out["over_group"] = raised(lambda: over_group.tp_size)
+    out["over_group_clip"] = raised(lambda: torch.nn.utils.clip_grad_norm_(over_group.parameters(), 1.0))
     tp_outer = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))  # tp groups {0, 2} and {1, 3}
     out["tp_outer"] = raised(lambda: fxparallel.parallelize(path, tp_outer["tp"], dtype=torch.float32).tp_size)
 
@@ -191,10 +192,12 @@ def test_trainer_over_dp_and_tp(checkpoints, tmp_path):
             theirs = results[0]["sft_lora"]["single"][key]
             assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(ours, theirs)), (
                 key, ours, theirs)
-        assert "as if consecutive ranks formed each tp group" in r["tp_outer"] and "[[0, 2], [1, 3]]" in r["tp_outer"], \
+        assert "assume consecutive ranks form each tp group" in r["tp_outer"] and "[[0, 2], [1, 3]]" in r["tp_outer"], \
             r["tp_outer"]
         assert "the world has 4 ranks and the model's tp group 2" in r["over_group"] and \
             "init_mesh(tp=..., dp=...).tp_mesh" in r["over_group"], r["over_group"]
+        assert r["over_group_clip"].startswith("DTensorParametersError: torch.nn.utils.clip_grad_norm_(model.parameters(), ...)") and \
+            "init_mesh(tp=..., dp=...).tp_mesh" in r["over_group_clip"], r["over_group_clip"]
         ours, theirs = r["accelerate"], results[0]["accelerate"]["ref"]
         for a, b in zip(ours["losses"] + ours["norms"], theirs[0] + theirs[1]):
             assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (ours, theirs)

@@ -348,10 +348,10 @@ def _grpo_refused(rank, world, root):
 
 
 def _own_loop(rank, world, path):
-    """A loop of one's own with torch's clipping: the optimizer built on ``parameters()`` first (the plain shards),
-    then ``model.tp_size`` read (transformers' convention; ``parameters()`` become DTensor views), then
-    ``torch.nn.utils.clip_grad_norm_(model.parameters())`` is the global norm and the optimizer, re-pointed at the
-    views when it steps, trains the model: norms and weights of the single-device loop."""
+    """A loop of one's own with torch's clipping: the optimizer built on ``parameters()`` (the plain shards), then
+    ``torch.nn.utils.clip_grad_norm_(model.parameters())``, which turns them into DTensor views first (with the
+    backward's gradients), is the global norm and the optimizer, re-pointed at the views when it steps, trains the
+    model: norms and weights of the single-device loop."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -363,7 +363,6 @@ def _own_loop(rank, world, path):
     norms = []
     for m, optimizer in ((model, torch.optim.AdamW(model.parameters(), lr=3e-4)),
                          (single, torch.optim.AdamW(single.parameters(), lr=3e-4))):
-        m.tp_size  # noqa: B018 -- after the optimizer: it holds the plain shards
         for _ in range(3):
             m(input_ids=rows, labels=rows).loss.backward()
             norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5).item())
@@ -580,9 +579,11 @@ def test_trainer_stack(checkpoints, tmp_path):
 def _fused_weights(rank, world, paths, root):
     """Stock Trainer on models with fused weights of equal parts (Mixtral's experts split inside, gate / up; GPT-2's
     c_attn, q / k / v on dim 1) against one process: losses, grad norms, every weight as its view's full_tensor(); and
-    Phi-3 with fewer kv heads (q / k / v of unequal sizes), refused naming the parameter."""
+    Phi-3 with fewer kv heads (q / k / v of unequal sizes), refused naming the parameter, by Trainer's read and by
+    torch's ``clip_grad_norm_`` (every gradient kept)."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
     import fxparallel
@@ -605,6 +606,12 @@ def _fused_weights(rank, world, paths, root):
         run["strided"] = sorted(n for n, v in views.items() if isinstance(v.placements[0], _StridedShard))
         out[name] = run
     phi3 = fxparallel.parallelize(paths["phi3"], dist.group.WORLD, dtype=torch.float32)
+    rows = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
+    phi3(input_ids=rows, labels=rows).loss.backward()
+    grads = {n: p.grad.clone() for n, p in phi3.named_parameters()}
+    out["clip_refused"] = raised(lambda: torch.nn.utils.clip_grad_norm_(phi3.parameters(), 1e-3))
+    out["clip_kept"] = all(torch.equal(p.grad, grads[n]) and not isinstance(p, DTensor)
+                           for n, p in phi3.named_parameters())
     out["refused"] = raised(lambda: phi3.tp_size)
     out["gpt2_resumed"] = _resumed(rank, world, paths["gpt2"], root)  # checkpoints of strided (fused) states
     return out
@@ -629,3 +636,7 @@ def test_trainer_trains_fused_weights_of_equal_parts(tmp_path):
         assert any(n.endswith("attn.c_attn.weight") for n in r["gpt2"]["strided"]), r["gpt2"]["strided"]
         assert "qkv_proj.weight is a segmented shard" in r["refused"] and "DTensor has no placement" in r["refused"], \
             r["refused"]
+        assert r["clip_refused"].startswith("DTensorParametersError: torch.nn.utils.clip_grad_norm_(model.parameters(), ...)") and \
+            "qkv_proj.weight is a segmented shard" in r["clip_refused"] and \
+            "Clip with fxparallel.runtime.clip_grad_norm_(model, max_norm, mesh)" in r["clip_refused"], r["clip_refused"]
+        assert r["clip_kept"], "a refused clip changed a gradient or the parameters"
