@@ -48,7 +48,7 @@ from .model_facts import ModelFacts
 from .module import ParallelCausalLM
 from .ops.local_graph import LocalGraph
 from .plan.layout import ShardLayout, expert_parameters, text_config
-from .plan.adapter_placements import adapter_placements
+from .plan.adapter_placements import adapter_placements, expert_adapter_rows
 from .plan.options import PlanOptions
 from .plan.saved import check_applied, fixed_placements, read_plan
 from .plan.solver import check_layer_symmetry, solve
@@ -104,11 +104,11 @@ def plan_graph(meta_model, spec: GraphSpec, group: TPGroup, device, options: Pla
         context_parallel_checks.check_graph(captured, kind)
     # uneven splits by whole heads / columns / rows (and experts, with expert parallelism)
     experts = expert_parameters(meta_model) if options.expert_parallel else {}
-    layout = ShardLayout.for_config(meta_model.config, group.size).add_embedding_rows(meta_model).add_experts(
-        set(experts.values()))
     t = time.perf_counter()
     # a LoRA adapter's matrices follow their base layer's placement (plan/adapter_placements.py)
-    adapted = adapter_placements(meta_model, options.fixed)
+    adapted = adapter_placements(meta_model, options.fixed, experts)
+    layout = ShardLayout.for_config(meta_model.config, group.size).add_embedding_rows(meta_model).add_experts(
+        set(experts.values()), expert_adapter_rows(adapted))
     fixed = {**{name: placement for name, (placement, _) in adapted.items()}, **options.fixed}
     if captured.few_layers is not None:  # solved on the few layers; the walk over all of them follows it
         few = solve(captured.few_layers, group.size, fixed=fixed, layout=layout, experts=frozenset(experts))
@@ -321,13 +321,6 @@ class GraphFactory:
         beside it, every placement planned so far kept."""
         source = dataclasses.replace(self.source, adapter=adapter, inactive_adapters=tuple(inactive),
                                      co_active=tuple(co_active))
-        if self.options.expert_parallel:
-            for a in (adapter, *inactive):
-                if a is not None and getattr(a.config, "target_parameters", None):
-                    raise NotImplementedError(
-                        f"LoRA adapter {a.name!r} targets parameters {list(a.config.target_parameters)} (expert "
-                        "weights) and the model was parallelized with expert_parallel=True: not supported together "
-                        "yet; parallelize without expert_parallel, or target modules only")
         meta = _meta_model(source, self.group.size, self.dtype, self.trust_remote_code)
         return GraphFactory(source, meta, self.dtype, self.group, self.device, self.options.with_fixed(self.fixed),
                             self.trust_remote_code)

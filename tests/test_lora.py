@@ -32,6 +32,7 @@ from distributed import run_ranks
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))  # tiny_configs
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+EXPERT_WEIGHTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def _adapter(root: str, config=None, **options) -> str:
@@ -401,19 +402,27 @@ def _names_against_peft(model, adapter, ids) -> dict:
     return out
 
 
-def _other_layouts(rank, world, adapter, cache):
+def _other_layouts(rank, world, adapter, cache, expert_adapter):
     """TP=4 on the world; TP=3 (heads split unevenly) on ranks 0-2 and TP=1 on rank 3; the adapter by its hub id
-    (``HUB_ADAPTER`` in the hub cache ``cache``, its base by the hub id its config names)."""
+    (``HUB_ADAPTER`` in the hub cache ``cache``, its base by the hub id its config names); and ``expert_adapter``
+    (LoRA on 6 stacked experts) with expert parallelism at TP=4, experts 2 / 2 / 1 / 1."""
     import torch.distributed as dist
 
     import fxparallel
+
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    ep = fxparallel.parallelize(expert_adapter, dist.group.WORLD, dtype=torch.float32, is_trainable=True,
+                                expert_parallel=True)
+    experts = _trained(expert_adapter, dist.group.WORLD, rank, world, ids, model=ep)
+    experts["local"] = {n.split("layers.0.")[1]: tuple(p.shape) for n, p in ep.local_named_parameters()
+                        if n.startswith("model.layers.0.mlp.experts.")}
 
     def from_hub(group):
         return fxparallel.parallelize(HUB_ADAPTER, group, dtype=torch.float32, is_trainable=True, cache_dir=cache,
                                       local_files_only=True)
 
-    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
-    out = {4: _trained(adapter, dist.group.WORLD, rank, world, ids, model=from_hub(dist.group.WORLD))}
+    out = {4: _trained(adapter, dist.group.WORLD, rank, world, ids, model=from_hub(dist.group.WORLD)),
+           "experts": experts}
     mine, _ = dist.new_subgroups_by_enumeration([[0, 1, 2], [3]])
     tp = dist.get_world_size(mine)
     out[tp] = _trained(adapter, mine, dist.get_rank(mine), tp, ids, model=from_hub(mine))
@@ -486,11 +495,22 @@ def _check_training(r, adapted_per_layer: int = len(TARGETS)):
 
 
 def test_hub_lora_adapter_matches_peft_at_tp4_uneven_tp3_tp1_and_under_fsdp(tmp_path):
+    from tiny_configs import tiny_config
+
     adapter = _adapter(str(tmp_path))
-    results = run_ranks(4, _other_layouts, adapter, _hub_cache(adapter))
-    assert sorted(results[0], key=str) == [3, 4, "dp2 x tp2"] and sorted(results[3], key=str) == [1, 4, "dp2 x tp2"]
-    for r in results:
+    expert_adapter = _adapter(str(tmp_path / "experts"), tiny_config("qwen3_moe", num_experts=6),
+                              target_modules=["q_proj"], target_parameters=EXPERT_WEIGHTS)
+    results = run_ranks(4, _other_layouts, adapter, _hub_cache(adapter), expert_adapter)
+    assert sorted(results[0], key=str) == [3, 4, "dp2 x tp2", "experts"]
+    assert sorted(results[3], key=str) == [1, 4, "dp2 x tp2", "experts"]
+    for rank, r in enumerate(results):
         assert "merge_and_unload: merge before apply_data_parallel or Trainer" in r["dp2 x tp2"].pop("merge refused")
+        experts = r.pop("experts")
+        _check_training(experts, adapted_per_layer=3)
+        n = (2, 2, 1, 1)[rank]  # this rank's experts; r = 4: A [6 x 4, in] by experts, B [out, 4 x 6] by columns
+        local = experts["local"]
+        assert local["mlp.experts.gate_up_proj"][0] == n and local["mlp.experts.lora_A.default.weight"][0] == 4 * n \
+            and local["mlp.experts.lora_B.default.weight"][1] == 4 * n, local
         for layout in r.values():
             _check_training(layout)
 
@@ -631,8 +651,9 @@ def test_lora_on_fused_conv1d_projections_matches_peft(tmp_path):
 
 
 def _experts(rank, world, adapters):
-    """LoRA on stacked expert weights (``target_parameters``) beside q_proj: trained, merged and, for the first,
-    generating greedily and saved at TP=2 and reloaded in PEFT."""
+    """LoRA on stacked expert weights (``target_parameters``) beside q_proj, with the experts split like an MLP and
+    split whole (expert parallelism): trained, merged and, for the first, generating greedily and saved at TP=2
+    and reloaded in PEFT."""
     import torch.distributed as dist
 
     import fxparallel
@@ -640,27 +661,32 @@ def _experts(rank, world, adapters):
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     out = {}
     for kind, adapter in adapters.items():
-        result = _trained(adapter, dist.group.WORLD, rank, world, ids)
-        model = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32)
-        ref = _reference(adapter, trainable=False)
-        result["placements"] = {p.name.split("layers.0.")[1]: str(p.placement) for p in model.plan.params
-                                if p.name.startswith("model.layers.0.mlp.experts.")}
-        result["collectives"] = [(c.kind, c.direction, c.bytes_per_token) for c in model.plan.collectives
-                                 if "experts" in c.where and "lora" in c.where]
-        with torch.no_grad():
-            result["logits"] = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
-            if kind == "mixtral":  # greedy generate, and saved at TP=2 then reloaded in PEFT
-                kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
-                result["generate"] = torch.equal(model.generate(input_ids=ids[:, :6], **kwargs),
-                                                 ref.generate(input_ids=ids[:, :6], **kwargs))
-                saved = os.path.join(os.path.dirname(adapter), "saved")
-                model.save_pretrained(saved)
-                dist.barrier()
-                result["reloaded"] = (_reference(saved, trainable=False)(input_ids=ids).logits
-                                      - ref(input_ids=ids).logits).abs().max().item()
-            result["merged"] = (model.merge_and_unload()(input_ids=ids).logits
-                                - ref.merge_and_unload()(input_ids=ids).logits).abs().max().item()
-        out[kind] = result
+        for expert_parallel in (False, True):
+            def build(**options):
+                return fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32,
+                                              expert_parallel=expert_parallel, **options)
+
+            result = _trained(adapter, dist.group.WORLD, rank, world, ids, model=build(is_trainable=True))
+            model = build()
+            ref = _reference(adapter, trainable=False)
+            result["placements"] = {p.name.split("layers.0.")[1]: str(p.placement) for p in model.plan.params
+                                    if p.name.startswith("model.layers.0.mlp.experts.")}
+            result["collectives"] = sorted((c.kind, c.direction, c.where, c.bytes_per_token)
+                                           for c in model.plan.collectives if "mlp" in c.where)
+            with torch.no_grad():
+                result["logits"] = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+                if kind == "mixtral":  # greedy generate, and saved at TP=2 then reloaded in PEFT
+                    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+                    result["generate"] = torch.equal(model.generate(input_ids=ids[:, :6], **kwargs),
+                                                     ref.generate(input_ids=ids[:, :6], **kwargs))
+                    saved = os.path.join(os.path.dirname(adapter), f"saved-{expert_parallel}")
+                    model.save_pretrained(saved)
+                    dist.barrier()
+                    result["reloaded"] = (_reference(saved, trainable=False)(input_ids=ids).logits
+                                          - ref(input_ids=ids).logits).abs().max().item()
+                result["merged"] = (model.merge_and_unload()(input_ids=ids).logits
+                                    - ref.merge_and_unload()(input_ids=ids).logits).abs().max().item()
+            out[kind, expert_parallel] = result
     return out
 
 
@@ -668,17 +694,32 @@ def test_lora_on_expert_parameters_matches_peft(tmp_path):
     """``target_parameters`` on Mixtral's experts ([experts, out, in], gate and up concatenated: B split by the
     same segments) and GPT-OSS's ([experts, in, out], gate and up interleaved, biases), applied by PEFT through
     ``torch.nn.utils.parametrize``, which the capture replaces by the same sum (capture/adapter_parameters.py).
-    What the expert adapters add is a once-per-step all-reduce of a replicated adapter matrix's gradient."""
+    Experts split like an MLP: what the expert adapters add is a once-per-step all-reduce of a replicated adapter
+    matrix's gradient. Experts split whole (``expert_parallel=True``): each rank holds its experts' rows of A and
+    columns of B, and the adapters add no collective at all (the MoE blocks' collectives are those of the model
+    without the adapter)."""
+    import fxparallel
     from tiny_configs import tiny_config
 
-    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     adapters = {kind: _adapter(str(tmp_path / kind), tiny_config(kind), target_modules=["q_proj"],
-                               target_parameters=experts) for kind in ("mixtral", "gpt_oss")}
+                               target_parameters=EXPERT_WEIGHTS) for kind in ("mixtral", "gpt_oss")}
+    without = {}
+    for kind in adapters:
+        plan, _ = fxparallel.plan_model(str(tmp_path / kind / "base"), 2, dtype=torch.float32, expert_parallel=True)
+        without[kind] = sorted((c.kind, c.direction, c.where, c.bytes_per_token) for c in plan.collectives
+                               if "mlp" in c.where)
     for r in run_ranks(2, _experts, adapters):
-        for kind, result in r.items():
+        for (kind, expert_parallel), result in r.items():
             _check_training(result, adapted_per_layer=3)  # q_proj and the two expert weights
             assert result["logits"] < 1e-5 and result["merged"] < 1e-5, (kind, result)
             placed = result["placements"]
+            if expert_parallel:  # 4 experts, r = 4: A [4 x 4, in] by experts, B [out, 4 x 4] by every r's experts
+                assert placed["mlp.experts.gate_up_proj"] == placed["mlp.experts.down_proj"] == "S(0)", placed
+                for wrapper in ("mlp.experts.base_layer", "mlp.experts"):
+                    assert placed[f"{wrapper}.lora_A.default.weight"] == "S(0)", placed
+                    assert placed[f"{wrapper}.lora_B.default.weight"] == "S(1)[4,4,4,4]", placed
+                assert result["collectives"] == without[kind], (result["collectives"], without[kind])
+                continue
             column, row = ("S(1)[128,128]", "S(2)") if kind == "mixtral" else ("S(2)", "S(1)")
             assert placed["mlp.experts.gate_up_proj"] == column and placed["mlp.experts.down_proj"] == row, placed
             assert placed["mlp.experts.base_layer.lora_A.default.weight"] == "R", placed  # gate_up: column-parallel
@@ -686,9 +727,10 @@ def test_lora_on_expert_parameters_matches_peft(tmp_path):
                                                                             else "S(0)"), placed
             assert placed["mlp.experts.lora_A.default.weight"] == "S(1)", placed  # down: row-parallel
             assert placed["mlp.experts.lora_B.default.weight"] == "R", placed
-            assert result["collectives"] and all(c == ("all_reduce", "backward", 0.0) for c in result["collectives"]), \
-                result["collectives"]
-        assert r["mixtral"]["reloaded"] < 1e-5 and r["mixtral"]["generate"], r
+            added = [c[:2] + c[3:] for c in result["collectives"] if "experts" in c[2] and "lora" in c[2]]
+            assert added and all(c == ("all_reduce", "backward", 0.0) for c in added), result["collectives"]
+        for expert_parallel in (False, True):
+            assert r["mixtral", expert_parallel]["reloaded"] < 1e-5 and r["mixtral", expert_parallel]["generate"], r
 
 
 def test_other_methods_and_options_are_refused_by_name(tmp_path):

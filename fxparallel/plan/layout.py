@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..capture.adapters import hf_name
 from ..capture.expert_counts import experts_modules
 
 
@@ -132,12 +133,15 @@ class ShardLayout:
                     self._add_rows(module.num_embeddings)
         return self
 
-    def add_experts(self, counts) -> "ShardLayout":
+    def add_experts(self, counts, adapter_rows=()) -> "ShardLayout":
         """Whole experts per rank (expert parallelism): ``E`` experts over tp ranks, the first ``E % tp``
-        ranks one more."""
+        ranks one more; ``adapter_rows``: (E, r) of LoRA adapters on them, whose A has r rows per expert."""
         for experts in sorted(counts):
             if experts % self.tp:
                 self._add(experts, balanced(experts, self.tp))
+        for experts, r in sorted(adapter_rows):
+            if experts % self.tp:
+                self._add(experts * r, tuple(k * r for k in balanced(experts, self.tp)))
         return self
 
     def _add_rows(self, size) -> None:
@@ -199,10 +203,10 @@ _MLP_WIDTH_NAMES = ("n_inner", "intermediate_size_mlp")
 def expert_parameters(model) -> dict:
     """{name: experts} of the parameters stacked by expert in ``model``'s mixture-of-experts layers: those of
     transformers' experts modules (``use_experts_implementation`` marks them) whose dim 0 is the experts (the 3-D
-    weights' first size), weights and biases."""
+    weights' first size), weights and biases; Hugging Face names (a LoRA adapter's wrappers left out)."""
     found = {}
     for prefix, module, experts in experts_modules(model):
-        found.update({f"{prefix}.{name}": experts for name, p in module.named_parameters(recurse=False)
+        found.update({hf_name(f"{prefix}.{name}"): experts for name, p in module.named_parameters(recurse=False)
                       if p.dim() >= 2 and int(p.shape[0]) == experts})
     return found
 

@@ -123,9 +123,9 @@ def gather_index(node: fx.Node):
 
 def gather_strategies(node, x, ids, placements, ctx, dim: int = 0) -> list:
     """Rows of ``x`` picked along ``dim`` by replicated ``ids``: other dims keep their shard; a partial stays
-    partial (picking rows is linear). With expert parallelism, an expert parameter's experts
-    (``expert_rows.py``)."""
-    if dim == 0 and is_expert_parameter(x, ctx):
+    partial (picking rows is linear). With expert parallelism, an expert parameter's experts (``expert_rows.py``),
+    as of a value split by experts like them (a LoRA-adapted weight, ``W + B @ A``)."""
+    if dim == 0 and (is_expert_parameter(x, ctx) or ctx.experts and placements[x] == S(0)):
         return expert_gather(node, x, ids, ctx)
     ndim, ids_ndim = ctx.ndim(x), ctx.ndim(ids)
     out = ctx.fake(node)

@@ -55,6 +55,7 @@ def _sharded_view(node, x, p, ctx) -> list:
         o = reshape_shard_dim(ctx.fake(x).shape, out.shape, p.dim, ctx.tp, ctx.split_sizes)
         if p.segments and (o is None or not _same(ctx.fake(x).shape[p.dim], out.shape[o])):
             strategies.extend(_segments_by_head(node, x, p, out, ctx, sized))
+            strategies.extend(_segments_as_dim(node, x, p, out, ctx, sized))
             o = None  # a segmented dim survives a reshape otherwise only unchanged
         if o is not None:
             rw = _view_size(o, int(out.shape[o]), p if p.segments else None) if sized else None
@@ -82,6 +83,22 @@ def _segments_by_head(node, x, p, out, ctx, sized) -> list:
         return []
     return [Strategy({x: p}, heads, local=_view_size(heads.dim, int(out.shape[heads.dim]), heads) if sized else None,
                      note="fused projection viewed by head")]
+
+
+def _segments_as_dim(node, x, p, out, ctx, sized) -> list:
+    """A dim of equal segments viewed as ``[segments, segment]`` (a LoRA B over stacked experts, [out, r x experts]
+    viewed as [out, r, experts]): each rank's part of every segment is its part of the new inner dim, a plain
+    shard."""
+    in_shape = ctx.fake(x).shape
+    big_in, big_out = _group_of(in_shape, out.shape, p.dim)
+    if p.whole or big_in != [p.dim] or len(big_out) != 2 or len(set(p.segments)) != 1:
+        return []
+    count, seg = out.shape[big_out[0]], out.shape[big_out[1]]
+    if not (_same(count, len(p.segments)) and _same(seg, p.segments[0]) and ctx.can_split(p.segments[0])):
+        return []
+    o = big_out[1]
+    return [Strategy({x: p}, S(o), local=_view_size(o, p.segments[0]) if sized else None,
+                     note="equal segments viewed as a dim of their own")]
 
 
 def _group_of(in_shape, out_shape, dim):
