@@ -49,7 +49,7 @@ def dtensor_views(model):
 
 TRAINER = ("transformers.Trainer / accelerate", "train it with fxparallel.runtime.train_step")
 CLIPPING = "torch.nn.utils.clip_grad"  # the module of torch's clip_grad_norm_
-_CLIPPING_USER = (f"torch.nn.utils.clip_grad_norm_(model.parameters(), ...) (over the plain shards each rank would "
+_CLIPPING_USER = ("torch.nn.utils.clip_grad_norm_(model.parameters(), ...) (over the plain shards each rank would "
                   "clip by its own norm)", "clip with fxparallel.runtime.clip_grad_norm_(model, max_norm, mesh), as "
                   "fxparallel.runtime.train_step does")
 

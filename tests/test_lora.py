@@ -686,8 +686,35 @@ def _experts(rank, world, adapters):
                                           - ref(input_ids=ids).logits).abs().max().item()
                 result["merged"] = (model.merge_and_unload()(input_ids=ids).logits
                                     - ref.merge_and_unload()(input_ids=ids).logits).abs().max().item()
+            if kind == "mixtral" and expert_parallel:
+                result["added"] = _added_on_experts(adapter, rank, ids)
             out[kind, expert_parallel] = result
     return out
+
+
+def _added_on_experts(adapter, rank, ids) -> dict:
+    """``add_adapter`` on the expert weights of a model with whole experts per rank: one SGD step, saved, and
+    reloaded in PEFT on one process to the same logits."""
+    import torch.distributed as dist
+    from peft import LoraConfig
+
+    import fxparallel
+
+    root = os.path.dirname(adapter)
+    model = fxparallel.parallelize(os.path.join(root, "base"), dist.group.WORLD, dtype=torch.float32,
+                                   expert_parallel=True)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    model.add_adapter(LoraConfig(r=4, target_modules=["q_proj"], target_parameters=EXPERT_WEIGHTS))
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5).step()
+    saved = os.path.join(root, "added")
+    model.save_pretrained(saved)
+    dist.barrier()
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+        return {"moved": (after - before).abs().max().item(),
+                "reloaded": (_reference(saved, trainable=False)(input_ids=ids).logits - after).abs().max().item()}
 
 
 def test_lora_on_expert_parameters_matches_peft(tmp_path):
@@ -697,7 +724,7 @@ def test_lora_on_expert_parameters_matches_peft(tmp_path):
     Experts split like an MLP: what the expert adapters add is a once-per-step all-reduce of a replicated adapter
     matrix's gradient. Experts split whole (``expert_parallel=True``): each rank holds its experts' rows of A and
     columns of B, and the adapters add no collective at all (the MoE blocks' collectives are those of the model
-    without the adapter)."""
+    without the adapter); an adapter added there with ``add_adapter`` trains and PEFT reads it back."""
     import fxparallel
     from tiny_configs import tiny_config
 
@@ -731,6 +758,8 @@ def test_lora_on_expert_parameters_matches_peft(tmp_path):
             assert added and all(c == ("all_reduce", "backward", 0.0) for c in added), result["collectives"]
         for expert_parallel in (False, True):
             assert r["mixtral", expert_parallel]["reloaded"] < 1e-5 and r["mixtral", expert_parallel]["generate"], r
+        added = r["mixtral", True]["added"]  # add_adapter with whole experts: trained, and PEFT reads it back
+        assert added["moved"] > 1e-4 and added["reloaded"] < 1e-5, added
 
 
 def test_other_methods_and_options_are_refused_by_name(tmp_path):

@@ -32,6 +32,18 @@ def _ctx(experts=frozenset()):
     return RuleContext(tp=2, tokens=1, layout=ShardLayout(2), experts=experts)
 
 
+def test_a_value_split_by_experts_is_gathered_as_the_experts_are():
+    """A LoRA-adapted expert weight (``W + delta``, a computed value): placed S(0) like the experts, its gather by
+    ids takes this rank's experts too; without expert parallelism a gather never splits dim 0."""
+    gm = capture(lambda w, d, ids: (w + d)[ids], (4, 32, 16), (4, 32, 16), ("ids", (6,)), params=(0, 1))
+    w, d, ids = inputs_of(gm)
+    adapted = node(gm, operator.add)
+    gather = next(n for n in gm.graph.nodes if n.target is operator.getitem)
+    found = rule_for(gather)(gather, {adapted: S(0), ids: R}, _ctx(frozenset({w})))
+    assert [(s.name, s.output) for s in found] == [("expert gather", E(1))]
+    assert all(s.inputs[adapted] != S(0) for s in rule_for(gather)(gather, {adapted: S(0), ids: R}, _ctx()))
+
+
 def test_an_expert_gather_takes_whole_experts_and_gives_expert_rows():
     gm = _graph()
     x, ids, w, gate_up, down = inputs_of(gm)

@@ -55,3 +55,21 @@ def test_cat_onto_an_empty_cache_ignores_the_empty_tensor():
     e, k = inputs_of(gm)
     found = strategies(node(gm, torch.cat), {k: S(1)})
     assert (found[0].inputs, found[0].output) == ({e: R, k: S(1)}, S(1))
+
+
+def test_equal_segments_viewed_as_a_dim_of_their_own():
+    """A LoRA B over stacked experts, [out, r x experts] with r segments of one column per expert, viewed as
+    [out, r, experts]: each rank's part of every segment is its part of the experts dim (a plain shard, the
+    spelled-out size rewritten); uneven where the layout splits the experts so. Unequal segments do not."""
+    gm = capture(lambda b: b.reshape(16, -1, 4), (16, 12))
+    (b,) = inputs_of(gm)
+    found = strategies(node(gm, "reshape"), {b: S(1, (4, 4, 4))})
+    assert (found[0].output, found[0].local) == (S(2), LocalOp.of("local_view_size", dim=2, full=4, segmented=None))
+    gm = capture(lambda b: b.reshape(16, -1, 6), (16, 18))
+    (b,) = inputs_of(gm)
+    uneven = ShardLayout(4, {6: (2, 2, 1, 1)})
+    assert strategies(node(gm, "reshape"), {b: S(1, (6, 6, 6))}, tp=4, layout=uneven)[0].output == S(2)
+    assert [s.output for s in strategies(node(gm, "reshape"), {b: S(1, (6, 6, 6))}, tp=4)] == [R]  # no split
+    gm = capture(lambda b: b.reshape(16, 2, 6), (16, 12))
+    (b,) = inputs_of(gm)
+    assert [s.output for s in strategies(node(gm, "reshape"), {b: S(1, (4, 8))})] == [R]
