@@ -17,7 +17,8 @@ all-reduce, the same total norm on every rank.
 
 The mode starts when Trainer or accelerate reads ``model.tp_size`` (transformers' sign that a model was
 sharded before they saw it; they then leave it unwrapped, no DistributedDataParallel, and give every tp
-rank the same batch), or with ``use_dtensor_parameters(model)``. Only placements DTensor can state are
+rank the same batch), when torch's ``clip_grad_norm_`` iterates ``model.parameters()`` at tp > 1 (a loop of
+one's own; ``views_for_clipping``), or with ``use_dtensor_parameters(model)``. Only placements DTensor can state are
 allowed: a fused weight of equal parts (gate / up) is a ``_StridedShard`` (``trainer_placement``); one of unequal
 parts (q / k / v with fewer kv heads) or an uneven split is refused naming the parameter, before anything
 changes.
