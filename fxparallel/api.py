@@ -142,7 +142,8 @@ def _state_shapes(ctx: PassContext) -> dict:
     for name, (full, placement, dtype) in ctx.state_layout.items():
         local = list(full)
         if placement is not None and placement.is_shard:
-            local[placement.dim] = ctx.gplan.layout.local(full[placement.dim], ctx.group.rank)
+            local[placement.dim] = sum(placement.local_parts(lambda size: ctx.gplan.layout.local(size, ctx.group.rank))) \
+                if placement.segments else ctx.gplan.layout.local(full[placement.dim], ctx.group.rank)
         shapes[name] = (tuple(full), tuple(local), dtype)
     return shapes
 

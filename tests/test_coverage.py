@@ -20,14 +20,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 # (experts' gate and up interleaved: gate_up[..., ::2], gate_up[..., 1::2]) (fused Phi-3: at TP=4)
 # and Mamba, split by channels: in_proj by column (its x and gate halves as segments, found through the
 # transpose before the chunk), the depthwise conv and the scan (torch.vmap traced inline) per channel,
-# x_proj and out_proj by row
+# x_proj and out_proj by row; Mamba-2 by heads: in_proj by column in five segments (z, and x, B, C found through
+# the depthwise conv before their own split, dt), B and C by groups, the chunked scan's einsums per head
 TP2 = ("gpt2", "opt", "bloom", "falcon", "gptj", "gpt_neo", "gpt_bigcode", "codegen", "mpt", "stablelm", "mixtral",
-       "olmo2", "gpt_oss", "mamba")
+       "olmo2", "gpt_oss", "mamba", "mamba2", "bamba-one-group")
 # at TP=4 also 3 kv heads over 4 ranks (transformers' tp plan crashes in view here): the kv heads are
 # replicated; 6 query heads split 2/2/1/1, so rank 1 uses query heads 2 and 3, of kv heads 1 and 2
 # and Falcon (x @ W.T) with an MLP width tp=4 does not divide (130: 33/33/33/31), its multi-query k and v whole
 TP4 = ("phi3", "llama-kv3", "falcon-ffn130")  # OPT at TP=4: tests/test_sequence_parallel.py
 CONFIGS = {"llama-kv3": ("llama", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=8)),
+           # Mamba-2 layers of one group (as released Bamba, Granite-4, Falcon-H1): B and C whole on every rank
+           "bamba-one-group": ("bamba", dict(hidden_size=128, mamba_d_state=16, mamba_d_head=32)),
            "falcon-ffn130": ("falcon", dict(ffn_hidden_size=130))}
 
 
@@ -175,6 +178,24 @@ def test_architectures_without_transformers_plan(on_ranks, tp, types):
                     if ".layers.0.mixer." in n and n.endswith("proj.weight")} == \
                 {"in_proj.weight": "S(0)[128,128]", "x_proj.weight": "S(1)", "dt_proj.weight": "S(0)",
                  "out_proj.weight": "S(1)"}, mamba["placements"]
+            # Mamba-2 (8 heads, 8 groups): one all-reduce per layer forward (out_proj's), no gather; the gated
+            # norm's groups lie within a rank's heads
+            mamba2 = results["mamba2"]
+            assert [c[:2] for c in mamba2["layer_collectives"] if c[1] == "forward"] == [("all_reduce", "forward")]
+            assert mamba2["layer_forward_calls"] == 2 and not mamba2["layer_gathers"], mamba2
+            assert {n.split(".mixer.")[-1]: v for n, v in mamba2["placements"].items()
+                    if ".layers.0.mixer." in n and n.endswith("proj.weight")} == \
+                {"in_proj.weight": "S(0)[128,128,1024,1024,8]", "out_proj.weight": "S(1)"}, mamba2["placements"]
+            # Mamba-2 of one group: B and C (16 floats each) whole on every rank, x, z and dt by heads; C B^T and the
+            # scan's products of B and C per head keep partial gradients back to the whole rows, summed once per step
+            # at in_proj's weight (and the conv's): no per-token reduction for them, the mixer's forward one all-reduce
+            one = results["bamba-one-group"]
+            assert {n.split(".mamba.")[-1]: v for n, v in one["placements"].items()
+                    if ".layers.0.mamba." in n and n.endswith("proj.weight")} == \
+                {"in_proj.weight": "S(0)[256,256,16R,16R,8]", "out_proj.weight": "S(1)"}, one["placements"]
+            assert not one["layer_gathers"], one
+            assert [c for c in one["layer_collectives"] if c[1] == "backward" and c[2] > 8] == \
+                [("all_reduce", "backward", 512.0)] * 3, one["layer_collectives"]
             # Bloom flattens batch and heads into one dim for baddbmm/bmm: the heads stay sharded there
             # (a blocked shard), so attention needs no gather: 2 all-reduces per layer each way
             bloom = results["bloom"]["layer_collectives"]

@@ -89,7 +89,8 @@ def _paths(tmp_path, **configs) -> dict:
 def test_generate_state_space_and_linear_attention_models(tmp_path):
     """Mamba (every layer a selective scan), Bamba (Mamba-2 layers and attention) and Qwen3.5 (gated delta nets
     and attention, as in Qwen3-Next) at TP=2."""
-    paths = _paths(tmp_path, mamba={}, bamba={}, qwen3_5_text={})
+    # Bamba of one group (B and C whole on every rank), at a width where the solver splits its mixer by heads
+    paths = _paths(tmp_path, mamba={}, bamba=dict(hidden_size=128, mamba_d_state=16, mamba_d_head=32), qwen3_5_text={})
     results = run_ranks(2, _generate, paths)
     assert results[0]["sampled"] == results[1]["sampled"]
     for out in results:
@@ -105,6 +106,11 @@ def test_generate_state_space_and_linear_attention_models(tmp_path):
             assert out[name]["decode collectives"][1] == 0, (name, out[name])
         # Mamba's mixers are split by channels: each rank keeps half of every state
         assert out["mamba"]["state share"] == 0.5 and out["mamba"]["split states"] == 4, out["mamba"]
+        # Bamba's by heads: half the heads' recurrent states and of x's conv channels, B's and C's (16 each) whole
+        conv, recurrent = 2 * (256 + 32) * 4, 2 * 8 * 32 * 16  # transformers' elements: batch x channels x kernel, ...
+        assert out["bamba"]["split states"] == 2, out["bamba"]
+        assert abs(out["bamba"]["state share"] - (2 * (128 + 32) * 4 + recurrent / 2) / (conv + recurrent)) < 1e-9, \
+            out["bamba"]
         assert out["hand-written loop"], out
         assert out["chunked continuation"].startswith(
             "ShardingError: a forward of 2 tokens on a cache already written, whose linear-attention / state-space "

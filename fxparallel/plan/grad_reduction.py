@@ -14,6 +14,8 @@ The solver (to cost a plan) and the rewrite (to insert the collective) both use
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.fx as fx
 
@@ -68,3 +70,28 @@ def hoisted_point(value: fx.Node, is_replicated) -> fx.Node:
             break
         node = sources[0]
     return node
+
+
+def whole_segment_region(value: fx.Node, is_replicated, is_origin) -> Optional[tuple]:
+    """(region, origins): the replicated values that ``value`` is made from, back to whole segments of a fused
+    projection (``is_origin``), when every value it is made from that requires grad is one of those or made from
+    them; None otherwise. A whole segment's gradient is partial by design (plan/placement.py), and every op's
+    backward is linear in its gradient, so a value made only from whole segments may keep a partial gradient too:
+    no reduction (Mamba-2's B and C of one group, whole on every rank, widened to the heads and multiplied into
+    ``C B^T``, which each rank uses for its heads only). The rewrite also checks each region value's users."""
+    region, origins, stack = {value}, set(), [value]
+    while stack:
+        node = stack.pop()
+        if node.op not in ("call_function", "call_method"):
+            return None
+        for source in node.all_input_nodes:
+            if not requires_grad(source):
+                continue
+            if is_origin(source):
+                origins.add(source)
+            elif not is_replicated(source):
+                return None
+            elif source not in region:
+                region.add(source)
+                stack.append(source)
+    return (region, origins) if origins else None

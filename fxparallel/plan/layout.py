@@ -56,6 +56,9 @@ class ShardLayout:
     uneven: dict = field(default_factory=dict)  # full size -> per-rank sizes (only sizes tp does not split evenly)
     # from the config: a fused projection's part of fewer heads than ranks is kept whole (planning only)
     head_dim: Optional[int] = field(default=None, compare=False)
+    # widths of a part every head reads, kept whole where its groups do not split over the ranks (Mamba-2's B and
+    # C: n_groups x state_size, one group in Bamba, Granite-4, Falcon-H1, Zamba-2) (planning only)
+    shared_widths: tuple = field(default=(), compare=False)
 
     def sizes(self, full) -> Optional[tuple]:
         """Per-rank sizes of a dimension of ``full`` elements, or None if it cannot be split."""
@@ -119,6 +122,7 @@ class ShardLayout:
                 layout._add(heads, q)
         for size in [*mlp_widths(config).values(), config_int(config, "vocab_size")]:
             layout._add_rows(size)
+        layout.shared_widths = state_group_widths(config, tp)
         return layout
 
     def add_embedding_rows(self, model) -> "ShardLayout":
@@ -181,6 +185,20 @@ def text_config(config):
         return get() if callable(get) else config
     except Exception:  # noqa: BLE001 - a config that cannot say: use it as it is
         return config
+
+
+_STATE_GROUPS = (("n_groups", "state_size"), ("n_groups", "ssm_state_size"), ("mamba_n_groups", "mamba_d_state"),
+                 ("mamba_ngroups", "mamba_d_state"))
+
+
+def state_group_widths(config, tp: int) -> tuple:
+    """Mamba-2's B and C widths (groups x state size) where the groups do not split over ``tp`` ranks."""
+    widths = set()
+    for groups, state in _STATE_GROUPS:
+        g, n = config_int(config, groups), config_int(config, state)
+        if g and n and g % tp:
+            widths.add(g * n)
+    return tuple(sorted(widths))
 
 
 def config_int(config, name) -> Optional[int]:

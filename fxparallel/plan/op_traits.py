@@ -87,6 +87,7 @@ SPELLINGS = {
     # ---- several outputs and indexing -----------------------------------------------------------
     **{name: (getattr(torch, name), name) for name in ("chunk", "split", "tensor_split", "unbind", "topk", "sort",
                                                        "index_select")},
+    "repeat_interleave": (torch.repeat_interleave, "repeat_interleave"),
     "getitem": (operator.getitem,),
     "setitem": (operator.setitem,),  # ``x[index] = value``: writes into ``x`` (rules/indexing.py)
     # ---- products, attention, embedding, loss, dropout -------------------------------------------
@@ -185,6 +186,9 @@ SHAPE_QUERIES = frozenset({"size", "dim", "ndimension", "get_device"})
 # a fused projection's features pass through these unchanged on the way to its split (rules/fused.py)
 KEEPS_FEATURES = frozenset({"to", "float", "half", "bfloat16", "contiguous", "view", "reshape", "add", "mul",
                             "unsqueeze", "dropout"})
+# ... and, where the features are not the last dimension (rules/fused.py ``_keeps_channels``), these
+ELEMENTWISE_ACTIVATIONS = frozenset({"silu", "gelu", "relu", "softplus", "sigmoid", "tanh", "to", "float", "half",
+                                     "bfloat16", "contiguous"})
 
 # sequence parallelism lets a sequence shard through these, operand by operand checked
 # (rewrite/sequence_parallel.py); reductions and norms there: over other dims only
@@ -204,7 +208,7 @@ ACTIVATION_PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum", "mm"})
 
 _TRAITS = (POINTWISE, LINEAR_UNARY, LINEAR_SCALE, DIVIDES, LINEAR_ADD, REDUCTIONS, SHAPE_KEEPING, SIZED_VIEWS,
            PURE_RESHAPES, SHAPE_QUERIES, KEEPS_FEATURES, TOKEN_WISE, TOKEN_WISE_REDUCTIONS, SEQUENCE_MIXING,
-           ACTIVATION_PRODUCTS, TOKEN_WISE_PRODUCTS, frozenset(NORMALIZED_SHAPE_ARG))
+           ACTIVATION_PRODUCTS, TOKEN_WISE_PRODUCTS, frozenset(NORMALIZED_SHAPE_ARG), ELEMENTWISE_ACTIVATIONS)
 for _trait in _TRAITS:
     if not _trait <= SPELLINGS.keys():
         raise AssertionError(f"traits name ops the table does not spell: {sorted(_trait - SPELLINGS.keys())}")

@@ -45,7 +45,7 @@ import torch.fx as fx
 
 from ..capture.spec import EXAMPLE_BATCH, EXAMPLE_SEQ
 from ..capture.graph import CapturedGraph
-from .grad_reduction import hoisted_point, reduction_point
+from .grad_reduction import hoisted_point, reduction_point, whole_segment_region
 from .op_traits import SHAPE_QUERIES, op_name
 from .placement import R, Placement, is_sharded
 from .rules import RuleContext, Strategy, expert_rows, rule_for, tensor_inputs
@@ -335,7 +335,8 @@ class Solver:
             return isinstance(plan.placements.get(n), Placement) and plan.placements[n].is_replicate
 
         point = hoisted_point(value, replicated)
-        if _whole_segment(point, plan):
+        if _whole_segment(point, plan) or whole_segment_region(value, replicated,
+                                                                lambda n: _whole_segment(n, plan)) is not None:
             return None, 0.0
         left = self.ctx.bytes_per_token(point) - plan.grad_paid.get(point, 0.0)
         if len(point.users) > 1:  # one reduction for several uses: each pays at most what its own value would

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..capture.graph import writes_data
-from ..plan.grad_reduction import reduction_point
+from ..plan.grad_reduction import reduction_point, whole_segment_region
 from ..plan.placement import Placement
 from ..plan.rules.base import requires_grad
 from ..plan.solver import GraphPlan
@@ -39,10 +39,39 @@ def _hoist_reductions(sharded_consumers: dict, passed_up: set) -> dict:
     return consumers
 
 
+def _without_whole_segment_regions(graph: fx.Graph, sharded_consumers: dict, gplan: GraphPlan) -> dict:
+    """Drop the reductions of values made only from whole segments whose every use is on shards or inside such a
+    region (``plan.grad_reduction.whole_segment_region``): their gradients stay partial, and so do the segments'
+    (their ``partial_grad`` goes: the weight's ``sum_grad_rows`` sums them)."""
+    def replicated(n):
+        return isinstance(gplan.placements.get(n), Placement) and gplan.placements[n].is_replicate
+
+    def is_origin(n):
+        return n.op == "call_function" and n.target is collectives.partial_grad
+
+    dropped, origins = set(), set()
+    for value in sharded_consumers:
+        if value in dropped or not requires_grad(value) or is_origin(value):
+            continue
+        found = whole_segment_region(value, replicated, is_origin)
+        if found is None:
+            continue
+        region, starts = found
+        inside = region | set(dropped)
+        if all(set(n.users) <= inside | set(sharded_consumers.get(n, ())) for n in region | starts):
+            dropped |= region
+            origins |= starts
+    for origin in origins:
+        origin.replace_all_uses_with(origin.args[0])
+        graph.erase_node(origin)
+    return {v: c for v, c in sharded_consumers.items() if v not in dropped and v not in origins}
+
+
 def insert_gradient_reductions(graph: fx.Graph, sharded_consumers: dict, handle: int, gplan: GraphPlan,
                                passed_up: set) -> list:
     """Returns the replicated values whose gradient is all-reduced. ``passed_up`` receives the
     values whose reduction moved to the value they are made from (the report names their consumers)."""
+    sharded_consumers = _without_whole_segment_regions(graph, sharded_consumers, gplan)
     sharded_consumers = _hoist_reductions(sharded_consumers, passed_up)
     reduced = []
     for value, consumers in sharded_consumers.items():

@@ -62,12 +62,15 @@ def bias_after_reduce(node: fx.Node, editor: GraphEditor, bias_index: int, dense
     editor.replace_uses(reduced, added)
 
 
-def local_split_sizes(node: fx.Node, editor: GraphEditor, placement: Placement) -> None:
-    """``fused.split(sizes)`` into the segments of a segmented shard: this rank's part of each
-    (a whole segment entire; its getitem gets a partial gradient)."""
+def local_split_sizes(node: fx.Node, editor: GraphEditor, placement: Placement, groups=None) -> None:
+    """``fused.split(sizes)`` into the segments of a segmented shard, or into runs of them (``groups``: the
+    segments' indices of each part): this rank's part of each (a whole segment entire; its getitem gets a
+    partial gradient)."""
     args = list(node.args)
     if node.target in ("split", torch.split):
         local = editor.local_parts(placement)
+        if groups is not None:
+            local = [sum(local[i] for i in group) for group in groups]
         if len(args) > 1:
             args[1] = local
             node.args = tuple(args)
@@ -75,8 +78,10 @@ def local_split_sizes(node: fx.Node, editor: GraphEditor, placement: Placement) 
             key = "split_size_or_sections" if "split_size_or_sections" in node.kwargs else "split_size"
             node.kwargs = {**node.kwargs, key: local}
     # chunk(k): equal segments have equal local parts (same size, same split)
+    whole = placement.whole if groups is None else [k for k, group in enumerate(groups)
+                                                    if len(group) == 1 and group[0] in placement.whole]
     for user in list(node.users):
-        if user.target is operator.getitem and user.args[1] in placement.whole:
+        if user.target is operator.getitem and user.args[1] in whole:
             editor.partial_grad_after(user)
 
 
@@ -154,14 +159,24 @@ def mask_foreign_rows(node: fx.Node, editor: GraphEditor, lead: int) -> None:
     node.replace_input_with(x, masked_rows(editor.graph, x, lead, node, editor.placements))
 
 
-def local_groups(node: fx.Node, editor: GraphEditor, channels: int) -> None:
-    """A depthwise convolution on this rank's channels: one group each."""
+def local_groups(node: fx.Node, editor: GraphEditor, channels: int, segments=None, whole=()) -> None:
+    """A depthwise convolution on this rank's channels (its part of each segment, a whole one entire): one
+    group each."""
+    groups = sum(part if i in whole else editor.local_size(part) for i, part in enumerate(segments or (channels,)))
     args = list(node.args)
     if len(args) > 6:
-        args[6] = editor.local_size(channels)
+        args[6] = groups
         node.args = tuple(args)
     else:
-        node.kwargs = {**node.kwargs, "groups": editor.local_size(channels)}
+        node.kwargs = {**node.kwargs, "groups": groups}
+
+
+def local_output_size(node: fx.Node, editor: GraphEditor, full: int) -> None:
+    """``repeat_interleave(..., output_size=full)`` on a shard: this rank's part of ``full``."""
+    if len(node.args) > 3:
+        node.args = (*node.args[:3], editor.local_size(full), *node.args[4:])
+    elif "output_size" in node.kwargs:
+        node.kwargs = {**node.kwargs, "output_size": editor.local_size(full)}
 
 
 LOCAL_OPS = {
@@ -174,6 +189,7 @@ LOCAL_OPS = {
     "block_view_size": block_view_size,
     "segment_slice": segment_slice,
     "local_groups": local_groups,
+    "local_output_size": local_output_size,
     "expert_gather": expert_gather,
     "owned_item": owned_item,
     "mask_foreign_rows": mask_foreign_rows,

@@ -14,6 +14,7 @@ from ..capture.graph import writes_data
 from ..errors import ShardingError
 from ..plan.layout import uneven_split
 from ..plan.placement import P, R, Placement, is_sharded
+from ..plan.rules.base import requires_grad
 from ..plan.solver import GraphPlan, describe
 from ..ops import collectives
 from .editor import GraphEditor
@@ -167,7 +168,7 @@ def _sum_whole_rows(graph: fx.Graph, gplan: GraphPlan, editor: GraphEditor) -> N
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node in placeholders:
         p = gplan.placements.get(node)
-        if not (isinstance(p, Placement) and p.whole):
+        if not (isinstance(p, Placement) and p.whole) or not requires_grad(node):  # a cache's state: no gradient
             continue
         with graph.inserting_after(placeholders[-1]):
             summed = graph.call_function(collectives.sum_grad_rows, (

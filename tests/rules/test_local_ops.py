@@ -6,6 +6,7 @@ from rule_graphs import capture, node
 
 from fxparallel.group import fake_group
 from fxparallel.plan.layout import ShardLayout
+from fxparallel.plan.placement import S
 from fxparallel.plan.rules.base import LocalOp
 from fxparallel.rewrite.editor import GraphEditor
 from fxparallel.ops.vocab_parallel import vocab_parallel_embedding
@@ -48,3 +49,23 @@ def test_owned_item_reads_its_slice_on_the_owner_and_nothing_elsewhere():
         assert n.args[1] == kept
         (summed,) = n.users
         assert summed.target == "sum" and summed.args == (n, 0) and gm.graph.output_node().args[0] in (summed, (summed,))
+
+
+def test_split_into_runs_of_segments_takes_this_ranks_part_of_each_run():
+    gm = capture(lambda x: x.split([8, 16, 2], -1), (4, 6, 26))
+    n = node(gm, "split")
+    apply_local_op(n, LocalOp.of("local_split_sizes", placement=S(2, (8, 8, 4, 4, 2)), groups=((0,), (1, 2, 3), (4,))),
+                   GraphEditor(gm.graph, fake_group(2, rank=1)))
+    assert list(n.args[1]) == [4, 8, 1]
+
+
+def test_depthwise_conv_groups_over_segments_and_repeat_output_size_become_local():
+    gm = capture(lambda x, w: F.conv1d(x, w, groups=16), (2, 16, 5), (16, 1, 3), params=(1,))
+    n = node(gm, F.conv1d)
+    apply_local_op(n, LocalOp.of("local_groups", channels=16, segments=(8, 4, 4)),
+                   GraphEditor(gm.graph, fake_group(2, rank=0)))
+    assert (n.args[6] if len(n.args) > 6 else n.kwargs["groups"]) == 8
+    gm = capture(lambda b: b.repeat_interleave(3, dim=2, output_size=12), (2, 5, 4, 8))
+    n = node(gm, "repeat_interleave")
+    apply_local_op(n, LocalOp.of("local_output_size", full=12), GraphEditor(gm.graph, fake_group(4, rank=3)))
+    assert (n.args[3] if len(n.args) > 3 else n.kwargs["output_size"]) == 3

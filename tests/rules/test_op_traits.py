@@ -71,10 +71,10 @@ def _lookup() -> dict:
 
 def test_partial_strategies_come_first_whatever_the_registration_order(monkeypatch):
     expected = {
-        operator.mul: (partial._scale, elementwise.pointwise_strategies, True, False),
-        "mul": (partial._scale, elementwise.pointwise_strategies, True, False),
-        operator.add: (partial._add, elementwise.pointwise_strategies, True, False),
-        "add": (partial._add, elementwise.pointwise_strategies, True, False),
+        operator.mul: (partial._scale, elementwise.pointwise_strategies, True, True),
+        "mul": (partial._scale, elementwise.pointwise_strategies, True, True),
+        operator.add: (partial._add, elementwise.pointwise_strategies, True, True),
+        "add": (partial._add, elementwise.pointwise_strategies, True, True),
         "view": (partial._unary, views._reshape, True, True),
         torch.reshape: (partial._unary, views._reshape, True, True),
     }

@@ -54,3 +54,38 @@ def test_fused_halves_found_through_a_transpose():
 
     gm = capture(fn, (2, 5, 16), (64, 16), params=(1,))
     assert output_segments(node(gm, F.linear), 2) == (32, 32)
+
+
+def _mamba2_mixer_front(x, w, conv_w):
+    """Mamba-2: in_proj gives z | xBC | dt; xBC goes through the depthwise convolution over the sequence (cut
+    back to the length, activated) and is split into x, B and C."""
+    z, xbc, dt = F.linear(x, w).split([16, 32, 4], dim=-1)
+    xbc = F.silu(F.conv1d(xbc.transpose(1, 2), conv_w, padding=3, groups=32)[:, :, :5]).transpose(1, 2)
+    h, b, c = xbc.split([16, 8, 8], dim=-1)
+    return z.sum() + h.sum() + b.sum() + c.sum() + dt.sum()
+
+
+def test_fused_parts_found_through_a_depthwise_convolution():
+    gm = capture(_mamba2_mixer_front, (2, 5, 16), (52, 16), (32, 1, 4), params=(1, 2))
+    assert output_segments(node(gm, F.linear), 2, deep=True) == (16, 16, 8, 8, 4)
+    assert output_segments(node(gm, F.linear), 2) == (16, 32, 4)  # shallow: the first split only
+
+
+def test_depthwise_conv_on_segmented_channels_splits_its_weight_alike():
+    gm = capture(lambda x, w, b: F.conv1d(x, w, b, padding=3, groups=32), (2, 32, 5), (32, 1, 4), (32,),
+                 params=(1, 2))
+    x, w, b = inputs_of(gm)
+    xbc = S(1, (16, 8, 8))
+    segmented = [s for s in strategies(node(gm, F.conv1d), {x: xbc}) if s.inputs[x] == xbc]
+    assert segmented[0].inputs == {x: xbc, w: S(0, (16, 8, 8)), b: S(0, (16, 8, 8))} and segmented[0].output == xbc
+    assert segmented[0].local == LocalOp.of("local_groups", channels=32, segments=(16, 8, 8))
+
+
+def test_depthwise_conv_keeps_whole_segments_whole():
+    """Mamba-2 with one group of B and C: every rank convolves them whole, with their weight rows whole."""
+    gm = capture(lambda x, w: F.conv1d(x, w, padding=3, groups=24), (2, 24, 5), (24, 1, 4), params=(1,))
+    x, w = inputs_of(gm)
+    xbc = S(1, (16, 4, 4), whole=(1, 2))
+    found = [s for s in strategies(node(gm, F.conv1d), {x: xbc}) if s.inputs[x] == xbc]
+    assert found[0].inputs == {x: xbc, w: S(0, (16, 4, 4), whole=(1, 2))} and found[0].output == xbc
+    assert found[0].local == LocalOp.of("local_groups", channels=24, segments=(16, 4, 4), whole=(1, 2))

@@ -56,3 +56,21 @@ def test_max_and_min_pointwise_or_along_a_dim():
     gm = capture(lambda x: torch.min(x, 1, keepdim=True), (3, 6, 16))
     (x,) = inputs_of(gm)
     assert strategies(node(gm, torch.min), {x: S(2)})[0].output == (S(2), S(2))
+
+
+def test_whole_segments_pass_through_an_op_of_their_own_shards_only():
+    gm = capture(lambda x, m: torch.nn.functional.silu(x) * m, (2, 5, 24), (2, 5, 1))
+    x, m = inputs_of(gm)
+    xbc = S(2, (16, 4, 4), whole=(1, 2))
+    silu = next(n for n in gm.graph.nodes if n.op == "call_function" and "silu" in str(n.target))
+    assert strategies(silu, {x: xbc})[0].output == xbc
+    mul = next(n for n in gm.graph.nodes if n.target is operator.mul)
+    found = strategies(mul, {silu: xbc})
+    assert (found[0].inputs, found[0].output) == ({silu: xbc, m: R}, xbc)  # the mask broadcasts: used whole
+    # a full-size operand that takes a gradient would be sliced: gathered instead; a constant is sliced alike
+    gm = capture(lambda x, y: x * y, (2, 5, 24), (2, 5, 24), params=(1,))
+    x, y = inputs_of(gm)
+    assert [s.output for s in strategies(node(gm, operator.mul), {x: xbc})] == [R]
+    gm = capture(lambda x, y: x * y, (2, 5, 24), (2, 5, 24))
+    x, y = inputs_of(gm)
+    assert strategies(node(gm, operator.mul), {x: xbc})[0].inputs == {x: xbc, y: xbc}

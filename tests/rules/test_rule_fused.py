@@ -53,3 +53,24 @@ def test_parts_of_fewer_heads_than_ranks_are_held_whole():
     assert whole_segments(n, 4, 4, lambda s: s % 4 == 0) == ((32, 8, 8), (1, 2))  # two kv heads, tp=4
     assert whole_segments(n, 2, 4, lambda s: s % 2 == 0) is None  # two kv heads split over two ranks
     assert whole_segments(n, 2, None, lambda s: True) is None  # no head size known
+
+
+def test_parts_every_head_reads_are_kept_whole():
+    """Mamba-2 with one group: B and C (one group's state each) are read by every head: whole on every rank
+    where the layout names their width (``ShardLayout.shared_widths``, from the config's groups and state size)."""
+    def fn(x, w):
+        z, h, b, c, dt = F.linear(x, w).split([16, 16, 8, 8, 4], dim=-1)
+        return z.sum() + h.sum() + b.sum() + c.sum() + dt.sum()
+
+    gm = capture(fn, (3, 5, 16), (52, 16), params=(1,))
+    assert whole_segments(node(gm, linear), 2, None, lambda s: s % 2 == 0, shared=(8,)) == ((16, 16, 8, 8, 4), (2, 3))
+    assert whole_segments(node(gm, linear), 2, None, lambda s: s % 2 == 0) is None
+
+
+def test_state_group_widths_from_mamba2_configs():
+    from transformers import BambaConfig, Mamba2Config
+
+    from fxparallel.plan.layout import state_group_widths
+    assert state_group_widths(Mamba2Config(n_groups=1, state_size=16), 2) == (16,)
+    assert state_group_widths(Mamba2Config(n_groups=8, state_size=16), 2) == ()  # 8 groups split over 2 ranks
+    assert state_group_widths(BambaConfig(mamba_n_groups=1, mamba_d_state=32), 4) == (32,)

@@ -44,3 +44,21 @@ def test_a_whole_segment_comes_out_replicated_by_split_not_chunk():
     assert found[0].output == (S(2), R, R) and found[0].local == LocalOp.of("local_split_sizes", placement=mqa)
     x, found = _found(lambda x: x.chunk(2, -1), S(2, (8, 8), whole=(1,)))
     assert [s.output for s in found] == [(R, R)]
+
+
+def test_a_split_into_runs_of_segments():
+    """Mamba-2: ``in_proj``'s five segments z | x, B, C | dt come out of a split into three parts, the middle
+    one still segmented (split again after the convolution); a part that cuts a segment is gathered."""
+    fused = S(2, (8, 8, 4, 4, 2))
+    x, found = _found(lambda x: x.split([8, 16, 2], -1), fused, shape=(4, 6, 26))
+    assert found[0].output == (S(2), S(2, (8, 4, 4)), S(2))
+    assert found[0].local == LocalOp.of("local_split_sizes", placement=fused, groups=((0,), (1, 2, 3), (4,)))
+    x, found = _found(lambda x: x.split([10, 14, 2], -1), fused, shape=(4, 6, 26))
+    assert [s.output for s in found] == [(R, R, R)]
+    # B and C of one group, whole on every rank: the run keeps them whole; a whole segment alone comes out
+    # replicated (its gradient made partial again by ``partial_grad``)
+    mqa = S(2, (8, 8, 4, 4, 2), whole=(2, 3))
+    x, found = _found(lambda x: x.split([8, 16, 2], -1), mqa, shape=(4, 6, 26))
+    assert found[0].output == (S(2), S(2, (8, 4, 4), whole=(1, 2)), S(2))
+    x, found = _found(lambda x: x.split([8, 8, 8, 2], -1), S(2, (8, 8, 4, 4, 2), whole=(2,)), shape=(4, 6, 26))
+    assert found[0].output == (S(2), S(2), S(2, (4, 4), whole=(0,)), S(2))

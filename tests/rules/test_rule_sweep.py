@@ -21,7 +21,6 @@ FALLBACK = {
     "ndimension": "returns no tensor: a shape query (solver._non_tensor)",
     "get_device": "returns no tensor: a shape query (solver._non_tensor)",
     "mm": "no rule yet: models reach it through F.linear / matmul, which have one; runs on gathered inputs",
-    "einsum": "no rule: the placement depends on the equation string; runs on gathered inputs",
     "roll": "sequence mixing (op_traits.SEQUENCE_MIXING), no rule: runs on gathered inputs",
     "flip": "sequence mixing, no rule: runs on gathered inputs",
     "diff": "sequence mixing, no rule: runs on gathered inputs",
@@ -39,6 +38,7 @@ FAMILY_TESTS = {
     "custom_autograd": ["test_rule_custom_autograd.py"],
     "dim_maps": ["test_rule_views.py"],
     "dropout": ["test_rule_dropout.py"],
+    "einsum": ["test_rule_einsum.py"],
     "elementwise": ["test_rule_elementwise.py"],
     "embedding": ["test_rule_embedding_and_loss.py"],
     "experts": ["test_rule_experts.py"],
@@ -51,6 +51,7 @@ FAMILY_TESTS = {
     "norms": ["test_rule_norms.py"],
     "partial": ["test_rule_partial.py", "test_op_traits.py"],
     "reductions": ["test_rule_reductions.py"],
+    "repeats": ["test_rule_repeats.py"],
     "views": ["test_rule_views.py"],
     "vmap": ["test_rule_channels.py"],
 }

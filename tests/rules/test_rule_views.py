@@ -1,6 +1,7 @@
 """plan/rules/views.py and dim_maps.py: a shard follows its dimension through reshapes and
 transposes; spelled-out sizes of the sharded dim are rewritten to local sizes."""
 import torch
+import torch.nn.functional as F
 from rule_graphs import capture, inputs_of, node, strategies
 
 from fxparallel.plan.layout import ShardLayout
@@ -73,3 +74,20 @@ def test_equal_segments_viewed_as_a_dim_of_their_own():
     gm = capture(lambda b: b.reshape(16, 2, 6), (16, 12))
     (b,) = inputs_of(gm)
     assert [s.output for s in strategies(node(gm, "reshape"), {b: S(1, (4, 8))})] == [R]
+
+
+def test_a_reshape_with_floor_divided_sizes_keeps_trailing_dims():
+    """Mamba-2's ``x.reshape(b, -1, chunk, heads, head_dim)`` of a length padded to the chunk: the sizes of the
+    leading dims are floor divisions sympy cannot match, the trailing heads and head_dim pair one to one."""
+    def fn(x):
+        pad = (4 - x.shape[1] % 4) % 4
+        x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        return x.reshape(x.shape[0], -1, 4, 6, 8)
+
+    torch._dynamo.reset()
+    seen = []
+    torch.compile(fn, backend=lambda gm, ex: seen.append(gm) or gm.forward, fullgraph=True, dynamic=True)(
+        torch.empty(2, 7, 6, 8, device="meta"))
+    reshape = next(n for n in seen[0].graph.nodes if n.target == "reshape")
+    x = reshape.args[0]
+    assert strategies(reshape, {x: S(2)})[0].output == S(3)

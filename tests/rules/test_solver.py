@@ -1,10 +1,11 @@
 """plan/solver.py on a small graph, without processes: a two-matrix MLP gets Megatron's plan
 (first matrix by columns, second by rows: one all-reduce of the output, nothing else)."""
+import torch
 import torch.nn.functional as F
 from rule_graphs import capture, captured_graph
 
 from fxparallel.plan.layout import ShardLayout
-from fxparallel.plan.placement import S
+from fxparallel.plan.placement import R, S
 from fxparallel.plan.solver import solve
 
 
@@ -115,3 +116,31 @@ def test_layers_reading_slices_of_one_replicated_tensor_share_its_gradient_reduc
         assert [plan.placements[n] for n in products] == [S(2), S(2)], tp
         assert plan.params["layers.0.gate.weight"] == S(0) and plan.params["layers.1.proj.weight"] == S(1)
 
+
+
+def _one_group_mixer(x, w_in, w_out):
+    """Mamba-2's mixer in miniature, one group: in_proj gives z, x (4 heads of 4), B and C (one group's state of
+    4, read by every head); C B^T per head, times x, gated by z; out_proj."""
+    z, h, b, c = F.linear(x, w_in).split([16, 16, 4, 4], dim=-1)
+    b = b.view(3, 5, 1, 4).repeat_interleave(4, dim=2, output_size=4)
+    c = c.view(3, 5, 1, 4).repeat_interleave(4, dim=2, output_size=4)
+    scores = torch.einsum("blhn,bshn->blsh", c, b)
+    y = torch.einsum("blsh,bshp->blhp", scores, h.view(3, 5, 4, 4)).reshape(3, 5, 16) * F.silu(z)
+    return F.linear(y, w_out)
+
+
+def test_parts_every_head_reads_are_whole_and_their_products_keep_partial_gradients():
+    """B and C of one group are held whole (``ShardLayout.shared_widths``); C B^T is computed whole from them on
+    every rank and sliced by the product with each rank's heads, which uses it for those heads only: made from
+    whole segments alone, its gradient stays partial back to them (``grad_reduction.whole_segment_region``): no
+    reduction of C B^T is charged."""
+    gm = capture(_one_group_mixer, (3, 5, 16), (40, 16), (16, 16), params=(1, 2))
+    names = {1: "in_proj.weight", 2: "out_proj.weight"}
+    plan = solve(captured_graph(gm, params=names, inputs={0: "x"}), 2, layout=ShardLayout(2, shared_widths=(4,)))
+    assert plan.params == {"in_proj.weight": S(0, (16, 16, 4, 4), whole=(2, 3)), "out_proj.weight": S(1)}
+    assert not plan.fallbacks
+    scores = [n for n in gm.graph.nodes if n.target is torch.einsum]
+    assert [plan.placements[n] for n in scores] == [R, S(2)]
+    # nothing charged: out_proj's partial sum is the graph's output and x takes no gradient here; charging C B^T's
+    # gradient (whole on every rank, used on shards) would cost its bytes per token
+    assert plan.comm_bytes == 0.0

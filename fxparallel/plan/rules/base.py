@@ -48,7 +48,7 @@ class LocalOp:
     ``local_view_size`` (dim, full, segmented), ``block_view_size`` (dim, block),
     ``segment_slice`` (placement, position, segment), ``dropout_on_shards`` (placement),
     ``attention_with_dropout`` (placement), ``local_groups`` (channels), ``expert_gather`` (experts),
-    ``owned_item`` (dim, position, item), ``mask_foreign_rows`` (lead)."""
+    ``owned_item`` (dim, position, item), ``mask_foreign_rows`` (lead), ``local_output_size`` (full)."""
 
     kind: str
     args: tuple = ()  # (name, value) pairs, so the op is hashable and compares by value
@@ -80,6 +80,10 @@ class RuleContext:
     @property
     def head_dim(self) -> Optional[int]:
         return self.layout.head_dim if self.layout is not None else None
+
+    @property
+    def shared_widths(self) -> tuple:
+        return self.layout.shared_widths if self.layout is not None else ()
 
     def fake(self, node) -> Optional[torch.Tensor]:
         if isinstance(node, fx.Node):

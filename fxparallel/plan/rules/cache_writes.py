@@ -1,6 +1,7 @@
 """Writing into a KV cache: ``cache.index_copy_(dim, positions, new)`` (transformers' StaticCache), and a
 linear-attention / state-space layer's state written whole: ``state.copy_(new)`` (its convolution window and
-recurrent state: each rank keeps the channels or heads it computes, as the forward splits them).
+recurrent state: each rank keeps the channels or heads it computes, as the forward splits them; Mamba-2's
+convolution window keeps x's channels by heads and B's and C's whole where every rank computes them whole).
 
 The cache is state the solver places like a parameter (``capture/static_cache.py``): written with the
 new keys / values of a sharded attention, it is sharded the same way (each rank caches its own
@@ -44,4 +45,4 @@ def _state_copy(node, placements, ctx):
     return strategies
 
 
-register("copy_")(_state_copy)
+register("copy_", whole=True)(_state_copy)

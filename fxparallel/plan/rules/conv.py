@@ -1,6 +1,7 @@
 """Depthwise convolution (``groups`` = channels: Mamba's causal conv1d over the sequence): each
 channel is convolved on its own, so channels split like any elementwise dimension, with the weight
-and bias split alike and ``groups`` set to this rank's channels (``local_groups``). Other
+and bias split alike (segment by segment where the channels are several parts of a fused projection)
+and ``groups`` set to this rank's channels (``local_groups``). Other
 convolutions mix channels and run replicated."""
 from __future__ import annotations
 
@@ -22,8 +23,18 @@ def _conv(node, placements, ctx):
     if depthwise and ctx.can_split(channels):
         strategies.append(Strategy({x: S(1), w: S(0), **bias}, S(1), note="depthwise convolution, split by channels",
                                    local=LocalOp.of("local_groups", channels=int(channels)), name="channels"))
+    px = placements[x]
+    if depthwise and px.is_shard and px.dim == 1 and px.segments \
+            and all(ctx.can_split(part) for i, part in enumerate(px.segments) if i not in px.whole):
+        # channels that are several segments of a fused projection (Mamba-2's x, B and C; B and C whole where
+        # their groups do not split: every rank convolves them, and their weight rows' gradients are summed)
+        split = S(0, px.segments, whole=px.whole)
+        local = LocalOp.of("local_groups", channels=int(channels), segments=px.segments,
+                           **({"whole": px.whole} if px.whole else {}))
+        strategies.append(Strategy({x: px, w: split, **{k: split for k in bias}}, px, local=local, name="channels",
+                                   note="depthwise convolution, split by channels segment by segment"))
     strategies.append(Strategy({x: R, w: R, **{k: R for k in bias}}, R))
     return strategies
 
 
-register("conv1d", "conv2d", "conv3d")(_conv)
+register("conv1d", "conv2d", "conv3d", whole=True)(_conv)

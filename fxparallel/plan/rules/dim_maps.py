@@ -24,10 +24,27 @@ def _same(a, b) -> bool:
 
 
 def dim_groups(in_shape, out_shape) -> Optional[list]:
-    """Pair dims of a reshape: a list of (input dims, output dims) with equal element counts."""
+    """Pair dims of a reshape: a list of (input dims, output dims) with equal element counts.
+
+    Trailing dims equal on both sides pair first; a leading run whose products sympy cannot match (sizes
+    with floor divisions: Mamba-2's ``x.reshape(b, -1, chunk, heads, head_dim)`` of a padded length) is one
+    group, its product equal on both sides since the rest is."""
+    n_in, n_out = len(in_shape), len(out_shape)
+    tail = 0
+    while tail < min(n_in, n_out) and _same(in_shape[n_in - 1 - tail], out_shape[n_out - 1 - tail]):
+        tail += 1
+    head = _leading_groups(in_shape, out_shape, n_in - tail, n_out - tail)
+    if head is None:
+        head = [(list(range(n_in - tail)), list(range(n_out - tail)))] if n_in > tail and n_out > tail else None
+    if head is None:
+        return None
+    return head + [([n_in - tail + k], [n_out - tail + k]) for k in range(tail)]
+
+
+def _leading_groups(in_shape, out_shape, n_in: int, n_out: int) -> Optional[list]:
+    """``dim_groups`` of the first ``n_in`` / ``n_out`` dims, matched by products, or None."""
     i = j = 0
     groups = []
-    n_in, n_out = len(in_shape), len(out_shape)
     try:
         while i < n_in or j < n_out:
             if i < n_in and j < n_out and _same(in_shape[i], out_shape[j]):
@@ -47,6 +64,8 @@ def dim_groups(in_shape, out_shape) -> Optional[list]:
             hi, hj = _hint(in_shape[i]), _hint(out_shape[j])
             i, j = i + 1, j + 1
             while sympy.expand(pi - pj) != 0:
+                if (i if hi < hj else j) >= (n_in if hi < hj else n_out):
+                    return None
                 if hi < hj:
                     gi.append(i)
                     pi, hi = pi * _expr(in_shape[i]), hi * _hint(in_shape[i])
@@ -79,7 +98,7 @@ def reshape_shard_dim(in_shape, out_shape, dim: int, tp: int, split_sizes=None) 
                 return None
             o = outer_out[0]
             size, full = out_shape[o], in_shape[dim]
-            if isinstance(size, int) and _same(size, full):
+            if _same(size, full):
                 return o  # the sharded dim passes unchanged, and so does its split
             out_parts, in_parts = split_sizes(size), split_sizes(full)
             if out_parts is None or in_parts is None:

@@ -5,14 +5,16 @@ value, shared by all its consumers), never carried through.
 
 Inputs are aligned from the right (broadcasting). A replicated input that has the
 full size along the sharded dimension is sliced locally (free); one that
-broadcasts there (size 1 or missing) is used whole. Dropout has its own rule (``dropout.py``):
+broadcasts there (size 1 or missing) is used whole. A shard with whole segments (``plan/placement.py``)
+passes only where every other operand holds the same shard, broadcasts, or needs no gradient (Falcon-H1's
+muP multipliers of the fused projection, sliced alike). Dropout has its own rule (``dropout.py``):
 its mask is part of a logical one. Which ops are pointwise: ``op_traits.POINTWISE``.
 """
 from __future__ import annotations
 
 from ..op_traits import POINTWISE
 from ..placement import R
-from .base import Strategy, register, tensor_inputs
+from .base import Strategy, register, requires_grad, tensor_inputs
 
 
 def pointwise_strategies(node, placements, ctx, inputs=None):
@@ -40,12 +42,14 @@ def pointwise_strategies(node, placements, ctx, inputs=None):
                 req[x] = R
             else:
                 req[x] = p.with_dim(xd)
+        if p.whole and any(r != R and placements[x] != r and requires_grad(x) for x, r in req.items()):
+            continue  # whole segments meet only their own shards, broadcast operands and constants sliced alike
         strategies.append(Strategy(req, p.with_dim(d)))
     strategies.append(Strategy({x: R for x in inputs}, R))
     return strategies
 
 
-register(*sorted(POINTWISE), blocks=True)(pointwise_strategies)
+register(*sorted(POINTWISE), blocks=True, whole=True)(pointwise_strategies)
 
 
 def _min_max(node, placements, ctx):

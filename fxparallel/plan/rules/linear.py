@@ -19,15 +19,28 @@ from .experts import input_choices
 from .fused import output_segments, whole_segments
 
 
-def _column_with_whole(node, ctx, x, weights: dict, out_dim: int, note: str) -> list:
-    """The column strategy of a fused projection with whole parts (``weights``: operand -> its sharded dim)."""
-    found = whole_segments(node, ctx.tp, ctx.head_dim, ctx.can_split)
-    if not found:
-        return []
-    segments, whole = found
-    placed = {w: S(d, segments, whole=whole) for w, d in weights.items()}
-    return [Strategy({x: R, **placed}, S(out_dim, segments, whole=whole), name="column",
-                     note=f"{note} (fused: {len(segments)} parts, {len(whole)} kept whole: fewer heads than ranks)")]
+def _columns(node, ctx, x, weights: dict, out_dim: int, note: str, out_features: int) -> list:
+    """The column strategies of a projection (``weights``: operand -> its sharded dim): first a fused one's with
+    whole parts, then split by its parts (or plainly), each for the parts found shallow, then deep
+    (``fused.output_segments``) where those differ."""
+    strategies, seen = [], set()
+    for deep in (False, True):
+        found = whole_segments(node, ctx.tp, ctx.head_dim, ctx.can_split, ctx.shared_widths, deep)
+        if found and found not in seen:
+            seen.add(found)
+            segments, whole = found
+            strategies.append(Strategy({x: R, **{w: S(d, segments, whole=whole) for w, d in weights.items()}},
+                                       S(out_dim, segments, whole=whole), name="column",
+                                       note=f"{note} (fused: {len(segments)} parts, {len(whole)} kept whole: fewer "
+                                            f"heads than ranks or read by every head)"))
+    for deep in (False, True):
+        segments = output_segments(node, ctx.tp, ctx.can_split, deep)
+        if (segments or ctx.can_split(out_features)) and segments not in seen:
+            seen.add(segments)
+            strategies.append(Strategy({x: R, **{w: S(d, segments) for w, d in weights.items()}}, S(out_dim, segments),
+                                       note=note + (f" (fused: {len(segments)} parts split alike)" if segments else ""),
+                                       name="column"))
+    return strategies
 
 
 def _linear(node, placements, ctx):
@@ -41,15 +54,9 @@ def _linear(node, placements, ctx):
     px = placements[x]
     out_features, in_features = ctx.fake(w).shape
     bias = {b: None} if isinstance(b, fx.Node) else {}
-    strategies = []
     nbytes = ctx.bytes_per_token(node)
-    segments = output_segments(node, ctx.tp, ctx.can_split)
     # whole parts first: the search is depth-first and the split kv heads would be gathered downstream
-    strategies += _column_with_whole(node, ctx, x, {w: 0, **{k: 0 for k in bias}}, last, "column-parallel linear")
-    if segments or ctx.can_split(out_features):
-        note = "column-parallel linear" + (f" (fused: {len(segments)} parts split alike)" if segments else "")
-        strategies.append(Strategy({x: R, w: S(0, segments), **{k: S(0, segments) for k in bias}},
-                                   S(last, segments), note=note, name="column"))
+    strategies = _columns(node, ctx, x, {w: 0, **{k: 0 for k in bias}}, last, "column-parallel linear", out_features)
     if ctx.can_split(in_features):
         if bias:
             strategies.append(Strategy({x: S(ctx.ndim(x) - 1), w: S(1), **{k: R for k in bias}}, R,
@@ -73,14 +80,8 @@ def _addmm(node, placements, ctx):
         return []
     in_features, out_features = ctx.fake(w).shape
     nbytes = ctx.bytes_per_token(node)
-    strategies = []
-    segments = output_segments(node, ctx.tp, ctx.can_split)
     # whole parts first: the search is depth-first and the split kv heads would be gathered downstream
-    strategies += _column_with_whole(node, ctx, x, {b: ctx.ndim(b) - 1, w: 1}, 1, "column-parallel (Conv1D)")
-    if segments or ctx.can_split(out_features):
-        note = "column-parallel (Conv1D)" + (f" (fused: {len(segments)} parts split alike)" if segments else "")
-        strategies.append(Strategy({b: S(ctx.ndim(b) - 1, segments), x: R, w: S(1, segments)}, S(1, segments),
-                                   note=note, name="column"))
+    strategies = _columns(node, ctx, x, {b: ctx.ndim(b) - 1, w: 1}, 1, "column-parallel (Conv1D)", out_features)
     if ctx.can_split(in_features):
         strategies.append(Strategy({b: R, x: S(1), w: S(0)}, R, own_bytes=nbytes,
                                    local=LocalOp.of("bias_after_reduce", bias_index=0, dense=True),

@@ -32,8 +32,38 @@ def _along(node, placements, ctx, dim_index, dim_name, default_dim, n_out, keeps
             strategies.append(Strategy({x: p}, tuple(R if i in p.whole else S(dim) for i in range(n)),
                                        local=LocalOp.of("local_split_sizes", placement=p), note="split of a fused projection into its "
                                        "segments"))
+        elif is_split:
+            groups = segment_groups(sizes, p)
+            if groups is not None:
+                strategies.append(Strategy({x: p}, tuple(_run(p, dim, g) for g in groups),
+                                           local=LocalOp.of("local_split_sizes", placement=p, groups=groups),
+                                           note="split of a fused projection into runs of its segments"))
     strategies.append(Strategy({i: R for i in tensor_inputs(node)}, tuple(R for _ in range(n))))
     return strategies
+
+
+def segment_groups(sizes: tuple, p) -> tuple:
+    """The runs of consecutive segments of ``p`` that make each part of a split of ``sizes`` (Mamba-2's z | xBC |
+    dt of its five segments z, x, B, C, dt), or None where a part would cut a segment."""
+    groups, start = [], 0
+    for size in sizes:
+        stop, total = start, 0
+        while total < size and stop < len(p.segments):
+            total += p.segments[stop]
+            stop += 1
+        if total != size:
+            return None
+        groups.append(tuple(range(start, stop)))
+        start = stop
+    return tuple(groups) if start == len(p.segments) else None
+
+
+def _run(p, dim: int, group: tuple):
+    """The placement of the part of a split made of the segments ``group`` of ``p``: replicated for one whole
+    segment, a plain shard for one split segment, else the run's segments (and which of them are whole)."""
+    if len(group) == 1:
+        return R if group[0] in p.whole else S(dim)
+    return S(dim, [p.segments[i] for i in group], whole=tuple(k for k, i in enumerate(group) if i in p.whole))
 
 
 def _chunk(node, placements, ctx):

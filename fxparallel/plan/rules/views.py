@@ -226,7 +226,8 @@ register("transpose", "permute", "swapaxes", "swapdims", "t", "getattr", "movedi
 
 
 def _join(node, placements, ctx, new_dim: bool):
-    """cat (new_dim False) and stack (True): inputs sharded alike on another dim stay sharded."""
+    """cat (new_dim False) and stack (True): inputs sharded alike on another dim stay sharded (segments and
+    whole ones included: Mamba-2's convolution window joined before the new step's channels)."""
     tensors = node.args[0]
     if not isinstance(tensors, (tuple, list)) or not all(isinstance(t, fx.Node) for t in tensors):
         return []
@@ -241,7 +242,7 @@ def _join(node, placements, ctx, new_dim: bool):
         if t in skipped or not p.is_shard or (not new_dim and p.dim == join_dim):
             continue
         o = p.dim + 1 if new_dim and p.dim >= join_dim else p.dim
-        if ctx.can_split(out.shape[o]):
+        if all(ctx.can_split(part) for i, part in enumerate(p.parts(out.shape[o])) if i not in p.whole):
             s = Strategy({u: R if u in skipped else p for u in tensors}, p.with_dim(o))
             if all(s.output != other.output for other in strategies):
                 strategies.append(s)
@@ -253,7 +254,7 @@ def _cat(node, placements, ctx):
     return _join(node, placements, ctx, new_dim=False)
 
 
-register("cat")(_cat)
+register("cat", whole=True)(_cat)
 
 
 def _stack(node, placements, ctx):
