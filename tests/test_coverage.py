@@ -22,8 +22,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 # transpose before the chunk), the depthwise conv and the scan (torch.vmap traced inline) per channel,
 # x_proj and out_proj by row; Mamba-2 by heads: in_proj by column in five segments (z, and x, B, C found through
 # the depthwise conv before their own split, dt), B and C by groups, the chunked scan's einsums per head
+# the gated delta nets of Qwen3.5 (q, k, v in one projection, split past the convolution) and Qwen3-Next (q, k, v
+# and z interleaved per key head, joined again before the convolution) by heads, the chunked rule per head
 TP2 = ("gpt2", "opt", "bloom", "falcon", "gptj", "gpt_neo", "gpt_bigcode", "codegen", "mpt", "stablelm", "mixtral",
-       "olmo2", "gpt_oss", "mamba", "mamba2", "bamba-one-group")
+       "olmo2", "gpt_oss", "mamba", "mamba2", "bamba-one-group", "qwen3_5_text", "qwen3_next")
 # at TP=4 also 3 kv heads over 4 ranks (transformers' tp plan crashes in view here): the kv heads are
 # replicated; 6 query heads split 2/2/1/1, so rank 1 uses query heads 2 and 3, of kv heads 1 and 2
 # and Falcon (x @ W.T) with an MLP width tp=4 does not divide (130: 33/33/33/31), its multi-query k and v whole
@@ -196,6 +198,17 @@ def test_architectures_without_transformers_plan(on_ranks, tp, types):
             assert not one["layer_gathers"], one
             assert [c for c in one["layer_collectives"] if c[1] == "backward" and c[2] > 8] == \
                 [("all_reduce", "backward", 512.0)] * 3, one["layer_collectives"]
+            # gated delta nets by heads: the projections by column (Qwen3.5's q, k, v as three segments), the
+            # convolution and the chunked rule (its triangular solve included) on this rank's heads, the gated norm
+            # on its heads merged with the tokens, out_proj by row: no gather, one all-reduce per mixer forward
+            for name, fused, split in (("qwen3_5_text", "in_proj_qkv", "S(0)[2048,2048,4096]"),
+                                       ("qwen3_next", "in_proj_qkvz", "S(0)")):
+                gdn = results[name]
+                mixer = {n.split(".linear_attn.")[-1]: v for n, v in gdn["placements"].items()
+                         if ".layers.0.linear_attn." in n}
+                assert mixer[f"{fused}.weight"] == split and mixer["out_proj.weight"] == "S(1)", (name, mixer)
+                assert not [w for w, _ in gdn["layer_gathers"] if ".linear_attn" in w] and not gdn["fallbacks"], \
+                    (name, gdn["layer_gathers"], gdn["fallbacks"])
             # Bloom flattens batch and heads into one dim for baddbmm/bmm: the heads stay sharded there
             # (a blocked shard), so attention needs no gather: 2 all-reduces per layer each way
             bloom = results["bloom"]["layer_collectives"]

@@ -5,6 +5,8 @@ naming runtime.save_checkpoint. `optimizer.state_dict()` of a torch optimizer ov
 from __future__ import annotations
 
 import io
+import os
+import sys
 
 import pytest
 
@@ -60,15 +62,21 @@ def _one_process(original, out):
         return hf(input_ids=_ids()).logits
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bamba"])
 def test_dcp_of_state_dict_reloads_at_any_layout(family, checkpoints, tmp_path):
     import torch
     from transformers import GPT2Config
 
     from models import reference, save_checkpoint, tiny_config
 
-    if family == "gpt2":  # fused c_attn: each rank's q, k and v heads are three pieces of one weight
-        config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    if family in ("gpt2", "bamba"):
+        # GPT-2's fused c_attn: each rank's q, k and v heads are three pieces of one weight. Bamba's Mamba-2 mixer
+        # split by heads, of one group: in_proj's B and C rows whole on every rank (saved once), beside its pieces
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+        from tiny_configs import tiny_config as any_config
+
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64) if family == "gpt2" \
+            else any_config("bamba", hidden_size=128, mamba_d_state=16, mamba_d_head=32)
         original, other = (save_checkpoint(config, str(tmp_path / n), seed=s) for n, s in (("a", 0), ("b", 1)))
     else:
         original = checkpoints["llama"]

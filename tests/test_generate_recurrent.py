@@ -102,8 +102,12 @@ def test_generate_state_space_and_linear_attention_models(tmp_path):
             # a token communicates what the prompt's forward does
             assert row["decode collectives"] == row["prompt collectives"], (name, row)
             assert row["states"] >= 2, (name, row)
-        for name in ("mamba", "bamba"):
+        for name in ("mamba", "bamba", "qwen3_5_text"):
             assert out[name]["decode collectives"][1] == 0, (name, out[name])
+        # Qwen3.5's gated delta net by heads: half of its convolution's channels (of q, k and v each) and half
+        # the heads' recurrent states
+        assert out["qwen3_5_text"]["state share"] == 0.5 and out["qwen3_5_text"]["split states"] == 2, \
+            out["qwen3_5_text"]
         # Mamba's mixers are split by channels: each rank keeps half of every state
         assert out["mamba"]["state share"] == 0.5 and out["mamba"]["split states"] == 4, out["mamba"]
         # Bamba's by heads: half the heads' recurrent states and of x's conv channels, B's and C's (16 each) whole

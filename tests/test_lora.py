@@ -650,6 +650,51 @@ def test_lora_on_fused_conv1d_projections_matches_peft(tmp_path):
         assert r["c_attn"] == "S(1)[64,64,64]", r  # Conv1D [in, 3 x out]: split by output features, per segment
 
 
+def _mamba2(rank, world, adapter):
+    """LoRA on a Mamba-2 mixer split by heads (one group: B and C whole on every rank): trained, stepped, saved
+    and merged against PEFT."""
+    import torch.distributed as dist
+
+    import fxparallel
+
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    out = _trained(adapter, dist.group.WORLD, rank, world, ids)
+    model = fxparallel.parallelize(adapter, dist.group.WORLD, dtype=torch.float32, is_trainable=True)
+    out["placements"] = {n.split(".mamba.")[-1]: str(model.plan.param(n).placement)
+                         for n, _ in model.named_parameters() if ".layers.0.mamba." in n}
+    # one SGD step, then the adapter saved (the whole rows of B once, not once per rank) and reloaded by PEFT
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    saved = os.path.join(os.path.dirname(adapter), "stepped")
+    model.save_pretrained(saved)
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+        out["stepped"] = (after - _reference(adapter, trainable=False)(input_ids=ids).logits).abs().max().item()
+        out["reloaded"] = (_reference(saved, trainable=False)(input_ids=ids).logits - after).abs().max().item()
+        out["merged"] = (model.merge_and_unload()(input_ids=ids).logits - after).abs().max().item()
+    return out
+
+
+def test_lora_on_a_head_split_mamba2_mixer_matches_peft(tmp_path):
+    """Bamba (Mamba-2 layers of one group and attention) at a width where the solver splits the mixer by heads:
+    in_proj's B takes its weight's segments, B and C's rows whole on every rank, their gradients (partial per
+    rank) summed once; out_proj's A split by input features."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    from tiny_configs import tiny_config
+
+    config = tiny_config("bamba", hidden_size=128, mamba_d_state=16, mamba_d_head=32)
+    adapter = _adapter(str(tmp_path), config, target_modules=["in_proj", "out_proj", "q_proj", "v_proj"])
+    for r in run_ranks(2, _mamba2, adapter):
+        assert r["loss"] < 1e-5 and r["grad"] < 1e-5, r
+        assert r["adapter matrices"] == r["reference adapter matrices"] == 8 and r["base with grad"] == [], r
+        placements = {n: v for n, v in r["placements"].items() if "lora" in n}
+        assert placements == {"in_proj.lora_A.default.weight": "R",
+                              "in_proj.lora_B.default.weight": "S(0)[256,256,16R,16R,8]",
+                              "out_proj.lora_A.default.weight": "S(1)", "out_proj.lora_B.default.weight": "R"}, r
+        assert r["stepped"] > 1e-3 and r["reloaded"] < 1e-5 and r["merged"] < 1e-5, r
+
+
 def _experts(rank, world, adapters):
     """LoRA on stacked expert weights (``target_parameters``) beside q_proj, with the experts split like an MLP and
     split whole (expert parallelism): trained, merged and, for the first, generating greedily and saved at TP=2

@@ -78,7 +78,10 @@ def whole_segment_region(value: fx.Node, is_replicated, is_origin) -> Optional[t
     them; None otherwise. A whole segment's gradient is partial by design (plan/placement.py), and every op's
     backward is linear in its gradient, so a value made only from whole segments may keep a partial gradient too:
     no reduction (Mamba-2's B and C of one group, whole on every rank, widened to the heads and multiplied into
-    ``C B^T``, which each rank uses for its heads only). The rewrite also checks each region value's users."""
+    ``C B^T``, which each rank uses for its heads only); a whole segment itself is its own origin, with an empty
+    region. The rewrite also checks each region value's users."""
+    if is_origin(value):
+        return set(), {value}
     region, origins, stack = {value}, set(), [value]
     while stack:
         node = stack.pop()

@@ -98,6 +98,7 @@ SPELLINGS = {
     "baddbmm": (torch.baddbmm, "baddbmm"),
     "mm": (torch.mm, "mm"),
     "einsum": (torch.einsum,),
+    "solve_triangular": (torch.linalg.solve_triangular,),
     "grouped_mm": (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)),
     "scaled_dot_product_attention": (F.scaled_dot_product_attention,),
     "embedding": (F.embedding, torch.embedding),

@@ -49,7 +49,7 @@ from .grad_reduction import hoisted_point, reduction_point, whole_segment_region
 from .op_traits import SHAPE_QUERIES, op_name
 from .placement import R, Placement, is_sharded
 from .rules import RuleContext, Strategy, expert_rows, rule_for, tensor_inputs
-from .rules.base import requires_block, requires_grad, requires_whole
+from .rules.base import LocalOp, requires_block, requires_grad, requires_whole
 from .layout import ShardLayout  # noqa: I001 (kept apart from the imports above to keep merges clean)
 
 log = logging.getLogger("fxparallel")
@@ -262,18 +262,21 @@ class Solver:
         return plan.params.get(name) or plan.patterns.get(layer_pattern(name))
 
     def _non_tensor(self, node, plan, ins, in_pl) -> Strategy:
-        """Size queries read only shapes; anything else (item(), ...) reads data and needs it whole."""
-        shape_only = op_name(node) in SHAPE_QUERIES
+        """Size queries read only shapes; anything else (item(), ...) reads data and needs it whole. The size of a
+        shard's static sharded dim is answered full (``ops/shapes.py``); a symbolic one (a sequence shard) needs
+        the value whole."""
+        shape_only, local = op_name(node) in SHAPE_QUERIES, None
         if shape_only and node.target == "size":
             x = node.args[0]
             p = in_pl.get(x)
-            if len(node.args) > 1 and isinstance(node.args[1], int):
-                d = node.args[1] % max(1, x.meta["example_value"].dim())
-                shape_only = not (p is not None and p.is_shard and p.dim == d)
-            else:
-                shape_only = not (p is not None and p.is_shard)
+            if p is not None and p.is_shard:
+                shape = x.meta["example_value"].shape
+                dim = node.args[1] if len(node.args) > 1 else None
+                if not isinstance(dim, int) or dim % len(shape) == p.dim:  # the sharded dim's size is asked
+                    shape_only = isinstance(shape[p.dim], int) and (dim is None or isinstance(dim, int))
+                    local = LocalOp.of("full_shape") if shape_only else None
         if shape_only:
-            return Strategy({i: None for i in ins}, None, name="shape")
+            return Strategy({i: None for i in ins}, None, name="shape", local=local)
         return Strategy({i: R for i in ins}, _replicated_like(node.meta.get("example_value")),
                         note="reads a sharded value as a whole: gathered", name="fallback")
 
@@ -330,13 +333,13 @@ class Solver:
         reduction is paid, and a complete plan pays what is left (``_charge_unpaid_reductions``): layers reading
         slices of one tensor (Gemma's per-layer inputs) share its reduction. Charged all to the first layer, it
         made gathering the layer's own shard look cheaper to the greedy walk. A whole segment's gradient is
-        summed at its weight (``_whole_segment``): point None, nothing charged."""
+        summed at its weight, and so is the gradient of a value made only from whole segments
+        (``whole_segment_region``): point None, nothing charged."""
         def replicated(n):
             return isinstance(plan.placements.get(n), Placement) and plan.placements[n].is_replicate
 
         point = hoisted_point(value, replicated)
-        if _whole_segment(point, plan) or whole_segment_region(value, replicated,
-                                                                lambda n: _whole_segment(n, plan)) is not None:
+        if whole_segment_region(value, replicated, lambda n: _whole_segment(n, plan)) is not None:
             return None, 0.0
         left = self.ctx.bytes_per_token(point) - plan.grad_paid.get(point, 0.0)
         if len(point.users) > 1:  # one reduction for several uses: each pays at most what its own value would

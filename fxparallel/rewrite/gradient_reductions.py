@@ -41,8 +41,9 @@ def _hoist_reductions(sharded_consumers: dict, passed_up: set) -> dict:
 
 def _without_whole_segment_regions(graph: fx.Graph, sharded_consumers: dict, gplan: GraphPlan) -> dict:
     """Drop the reductions of values made only from whole segments whose every use is on shards or inside such a
-    region (``plan.grad_reduction.whole_segment_region``): their gradients stay partial, and so do the segments'
-    (their ``partial_grad`` goes: the weight's ``sum_grad_rows`` sums them)."""
+    region (``plan.grad_reduction.whole_segment_region``; a whole segment used only on shards is one): their
+    gradients stay partial, and so do the segments' (their ``partial_grad`` goes: the weight's ``sum_grad_rows``
+    sums them)."""
     def replicated(n):
         return isinstance(gplan.placements.get(n), Placement) and gplan.placements[n].is_replicate
 
@@ -51,7 +52,7 @@ def _without_whole_segment_regions(graph: fx.Graph, sharded_consumers: dict, gpl
 
     dropped, origins = set(), set()
     for value in sharded_consumers:
-        if value in dropped or not requires_grad(value) or is_origin(value):
+        if value in dropped or not requires_grad(value):
             continue
         found = whole_segment_region(value, replicated, is_origin)
         if found is None:
@@ -76,12 +77,6 @@ def insert_gradient_reductions(graph: fx.Graph, sharded_consumers: dict, handle:
     reduced = []
     for value, consumers in sharded_consumers.items():
         if not requires_grad(value):
-            continue
-        if value.target is collectives.partial_grad and set(value.users) <= set(consumers):
-            # a whole segment used only on shards: its gradient is already partial, as the weight
-            # it came from expects (plan/placement.py): neither all-reduce it nor keep one rank's
-            value.replace_all_uses_with(value.args[0])
-            graph.erase_node(value)
             continue
         point = reduction_point(value, lambda n: isinstance(gplan.placements.get(n), Placement)
                                 and gplan.placements[n].is_replicate)

@@ -14,6 +14,7 @@ from ..plan.rules.base import LocalOp, arg
 from .dropout_masks import attention_with_dropout, dropout_on_shards
 from .expert_masks import masked_rows
 from ..ops.expert_parallel import gather_local_experts, roll_to_local_rows, unroll_local_rows
+from ..ops.shapes import full_size
 from ..plan.op_traits import op_name
 from ..plan.rules.dim_maps import index_shard_dim
 from ..plan.rules.experts import gather_index
@@ -179,6 +180,17 @@ def local_output_size(node: fx.Node, editor: GraphEditor, full: int) -> None:
         node.kwargs = {**node.kwargs, "output_size": editor.local_size(full)}
 
 
+def full_shape(node: fx.Node, editor: GraphEditor) -> None:
+    """``x.size()`` / ``x.size(d)`` of a shard whose sharded dims are static answers the full sizes
+    (``ops/shapes.py``)."""
+    x = node.args[0]
+    shape = x.meta["example_value"].shape
+    full = tuple(int(s) if isinstance(s, int) else None for s in shape)
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    node.op, node.target = "call_function", full_size
+    node.args, node.kwargs = (x, full, dim % len(shape) if isinstance(dim, int) else None), {}
+
+
 LOCAL_OPS = {
     "vocab_parallel_embedding": vocab_parallel_embedding,
     "vocab_parallel_cross_entropy": vocab_parallel_cross_entropy,
@@ -196,6 +208,7 @@ LOCAL_OPS = {
     "local_expert_groups": local_expert_groups,
     "dropout_on_shards": dropout_on_shards,
     "attention_with_dropout": attention_with_dropout,
+    "full_shape": full_shape,
 }
 
 

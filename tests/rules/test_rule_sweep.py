@@ -52,6 +52,7 @@ FAMILY_TESTS = {
     "partial": ["test_rule_partial.py", "test_op_traits.py"],
     "reductions": ["test_rule_reductions.py"],
     "repeats": ["test_rule_repeats.py"],
+    "triangular_solve": ["test_rule_triangular_solve.py"],
     "views": ["test_rule_views.py"],
     "vmap": ["test_rule_channels.py"],
 }

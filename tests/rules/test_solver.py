@@ -144,3 +144,39 @@ def test_parts_every_head_reads_are_whole_and_their_products_keep_partial_gradie
     # nothing charged: out_proj's partial sum is the graph's output and x takes no gradient here; charging C B^T's
     # gradient (whole on every rank, used on shards) would cost its bytes per token
     assert plan.comm_bytes == 0.0
+
+
+def _shape_spelled_by_a_query(x, up, down):
+    h = F.linear(x, up).view(x.shape[0], x.shape[1], 4, 16)  # by heads
+    shape = h.shape  # a shape query of a head-sharded value (Qwen3-Next's ``z_shape_og = z.shape``)
+    h = F.silu(h).reshape(-1, 16).reshape(shape)
+    return F.linear(h.reshape(x.shape[0], x.shape[1], -1), down)
+
+
+def test_the_shape_of_a_shard_is_answered_full_and_keeps_the_plan():
+    """``x.size()`` of a shard whose sharded dims are static is planned as a shape query answering the full sizes
+    (``ops/shapes.py``), which the view it spells then makes local: Megatron's plan, no gather."""
+    import inspect
+
+    from fxparallel.ops.shapes import full_size
+    from fxparallel.plan.rules.base import LocalOp
+
+    torch._dynamo.reset()
+    seen = []
+    examples = (torch.empty(3, 5, 16, device="meta"), torch.empty(64, 16, device="meta", requires_grad=True),
+                torch.empty(16, 64, device="meta", requires_grad=True))
+    torch._dynamo.mark_dynamic(examples[0], 0)  # batch and sequence symbolic, as in a model's capture
+    torch._dynamo.mark_dynamic(examples[0], 1)
+    torch.compile(_shape_spelled_by_a_query, backend=lambda gm, ex: seen.append(gm) or gm.forward,
+                  fullgraph=True)(*examples)
+    gm = seen[0]
+    gm.meta["argument_names"] = list(inspect.signature(_shape_spelled_by_a_query).parameters)
+    plan = solve(captured_graph(gm, params={1: "up.weight", 2: "down.weight"}, inputs={0: "x"}), 2,
+                 layout=ShardLayout(2))
+    assert plan.params == {"up.weight": S(0), "down.weight": S(1)} and not plan.fallbacks
+    queries = [n for n in gm.graph.nodes if n.target == "size" and plan.placements.get(n.args[0]) == S(2)]
+    assert len(queries) == 1 and all(plan.strategies[n].local == LocalOp.of("full_shape") for n in queries)
+    # what the rewritten query answers on a rank's shard: the full sizes
+    shard = torch.empty(3, 5, 2, 16)
+    assert full_size(shard, (None, None, 4, 16)) == torch.Size([3, 5, 4, 16])
+    assert full_size(shard, (None, None, 4, 16), 2) == 4 and full_size(shard, (None, None, 4, 16), 0) == 3

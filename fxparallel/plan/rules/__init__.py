@@ -15,8 +15,8 @@ partial sum through ops linear in it; ``base.rule_for`` offers them before the o
 Rules are registered by canonical op name; the spellings and traits of ops: ``../op_traits.py``.
 """
 from . import (attention, cache_writes, conv, custom_autograd, dropout, einsum, elementwise, embedding, experts,  # noqa: F401
-               expert_rows, indexing, linear, loss, multi_output, norms, partial, reductions, repeats, views,
-               vmap)  # (each registers its rules)
+               expert_rows, indexing, linear, loss, multi_output, norms, partial, reductions, repeats,
+               triangular_solve, views, vmap)  # (each registers its rules)
 from .base import RuleContext, Strategy, register, rule_for, tensor_inputs
 
 __all__ = ["RuleContext", "Strategy", "register", "rule_for", "tensor_inputs"]

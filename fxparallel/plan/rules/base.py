@@ -48,7 +48,8 @@ class LocalOp:
     ``local_view_size`` (dim, full, segmented), ``block_view_size`` (dim, block),
     ``segment_slice`` (placement, position, segment), ``dropout_on_shards`` (placement),
     ``attention_with_dropout`` (placement), ``local_groups`` (channels), ``expert_gather`` (experts),
-    ``owned_item`` (dim, position, item), ``mask_foreign_rows`` (lead), ``local_output_size`` (full)."""
+    ``owned_item`` (dim, position, item), ``mask_foreign_rows`` (lead), ``local_output_size`` (full),
+    ``full_shape`` (a shape query of a shard answering the full sizes)."""
 
     kind: str
     args: tuple = ()  # (name, value) pairs, so the op is hashable and compares by value

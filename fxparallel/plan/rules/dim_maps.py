@@ -26,16 +26,22 @@ def _same(a, b) -> bool:
 def dim_groups(in_shape, out_shape) -> Optional[list]:
     """Pair dims of a reshape: a list of (input dims, output dims) with equal element counts.
 
-    Trailing dims equal on both sides pair first; a leading run whose products sympy cannot match (sizes
-    with floor divisions: Mamba-2's ``x.reshape(b, -1, chunk, heads, head_dim)`` of a padded length) is one
-    group, its product equal on both sides since the rest is."""
+    Trailing dims equal on both sides pair first; where the leading run's products cannot be matched by sympy
+    (sizes with floor divisions: Mamba-2's ``x.reshape(b, -1, chunk, heads, head_dim)``, a gated delta net's
+    ``x.reshape(b, heads, -1, chunk, head_dim)`` of a padded length), its equal leading dims pair and the dims
+    between are one group, its product equal on both sides since the rest is."""
     n_in, n_out = len(in_shape), len(out_shape)
     tail = 0
     while tail < min(n_in, n_out) and _same(in_shape[n_in - 1 - tail], out_shape[n_out - 1 - tail]):
         tail += 1
     head = _leading_groups(in_shape, out_shape, n_in - tail, n_out - tail)
     if head is None:
-        head = [(list(range(n_in - tail)), list(range(n_out - tail)))] if n_in > tail and n_out > tail else None
+        lead = 0  # equal leading dims pair (batch, heads), the run between them and the tail is one group
+        while lead < min(n_in, n_out) - tail and _same(in_shape[lead], out_shape[lead]):
+            lead += 1
+        if n_in - tail > lead and n_out - tail > lead:
+            head = [([k], [k]) for k in range(lead)] + \
+                [(list(range(lead, n_in - tail)), list(range(lead, n_out - tail)))]
     if head is None:
         return None
     return head + [([n_in - tail + k], [n_out - tail + k]) for k in range(tail)]

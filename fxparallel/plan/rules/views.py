@@ -110,12 +110,22 @@ def _group_of(in_shape, out_shape, dim):
 
 
 def _into_block(node, x, p, out, ctx, sized) -> list:
-    """A sharded dim merged as the inner factor of one output dim (``(b, heads, s, d) -> (b * heads, s, d)``):
-    a blocked shard of that dim."""
+    """A sharded dim merged as the inner factor of one output dim (``(b, heads, s, d) -> (b * heads, s, d)``), or
+    a dim of heads x features split so (``(b, s, heads * d) -> (b * s * heads, d)``, a gated norm's input): a
+    blocked shard of that dim."""
     in_shape = ctx.fake(x).shape
     big_in, big_out = _group_of(in_shape, out.shape, p.dim)
     block = in_shape[p.dim]
-    if not big_in or len(big_in) < 2 or big_in[-1] != p.dim or len(big_out) != 1 or not isinstance(block, int):
+    if not big_in or len(big_in) < 2 or big_in[-1] != p.dim or not isinstance(block, int):
+        return []
+    if len(big_out) == 2 and isinstance(out.shape[big_out[1]], int) and block % out.shape[big_out[1]] == 0:
+        # (b, s, heads * d) -> (b * s * heads, d): the heads, outer factor of the sharded dim, become the block
+        rest = int(out.shape[big_out[1]])
+        parts, block_parts = ctx.split_sizes(block), ctx.split_sizes(block // rest)
+        if not parts or not block_parts or any(a != b * rest for a, b in zip(parts, block_parts)):
+            return []
+        block = block // rest
+    elif len(big_out) != 1:
         return []
     o = big_out[0]
     return [Strategy({x: p}, S(o, block=block), local=_block_size(o, block) if sized else None,
@@ -123,9 +133,21 @@ def _into_block(node, x, p, out, ctx, sized) -> list:
 
 
 def _from_block(node, x, p, out, ctx, sized) -> list:
-    """A blocked dim kept whole, or split back so that its block is a dim of its own (a plain shard)."""
+    """A blocked dim kept whole, or split back so that its block is a dim of its own (a plain shard), or the
+    outer factor of the last dim (``(b * s * heads, d) -> (b, s, heads * d)``: a plain shard)."""
     in_shape = ctx.fake(x).shape
     big_in, big_out = _group_of(in_shape, out.shape, p.dim)
+    if big_in and big_in[0] == p.dim and len(big_in) > 1 and big_out:
+        o, rest = big_out[-1], 1
+        for d in big_in[1:]:
+            rest = rest * in_shape[d]
+        size = out.shape[o]
+        parts, block_parts = ctx.split_sizes(size), ctx.split_sizes(p.block)
+        if isinstance(size, int) and isinstance(rest, int) and size == p.block * rest and parts and block_parts \
+                and all(a == b * rest for a, b in zip(parts, block_parts)):
+            return [Strategy({x: p}, S(o), local=_view_size(o, size) if sized else None,
+                             note="blocked heads merged back with their features")]
+        return []
     if big_in != [p.dim] or not big_out:
         return []
     if len(big_out) == 1 and _same(in_shape[p.dim], out.shape[big_out[0]]):
@@ -246,8 +268,29 @@ def _join(node, placements, ctx, new_dim: bool):
             s = Strategy({u: R if u in skipped else p for u in tensors}, p.with_dim(o))
             if all(s.output != other.output for other in strategies):
                 strategies.append(s)
+    if not new_dim:
+        strategies.extend(_cat_of_shards(tensors, skipped, placements, ctx, join_dim))
     strategies.append(Strategy({t: R for t in tensors}, R))
     return strategies
+
+
+def _cat_of_shards(tensors, skipped, placements, ctx, dim) -> list:
+    """Pieces each sharded along the joined dim (Qwen3-Next's ``cat([q, k, v], -1)`` of head-sharded parts):
+    each rank's parts, joined, are its part of every piece, a segmented shard of the pieces' sizes."""
+    joined = [t for t in tensors if t not in skipped]
+    placed = [placements[t] for t in joined]
+    if len(joined) < 2 or not all(p.is_shard and p.dim == dim and p.block is None for p in placed):
+        return []
+    segments, whole = [], []
+    for t, p in zip(joined, placed):
+        size = ctx.size(t, dim)
+        if not isinstance(size, int):
+            return []
+        whole.extend(len(segments) + i for i in p.whole)
+        segments.extend(p.segments or (size,))
+    return [Strategy({t: R if t in skipped else placements[t] for t in tensors}, S(dim, tuple(segments),
+                                                                                  whole=tuple(whole)),
+                     note="shards joined along their dim: segments")]
 
 
 def _cat(node, placements, ctx):
