@@ -6,13 +6,9 @@ the query local and the rewrite (``rewrite/local_ops.py::full_shape``) makes it 
 of shards then make them local as they do literal sizes (``rewrite/view_sizes.py``)."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
-def full_size(x: torch.Tensor, full: tuple, dim: Optional[int] = None):
-    """``x.size()`` / ``x.size(dim)`` with the dims of ``full`` that are not None replaced by them."""
-    if dim is not None:
-        return full[dim] if full[dim] is not None else x.size(dim)
+def full_size(x: torch.Tensor, full: tuple) -> torch.Size:
+    """``x.size()`` with the dims of ``full`` that are not None replaced by them."""
     return torch.Size(f if f is not None else s for f, s in zip(full, x.size()))

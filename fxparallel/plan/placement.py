@@ -63,6 +63,11 @@ class Placement:
         return self.kind == "S"
 
     @property
+    def is_plain_shard(self) -> bool:
+        """A shard of one whole dimension: neither segmented nor blocked."""
+        return self.kind == "S" and not self.segments and self.block is None
+
+    @property
     def is_partial(self) -> bool:
         return self.kind == "P"
 

@@ -262,19 +262,22 @@ class Solver:
         return plan.params.get(name) or plan.patterns.get(layer_pattern(name))
 
     def _non_tensor(self, node, plan, ins, in_pl) -> Strategy:
-        """Size queries read only shapes; anything else (item(), ...) reads data and needs it whole. The size of a
-        shard's static sharded dim is answered full (``ops/shapes.py``); a symbolic one (a sequence shard) needs
-        the value whole."""
+        """Size queries read only shapes; anything else (item(), ...) reads data and needs it whole. ``x.size()``
+        of a shard whose sharded dim is static is answered full (``ops/shapes.py``). ``x.size(d)`` of the sharded
+        dim, or of a symbolic one (a sequence shard), needs the value whole: Dynamo folds a static ``x.size(d)``
+        into a constant, so a query left in the graph is of a symbolic size."""
         shape_only, local = op_name(node) in SHAPE_QUERIES, None
         if shape_only and node.target == "size":
             x = node.args[0]
             p = in_pl.get(x)
             if p is not None and p.is_shard:
                 shape = x.meta["example_value"].shape
-                dim = node.args[1] if len(node.args) > 1 else None
-                if not isinstance(dim, int) or dim % len(shape) == p.dim:  # the sharded dim's size is asked
-                    shape_only = isinstance(shape[p.dim], int) and (dim is None or isinstance(dim, int))
+                dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+                if dim is None:
+                    shape_only = isinstance(shape[p.dim], int)
                     local = LocalOp.of("full_shape") if shape_only else None
+                elif not isinstance(dim, int) or dim % len(shape) == p.dim:
+                    shape_only = False
         if shape_only:
             return Strategy({i: None for i in ins}, None, name="shape", local=local)
         return Strategy({i: R for i in ins}, _replicated_like(node.meta.get("example_value")),

@@ -181,14 +181,11 @@ def local_output_size(node: fx.Node, editor: GraphEditor, full: int) -> None:
 
 
 def full_shape(node: fx.Node, editor: GraphEditor) -> None:
-    """``x.size()`` / ``x.size(d)`` of a shard whose sharded dims are static answers the full sizes
-    (``ops/shapes.py``)."""
+    """``x.size()`` of a shard whose sharded dims are static answers the full sizes (``ops/shapes.py``)."""
     x = node.args[0]
-    shape = x.meta["example_value"].shape
-    full = tuple(int(s) if isinstance(s, int) else None for s in shape)
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    full = tuple(int(s) if isinstance(s, int) else None for s in x.meta["example_value"].shape)
     node.op, node.target = "call_function", full_size
-    node.args, node.kwargs = (x, full, dim % len(shape) if isinstance(dim, int) else None), {}
+    node.args, node.kwargs = (x, full), {}
 
 
 LOCAL_OPS = {

@@ -179,4 +179,3 @@ def test_the_shape_of_a_shard_is_answered_full_and_keeps_the_plan():
     # what the rewritten query answers on a rank's shard: the full sizes
     shard = torch.empty(3, 5, 2, 16)
     assert full_size(shard, (None, None, 4, 16)) == torch.Size([3, 5, 4, 16])
-    assert full_size(shard, (None, None, 4, 16), 2) == 4 and full_size(shard, (None, None, 4, 16), 0) == 3

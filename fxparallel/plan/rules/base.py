@@ -62,6 +62,14 @@ class LocalOp:
         return dict(self.args)
 
 
+def splits_in_proportion(split_sizes, a, b) -> bool:
+    """True if dims of ``a`` and ``b`` elements both split, each rank's parts in the ratio ``a : b``: a view
+    between them (a merge, a split, a repeat) keeps every rank's elements its own."""
+    parts_a, parts_b = split_sizes(a), split_sizes(b)
+    return parts_a is not None and parts_b is not None and len(parts_a) == len(parts_b) \
+        and all(i * b == j * a for i, j in zip(parts_a, parts_b))
+
+
 @dataclass
 class RuleContext:
     """What a rule may ask about the graph."""
@@ -77,6 +85,10 @@ class RuleContext:
 
     def can_split(self, size) -> bool:
         return self.split_sizes(size) is not None
+
+    def splits_in_proportion(self, a, b) -> bool:
+        """See ``splits_in_proportion``, with this context's splits."""
+        return splits_in_proportion(self.split_sizes, a, b)
 
     @property
     def head_dim(self) -> Optional[int]:

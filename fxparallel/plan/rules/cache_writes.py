@@ -22,7 +22,7 @@ def _index_copy(node, placements, ctx):
     dim = norm_dim(dim, ctx.ndim(cache))
     p = placements[new]
     strategies = []
-    if p.is_shard and p.dim != dim and not p.segments and p.block is None:
+    if p.is_plain_shard and p.dim != dim:
         strategies.append(Strategy({cache: p, positions: R, new: p}, p, note="cache written by its shard",
                                    name="shard"))
     strategies.append(Strategy({cache: R, positions: R, new: R}, R, note="replicated cache", name="replicate"))

@@ -12,7 +12,7 @@ import sympy
 import torch
 
 from ..op_traits import op_name
-from .base import norm_dim, size_hint as _hint
+from .base import norm_dim, size_hint as _hint, splits_in_proportion
 
 
 def _expr(size):
@@ -106,12 +106,8 @@ def reshape_shard_dim(in_shape, out_shape, dim: int, tp: int, split_sizes=None) 
             size, full = out_shape[o], in_shape[dim]
             if _same(size, full):
                 return o  # the sharded dim passes unchanged, and so does its split
-            out_parts, in_parts = split_sizes(size), split_sizes(full)
-            if out_parts is None or in_parts is None:
-                return None
-            if any(i * size != j * full for i, j in zip(in_parts, out_parts)):
-                return None  # e.g. whole heads on one side, whole columns on the other
-            return o
+            # not in proportion: e.g. whole heads on one side, whole columns on the other
+            return o if splits_in_proportion(split_sizes, full, size) else None
     return None
 
 

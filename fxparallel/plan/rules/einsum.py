@@ -39,7 +39,7 @@ def _einsum(node, placements, ctx):
     letters = []
     for o, t in zip(operands, terms):
         p = placements[o]
-        if p.is_shard and not p.segments and p.block is None and t[p.dim] not in letters:
+        if p.is_plain_shard and t[p.dim] not in letters:
             letters.append(t[p.dim])
     strategies = []
     for letter in letters:

@@ -181,8 +181,7 @@ def strided_slice_strategy(x, p, index, ctx) -> list:
     k, start, size = sl.step, sl.start or 0, ctx.fake(x).shape[p.dim]
     if not isinstance(size, int) or size % k or not 0 <= start < k or (sl.stop is not None and sl.stop < size):
         return []
-    sizes = ctx.split_sizes(size)
-    if sizes is None or any(s % k for s in sizes) or ctx.split_sizes(size // k) != tuple(s // k for s in sizes):
+    if not ctx.splits_in_proportion(size, size // k):
         return []
     out_dim = index_shard_dim(tuple(slice(None) if j == position else it for j, it in enumerate(items)),
                               ctx.ndim(x), p.dim)

@@ -18,14 +18,13 @@ def _repeat_interleave(node, placements, ctx):
         return []
     strategies = []
     p = placements[x]
-    if p.is_shard and isinstance(repeats, int) and isinstance(dim, int) and not p.segments and p.block is None:
+    if p.is_plain_shard and isinstance(repeats, int) and isinstance(dim, int):
         d = norm_dim(dim, ctx.ndim(x))
         if p.dim != d:
             strategies.append(Strategy({x: p}, p, note="repeated along another dim"))
         else:
             full = int(ctx.size(node, d))
-            parts, out_parts = ctx.split_sizes(int(ctx.size(x, d))), ctx.split_sizes(full)
-            if parts and out_parts == tuple(part * repeats for part in parts):
+            if ctx.splits_in_proportion(full, int(ctx.size(x, d))):
                 strategies.append(Strategy({x: p}, p, note="each rank repeats its own entries",
                                            local=LocalOp.of("local_output_size", full=full)))
     strategies.append(Strategy({x: R}, R))

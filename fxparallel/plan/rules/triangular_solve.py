@@ -10,10 +10,6 @@ from ..placement import R, S
 from .base import Strategy, arg, register
 
 
-def _plain_shard(p) -> bool:
-    return p.is_shard and not p.segments and p.block is None
-
-
 def _solve_triangular(node, placements, ctx):
     a, b = node.args[0], node.args[1]
     if not arg(node, 4, "left", True) or ctx.fake(a) is None or ctx.fake(b) is None or ctx.ndim(a) != ctx.ndim(b):
@@ -22,11 +18,11 @@ def _solve_triangular(node, placements, ctx):
     strategies = []
     pa, pb = placements[a], placements[b]
     for p in (pa, pb):
-        if _plain_shard(p) and p.dim < ndim - 2 and ctx.size(a, p.dim) == ctx.size(b, p.dim) \
+        if p.is_plain_shard and p.dim < ndim - 2 and ctx.size(a, p.dim) == ctx.size(b, p.dim) \
                 and ctx.can_split(ctx.size(b, p.dim)):
             strategies.append(Strategy({a: S(p.dim), b: S(p.dim)}, S(p.dim), note="solved per local batch entry"))
             break
-    if _plain_shard(pb) and pb.dim == ndim - 1 and ctx.can_split(ctx.size(b, ndim - 1)):
+    if pb.is_plain_shard and pb.dim == ndim - 1 and ctx.can_split(ctx.size(b, ndim - 1)):
         strategies.append(Strategy({a: R, b: S(ndim - 1)}, S(ndim - 1), note="solved per local column"))
     strategies.append(Strategy({a: R, b: R}, R))
     return strategies

@@ -121,8 +121,7 @@ def _into_block(node, x, p, out, ctx, sized) -> list:
     if len(big_out) == 2 and isinstance(out.shape[big_out[1]], int) and block % out.shape[big_out[1]] == 0:
         # (b, s, heads * d) -> (b * s * heads, d): the heads, outer factor of the sharded dim, become the block
         rest = int(out.shape[big_out[1]])
-        parts, block_parts = ctx.split_sizes(block), ctx.split_sizes(block // rest)
-        if not parts or not block_parts or any(a != b * rest for a, b in zip(parts, block_parts)):
+        if not ctx.splits_in_proportion(block, block // rest):
             return []
         block = block // rest
     elif len(big_out) != 1:
@@ -142,9 +141,8 @@ def _from_block(node, x, p, out, ctx, sized) -> list:
         for d in big_in[1:]:
             rest = rest * in_shape[d]
         size = out.shape[o]
-        parts, block_parts = ctx.split_sizes(size), ctx.split_sizes(p.block)
-        if isinstance(size, int) and isinstance(rest, int) and size == p.block * rest and parts and block_parts \
-                and all(a == b * rest for a, b in zip(parts, block_parts)):
+        if isinstance(size, int) and isinstance(rest, int) and size == p.block * rest \
+                and ctx.splits_in_proportion(size, p.block):
             return [Strategy({x: p}, S(o), local=_view_size(o, size) if sized else None,
                              note="blocked heads merged back with their features")]
         return []
@@ -165,7 +163,7 @@ def _view_as(node, placements, ctx):
     x, other = node.args[0], arg(node, 1, "other")
     p, out = placements[x], ctx.fake(node)
     strategies = []
-    if p.is_shard and not p.segments and p.block is None and isinstance(other, fx.Node):
+    if p.is_plain_shard and isinstance(other, fx.Node):
         o = reshape_shard_dim(ctx.fake(x).shape, out.shape, p.dim, ctx.tp, ctx.split_sizes)
         if o is not None:
             strategies.append(Strategy({x: p, other: S(o)}, S(o)))
@@ -182,7 +180,7 @@ def _complex_view(node, placements, ctx):
     x = node.args[0]
     p = placements[x]
     strategies = []
-    if p.is_shard and not p.segments and p.block is None and p.dim < min(ctx.ndim(x), ctx.ndim(node)) - 1:
+    if p.is_plain_shard and p.dim < min(ctx.ndim(x), ctx.ndim(node)) - 1:
         strategies.append(Strategy({x: p}, p))
     strategies.append(Strategy({x: R}, R))
     return strategies

@@ -9,16 +9,12 @@ from ..placement import R
 from .base import Strategy, arg, norm_dim, register
 
 
-def _plain_shard(p) -> bool:
-    return p.is_shard and p.block is None and not p.segments
-
-
 def _add_batch_dim(node, placements, ctx):
     x = node.args[0]
     p = placements[x]
     hidden = norm_dim(arg(node, 1, "batch_dim"), ctx.ndim(x))
     strategies = []
-    if _plain_shard(p) and p.dim != hidden:
+    if p.is_plain_shard and p.dim != hidden:
         strategies.append(Strategy({x: p}, p.with_dim(p.dim - (p.dim > hidden))))
     strategies.append(Strategy({x: R}, R))
     return strategies
@@ -29,7 +25,7 @@ def _remove_batch_dim(node, placements, ctx):
     p = placements[y]
     back = norm_dim(arg(node, 3, "out_dim"), ctx.ndim(node))
     strategies = []
-    if _plain_shard(p):
+    if p.is_plain_shard:
         strategies.append(Strategy({y: p}, p.with_dim(p.dim + (p.dim >= back))))
     strategies.append(Strategy({y: R}, R))
     return strategies
