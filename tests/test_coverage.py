@@ -125,6 +125,7 @@ def _check_all(group, tp, paths):
                                                    and (".layers." in c.where or ".h." in c.where))
         results[name]["layer_gathers"] = [(c.where, c.bytes_per_token) for c in plan.collectives
                                           if c.kind == "all_gather" and ".layers." in c.where]
+        results[name]["reduced_weights"] = [c.where for c in plan.collectives if c.bytes_per_call]
     return results
 
 
@@ -180,6 +181,8 @@ def test_architectures_without_transformers_plan(on_ranks, tp, types):
                     if ".layers.0.mixer." in n and n.endswith("proj.weight")} == \
                 {"in_proj.weight": "S(0)[128,128]", "x_proj.weight": "S(1)", "dt_proj.weight": "S(0)",
                  "out_proj.weight": "S(1)"}, mamba["placements"]
+            # the depthwise convolutions' weights (squeezed before the conv) split as their channels are
+            assert mamba["placements"]["backbone.layers.0.mixer.conv1d.weight"] == "S(0)", mamba["placements"]
             # Mamba-2 (8 heads, 8 groups): one all-reduce per layer forward (out_proj's), no gather; the gated
             # norm's groups lie within a rank's heads
             mamba2 = results["mamba2"]
@@ -188,6 +191,8 @@ def test_architectures_without_transformers_plan(on_ranks, tp, types):
             assert {n.split(".mixer.")[-1]: v for n, v in mamba2["placements"].items()
                     if ".layers.0.mixer." in n and n.endswith("proj.weight")} == \
                 {"in_proj.weight": "S(0)[128,128,1024,1024,8]", "out_proj.weight": "S(1)"}, mamba2["placements"]
+            assert mamba2["placements"]["backbone.layers.0.mixer.conv1d.weight"] == "S(0)[128,1024,1024]"
+            assert not [w for w in mamba2["reduced_weights"] if "conv1d" in w], mamba2["reduced_weights"]
             # Mamba-2 of one group: B and C (16 floats each) whole on every rank, x, z and dt by heads; C B^T and the
             # scan's products of B and C per head keep partial gradients back to the whole rows, summed once per step
             # at in_proj's weight (and the conv's): no per-token reduction for them, the mixer's forward one all-reduce
@@ -207,6 +212,10 @@ def test_architectures_without_transformers_plan(on_ranks, tp, types):
                 mixer = {n.split(".linear_attn.")[-1]: v for n, v in gdn["placements"].items()
                          if ".layers.0.linear_attn." in n}
                 assert mixer[f"{fused}.weight"] == split and mixer["out_proj.weight"] == "S(1)", (name, mixer)
+                # the convolution's weight (squeezed before the conv reads q, k, v) split as its channels are:
+                # no per-step all-reduce of its gradient
+                assert mixer["conv1d.weight"] == "S(0)[2048,2048,4096]", (name, mixer)
+                assert not [w for w in gdn["reduced_weights"] if "conv1d" in w], (name, gdn["reduced_weights"])
                 assert not [w for w, _ in gdn["layer_gathers"] if ".linear_attn" in w] and not gdn["fallbacks"], \
                     (name, gdn["layer_gathers"], gdn["fallbacks"])
             # Bloom flattens batch and heads into one dim for baddbmm/bmm: the heads stay sharded there

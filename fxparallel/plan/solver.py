@@ -50,6 +50,7 @@ from .op_traits import SHAPE_QUERIES, op_name
 from .placement import R, Placement, is_sharded
 from .rules import RuleContext, Strategy, expert_rows, rule_for, tensor_inputs
 from .rules.base import LocalOp, requires_block, requires_grad, requires_whole
+from .rules.conv import depthwise_conv_reading
 from .layout import ShardLayout  # noqa: I001 (kept apart from the imports above to keep merges clean)
 
 log = logging.getLogger("fxparallel")
@@ -237,6 +238,7 @@ class Solver:
         rule = rule_for(node)
         if any(p is not None and p.is_expert_rows for p in in_pl.values()):  # only rows-aware strategies
             rule = expert_rows.strategies
+        self.ctx.placed = plan.placements.get  # this branch's placements, for rules that look ahead
         strategies = rule(node, in_pl, self.ctx) if rule else []
         if not getattr(rule, "handles_blocks", False):  # a rule unaware of blocked shards must not get one
             strategies = [s for s in strategies if not requires_block(s)]
@@ -356,7 +358,9 @@ class Solver:
     def _reason(self, param_node, s: Strategy, req: Placement) -> str:
         reason = s.note or ("replicated" if req.is_replicate else "sharded")
         if req.is_replicate and param_node in self.negligible:
-            reason += f" (under {NEGLIGIBLE_SHARE:.0%} of its layer: chosen by communication)"
+            small = "a depthwise convolution weight" if depthwise_conv_reading(param_node) is not None \
+                else f"under {NEGLIGIBLE_SHARE:.0%} of its layer"
+            reason += f" ({small}: chosen by communication)"
         return reason
 
     def _apply(self, node, s: Strategy, key, plan: GraphPlan) -> None:
@@ -409,17 +413,21 @@ def _whole_segment(node, plan: GraphPlan) -> bool:
 
 
 def negligible_matrices(param_nodes: dict) -> set:
-    """Matrix parameters under NEGLIGIBLE_SHARE of the matrix bytes of their layer (same layer index)."""
-    totals, sizes = {}, {}
+    """Matrix parameters that communication alone decides: those under NEGLIGIBLE_SHARE of the matrix bytes of
+    their layer (same layer index), and depthwise convolution weights."""
+    totals, sizes, depthwise = {}, {}, set()
     for node, name in param_nodes.items():
         fake = node.meta["example_value"]
         if fake.dim() < 2:
+            continue
+        if depthwise_conv_reading(node) is not None:
+            depthwise.add(node)
             continue
         match = _LAYER_INDEX.search(name)
         layer = name[:match.end()] if match else ""
         sizes[node] = (layer, fake.numel() * fake.element_size())
         totals[layer] = totals.get(layer, 0) + sizes[node][1]
-    return {node for node, (layer, nbytes) in sizes.items() if nbytes < NEGLIGIBLE_SHARE * totals[layer]}
+    return depthwise | {node for node, (layer, nbytes) in sizes.items() if nbytes < NEGLIGIBLE_SHARE * totals[layer]}
 
 
 def _made_whole_for_shards(current, required, out_sharded: bool) -> bool:

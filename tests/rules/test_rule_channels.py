@@ -89,3 +89,36 @@ def test_depthwise_conv_keeps_whole_segments_whole():
     found = [s for s in strategies(node(gm, F.conv1d), {x: xbc}) if s.inputs[x] == xbc]
     assert found[0].inputs == {x: xbc, w: S(0, (16, 4, 4), whole=(1, 2))} and found[0].output == xbc
     assert found[0].local == LocalOp.of("local_groups", channels=24, segments=(16, 4, 4), whole=(1, 2))
+
+
+def _gated_delta_front(x, w, conv_w, o_q, o_k, o_v):
+    """A gated delta net's front as transformers writes it: the conv weight is squeezed before the activation is
+    cast for the conv (``causal_conv1d_fn``), and q, k, v are split after it."""
+    qkv = F.linear(x, w).transpose(1, 2)
+    weight = conv_w.squeeze(1)
+    y = F.conv1d(qkv.to(weight.dtype), weight.unsqueeze(1), padding=3, groups=32)[:, :, :5]
+    q, k, v = F.silu(y).transpose(1, 2).split([8, 8, 16], dim=-1)
+    return F.linear(q, o_q) + F.linear(k, o_k) + F.linear(v, o_v)
+
+
+def test_a_squeezed_conv_weight_takes_the_segments_of_the_channels_it_convolves():
+    """The squeeze reads the weight before the conv sees its input: the weight's split is taken from the
+    activation the conv will read, already placed (segment by segment), so the weight is sharded like it and
+    its gradient needs no all-reduce (it was replicated, its gradient summed every step)."""
+    from rule_graphs import captured_graph
+
+    from fxparallel.plan.layout import ShardLayout
+    from fxparallel.plan.solver import negligible_matrices, solve
+
+    gm = capture(_gated_delta_front, (2, 5, 16), (32, 16), (32, 1, 4), (16, 8), (16, 8), (16, 16),
+                 params=(1, 2, 3, 4, 5))
+    names = {1: "in_proj.weight", 2: "conv1d.weight", 3: "o_q.weight", 4: "o_k.weight", 5: "o_v.weight"}
+    plan = solve(captured_graph(gm, params=names, inputs={0: "x"}), 2, layout=ShardLayout(2))
+    assert plan.params["in_proj.weight"] == S(0, (8, 8, 16)) and plan.params["conv1d.weight"] == S(0, (8, 8, 16))
+    assert {plan.params[f"o_{p}.weight"] for p in "qkv"} == {S(1)} and not plan.fallbacks
+    conv = node(gm, F.conv1d)
+    assert plan.strategies[conv].local == LocalOp.of("local_groups", channels=32, segments=(8, 8, 16))
+    assert plan.reasons["conv1d.weight"] == "depthwise convolution weight, split by channels"
+    # a few numbers per channel: communication alone decides it, as for a matrix under 1% of its layer
+    holders = inputs_of(gm)
+    assert negligible_matrices({holders[i]: name for i, name in names.items()}) == {holders[2]}

@@ -78,6 +78,14 @@ class RuleContext:
     tokens: int = 1  # batch x sequence of the example used at capture
     layout: Optional[ShardLayout] = None  # uneven splits (whole heads, columns, rows); None: even only
     experts: frozenset = frozenset()  # placeholders of the expert-stacked parameters, with expert parallelism
+    # the placements decided so far on the solver's branch (None before the walk): a weight's first reader may
+    # look at the activation the weight will meet further on (a depthwise conv weight, squeezed first)
+    placed: Optional[Callable[[fx.Node], Optional[Placement]]] = None
+
+    def placement_of(self, node) -> Optional[Placement]:
+        """The placement decided for ``node`` upstream on this branch, or None (not yet placed)."""
+        value = self.placed(node) if self.placed is not None and isinstance(node, fx.Node) else None
+        return value if isinstance(value, Placement) else None
 
     def split_sizes(self, size) -> Optional[tuple]:
         """Each rank's part of a dimension of ``size`` (evenly or in whole units), or None if it cannot be split."""

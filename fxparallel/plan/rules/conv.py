@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from ..op_traits import op_name
 from ..placement import R, S
 from .base import LocalOp, Strategy, arg, register
+
+_CONVS = ("conv1d", "conv2d", "conv3d")
 
 
 def _conv(node, placements, ctx):
@@ -37,4 +40,22 @@ def _conv(node, placements, ctx):
     return strategies
 
 
-register("conv1d", "conv2d", "conv3d", whole=True)(_conv)
+register(*_CONVS, whole=True)(_conv)
+
+
+def depthwise_conv_reading(weight: fx.Node, views: int = 3):
+    """The depthwise convolution that reads ``weight`` as its weight, directly or through up to ``views``
+    squeezes / unsqueezes (transformers' ``causal_conv1d_fn`` takes the weight squeezed), or None."""
+    value = weight
+    for _ in range(views + 1):
+        for user in value.users:
+            if op_name(user) in _CONVS and arg(user, 1, "weight") is value:
+                w, groups = value.meta.get("example_value"), arg(user, 6, "groups", 1)
+                depthwise = w is not None and w.dim() >= 3 and w.shape[1] == 1 and groups == w.shape[0]
+                return user if depthwise else None
+        nxt = [u for u in value.users if op_name(u) in ("squeeze", "unsqueeze")]
+        if len(nxt) != 1:
+            return None
+        value = nxt[0]
+    return None
+
