@@ -184,6 +184,9 @@ PURE_RESHAPES = frozenset({"view", "reshape", "expand", "transpose", "permute", 
 # read only the shape of their input, never its data
 SHAPE_QUERIES = frozenset({"size", "dim", "ndimension", "get_device"})
 
+# the same values, perhaps in another dtype or another tensor (a cast or copy written between two ops)
+SAME_VALUES = frozenset({*_CASTS, "type_as", "detach", "clone", "contiguous"})
+
 # a fused projection's features pass through these unchanged on the way to its split (rules/fused.py)
 KEEPS_FEATURES = frozenset({"to", "float", "half", "bfloat16", "contiguous", "view", "reshape", "add", "mul",
                             "unsqueeze", "dropout"})
@@ -208,7 +211,7 @@ SEQUENCE_MIXING = frozenset({"cumsum", "cumprod", "roll", "flip", "diff", "conv1
 ACTIVATION_PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum", "mm"})
 
 _TRAITS = (POINTWISE, LINEAR_UNARY, LINEAR_SCALE, DIVIDES, LINEAR_ADD, REDUCTIONS, SHAPE_KEEPING, SIZED_VIEWS,
-           PURE_RESHAPES, SHAPE_QUERIES, KEEPS_FEATURES, TOKEN_WISE, TOKEN_WISE_REDUCTIONS, SEQUENCE_MIXING,
+           PURE_RESHAPES, SHAPE_QUERIES, SAME_VALUES, KEEPS_FEATURES, TOKEN_WISE, TOKEN_WISE_REDUCTIONS, SEQUENCE_MIXING,
            ACTIVATION_PRODUCTS, TOKEN_WISE_PRODUCTS, frozenset(NORMALIZED_SHAPE_ARG), ELEMENTWISE_ACTIVATIONS)
 for _trait in _TRAITS:
     if not _trait <= SPELLINGS.keys():

@@ -135,7 +135,8 @@ class Solver:
                 self.param_nodes[n] = state_name(captured.state[n.name])
         self.ctx = RuleContext(tp=tp, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ, layout=self.layout,
                                experts=frozenset(n for n, name in self.param_nodes.items() if name in experts))
-        self.negligible = negligible_matrices(self.param_nodes)
+        self.depthwise = depthwise_weights(self.param_nodes)
+        self.negligible = negligible_matrices(self.param_nodes, self.depthwise)
         self.best: Optional[GraphPlan] = None
         self.explored = 0
         self.steps = 0  # nodes walked, over all branches
@@ -358,7 +359,7 @@ class Solver:
     def _reason(self, param_node, s: Strategy, req: Placement) -> str:
         reason = s.note or ("replicated" if req.is_replicate else "sharded")
         if req.is_replicate and param_node in self.negligible:
-            small = "a depthwise convolution weight" if depthwise_conv_reading(param_node) is not None \
+            small = "a depthwise convolution weight" if param_node in self.depthwise \
                 else f"under {NEGLIGIBLE_SHARE:.0%} of its layer"
             reason += f" ({small}: chosen by communication)"
         return reason
@@ -412,22 +413,24 @@ def _whole_segment(node, plan: GraphPlan) -> bool:
     return isinstance(p, Placement) and bool(p.whole)
 
 
-def negligible_matrices(param_nodes: dict) -> set:
+def depthwise_weights(param_nodes: dict) -> frozenset:
+    """The parameters a depthwise convolution reads as its weight (``[channels, 1, kernel]``: no matmul)."""
+    return frozenset(node for node in param_nodes if depthwise_conv_reading(node) is not None)
+
+
+def negligible_matrices(param_nodes: dict, depthwise: frozenset) -> set:
     """Matrix parameters that communication alone decides: those under NEGLIGIBLE_SHARE of the matrix bytes of
-    their layer (same layer index), and depthwise convolution weights."""
-    totals, sizes, depthwise = {}, {}, set()
+    their layer (same layer index), and the ``depthwise`` convolution weights."""
+    totals, sizes = {}, {}
     for node, name in param_nodes.items():
         fake = node.meta["example_value"]
-        if fake.dim() < 2:
-            continue
-        if depthwise_conv_reading(node) is not None:
-            depthwise.add(node)
+        if fake.dim() < 2 or node in depthwise:
             continue
         match = _LAYER_INDEX.search(name)
         layer = name[:match.end()] if match else ""
         sizes[node] = (layer, fake.numel() * fake.element_size())
         totals[layer] = totals.get(layer, 0) + sizes[node][1]
-    return depthwise | {node for node, (layer, nbytes) in sizes.items() if nbytes < NEGLIGIBLE_SHARE * totals[layer]}
+    return set(depthwise) | {node for node, (layer, nbytes) in sizes.items() if nbytes < NEGLIGIBLE_SHARE * totals[layer]}
 
 
 def _made_whole_for_shards(current, required, out_sharded: bool) -> bool:

@@ -108,7 +108,7 @@ def test_a_squeezed_conv_weight_takes_the_segments_of_the_channels_it_convolves(
     from rule_graphs import captured_graph
 
     from fxparallel.plan.layout import ShardLayout
-    from fxparallel.plan.solver import negligible_matrices, solve
+    from fxparallel.plan.solver import depthwise_weights, negligible_matrices, solve
 
     gm = capture(_gated_delta_front, (2, 5, 16), (32, 16), (32, 1, 4), (16, 8), (16, 8), (16, 16),
                  params=(1, 2, 3, 4, 5))
@@ -121,4 +121,6 @@ def test_a_squeezed_conv_weight_takes_the_segments_of_the_channels_it_convolves(
     assert plan.reasons["conv1d.weight"] == "depthwise convolution weight, split by channels"
     # a few numbers per channel: communication alone decides it, as for a matrix under 1% of its layer
     holders = inputs_of(gm)
-    assert negligible_matrices({holders[i]: name for i, name in names.items()}) == {holders[2]}
+    params = {holders[i]: name for i, name in names.items()}
+    assert depthwise_weights(params) == {holders[2]}
+    assert negligible_matrices(params, depthwise_weights(params)) == {holders[2]}

@@ -58,4 +58,3 @@ def depthwise_conv_reading(weight: fx.Node, views: int = 3):
             return None
         value = nxt[0]
     return None
-

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..op_traits import SIZED_VIEWS, op_name
+from ..op_traits import SAME_VALUES, SIZED_VIEWS, op_name
 from ..placement import R, S
 from .base import LocalOp, Strategy, arg, norm_dim, register, tensor_inputs
 from .conv import depthwise_conv_reading
@@ -31,41 +31,38 @@ def _reshape(node, placements, ctx):
     if not inputs or node.args[0] is not inputs[0]:
         return []
     x = inputs[0]
+    conv = depthwise_conv_reading(node) if op_name(node) in ("squeeze", "unsqueeze") else None
     strategies = []
-    for p in _view_input_choices(node, x, placements, ctx):
+    for p in _view_input_choices(node, x, placements, ctx, conv):
         strategies.extend(_sharded_view(node, x, p, ctx))
-    if strategies and op_name(node) in ("squeeze", "unsqueeze") and depthwise_conv_reading(node) is not None:
+    if strategies and conv is not None:
         for s in strategies:  # the reason the plan gives for the weight's split
             s.note = s.note or "depthwise convolution weight, split by channels"
     strategies.append(Strategy({x: R}, R))
     return strategies
 
 
-def _view_input_choices(node, x, placements, ctx) -> list:
+def _view_input_choices(node, x, placements, ctx, conv) -> list:
     """A weight only given a size-1 dim or losing one (Mamba's depthwise conv weight, squeezed and
     unsqueezed before the conv) may take any split here, first the channels' split of the activation that
     conv reads where it is placed already (a gated delta net's q, k and v); any other input comes as it is
-    placed."""
+    placed. ``conv``: the depthwise convolution that reads ``node`` as its weight, or None."""
     if op_name(node) not in ("squeeze", "unsqueeze") or not is_weight(x, ctx.ndim(x)):
         return [placements[x]]
-    channels = _conv_channels_placement(node, ctx)
-    if is_expert_weight(x) and depthwise_conv_reading(node) is None:
+    if is_expert_weight(x) and conv is None:
         return [placements[x]]
+    channels = _conv_channels_placement(conv, ctx)
     choices = [] if channels is None else [S(0, channels.segments, whole=channels.whole)]
     if placements[x].is_shard:  # decided already (a generation graph reads the training plan's weights)
         choices.append(placements[x])
     return choices + [c for c in weight_choices(x, ctx, first_dim=0) if c.is_shard and c not in choices]
 
 
-_SAME_VALUE = frozenset({"to", "float", "type_as", "contiguous", "clone"})
-
-
-def _conv_channels_placement(view, ctx):
-    """The placement of the input of the depthwise convolution whose weight ``view`` makes, where it is a
-    segmented shard of the channels; else None."""
-    conv = depthwise_conv_reading(view)
+def _conv_channels_placement(conv, ctx):
+    """The placement of the input of the depthwise convolution ``conv`` (or None), where it is a segmented
+    shard of the channels; else None."""
     x = arg(conv, 0, "input") if conv is not None else None
-    while isinstance(x, fx.Node) and ctx.placement_of(x) is None and op_name(x) in _SAME_VALUE \
+    while isinstance(x, fx.Node) and ctx.placement_of(x) is None and op_name(x) in SAME_VALUES \
             and isinstance(x.args[0], fx.Node) and ctx.fake(x.args[0]) is not None \
             and ctx.fake(x.args[0]).shape == ctx.fake(x).shape:
         x = x.args[0]  # a cast written after the weight's view (transformers' causal_conv1d_fn)
