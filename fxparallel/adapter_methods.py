@@ -132,8 +132,9 @@ class AdapterMethods:
 
     def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False, adapter_names=None):
         """PEFT's ``merge_and_unload``: fold the active adapter(s) into the base model's shards (each rank its
-        pieces of ``scaling * B @ A``) and re-plan the graphs without adapters (the others dropped, as PEFT unloads
-        them); returns the model (collective over the tp group)."""
+        pieces of ``scaling * B @ A``) and run the graphs without adapters (the others dropped, as PEFT unloads
+        them): those of the plan the base layers follow, planned again only where it is not at hand (after
+        ``model.to(dtype)``); returns the model (collective over the tp group)."""
         adapter = self._adapter("merge_and_unload")
         if safe_merge or adapter_names is not None:
             raise ArgumentError("merge_and_unload: safe_merge and adapter_names are not supported on the parallel model")
@@ -141,7 +142,7 @@ class AdapterMethods:
                                                          "adapter (save_pretrained) and merge it in a new process")
         del progressbar
         factory = self._graph_set.factory
-        plain = factory.with_adapter(None)  # planned without the adapters first: a failure changes nothing
+        plain = factory.without_adapters()  # planned without the adapters first: a failure changes nothing
         planned = plain.training_graph()
         # the LoRA layers' scaling and layout from a meta model with the adapter in (disabled or not)
         source = factory.source

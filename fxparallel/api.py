@@ -22,7 +22,7 @@ import inspect
 import logging
 import socket
 import time
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -278,7 +278,8 @@ class GraphFactory:
     the meta model (in the module's dtype) with every parameter's placement fixed to the first plan's,
     so every graph reads the same shards. ``in_dtype`` gives the factory of another dtype
     (``model.to(dtype)``: a new meta model in that dtype, the same placements). ``derived``: graphs
-    derived from the training capture (``capture/derive.py``) by spec, planned instead of a capture."""
+    derived from the training capture (``capture/derive.py``) by spec, planned instead of a capture.
+    ``plain``: the factory of the model without adapters whose placements this one's base layers follow."""
 
     def __init__(self, source, meta, dtype: torch.dtype, group: TPGroup, device, options: PlanOptions,
                  trust_remote_code: bool, derived=None):
@@ -287,6 +288,8 @@ class GraphFactory:
         self.fixed = dict(options.fixed)  # grows with each graph's placements: they hold for every later graph
         self.derived = derived if derived is not None else {}
         self.usual_shapes = None  # the training graph's ShapeGuards
+        self.trained: Optional[PlannedGraph] = None  # the training graph, planned once
+        self.plain: Optional["GraphFactory"] = None
 
     def __call__(self, spec: GraphSpec) -> LocalGraph:
         planned = None
@@ -323,15 +326,23 @@ class GraphFactory:
         source = dataclasses.replace(self.source, adapter=adapter, inactive_adapters=tuple(inactive),
                                      co_active=tuple(co_active))
         meta = _meta_model(source, self.group.size, self.dtype, self.trust_remote_code)
-        return GraphFactory(source, meta, self.dtype, self.group, self.device, self.options.with_fixed(self.fixed),
-                            self.trust_remote_code)
+        factory = GraphFactory(source, meta, self.dtype, self.group, self.device, self.options.with_fixed(self.fixed),
+                               self.trust_remote_code)
+        factory.plain = self if self.source.adapter is None else self.plain
+        return factory
+
+    def without_adapters(self) -> "GraphFactory":
+        """The factory of the model without adapters: the one whose plan the base layers follow where it is known
+        (its training graph then planned already: ``merge_and_unload`` captures nothing new), else a new one."""
+        return self.plain if self.plain is not None else self.with_adapter(None)
 
     def training_graph(self) -> PlannedGraph:
         """The training graph (and its ShardingPlan), which ``parallelize`` captures first."""
         # its capture also gives the graph without labels (capture/derive.py), for the first call without labels
-        planned = self._planned(training_spec(self.options.cp), report=True, derived=self.derived)
-        self.usual_shapes = planned.local.guards
-        return planned
+        if self.trained is None:
+            self.trained = self._planned(training_spec(self.options.cp), report=True, derived=self.derived)
+            self.usual_shapes = self.trained.local.guards
+        return self.trained
 
 
 def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:

@@ -332,7 +332,12 @@ def _ranks(rank, world, adapter, with_options, other):
     # merged into the base shards: PEFT's merge_and_unload, no adapter left
     # merged into the base shards (while disabled: PEFT merges a disabled adapter too): PEFT's merge_and_unload
     model.disable_adapters()
+    from fxparallel import graph_cache
+
+    looked_up = dict(graph_cache.stats)
     merged = model.merge_and_unload()
+    # the base plan the adapter followed, kept from parallelize: nothing planned, not even read from the cache
+    out["planned by merging"] = {k: n - looked_up[k] for k, n in graph_cache.stats.items() if n != looked_up[k]}
     with torch.no_grad():
         out["merged"] = (merged(input_ids=ids).logits - ref.merge_and_unload()(input_ids=ids).logits).abs().max().item()
     out["left after merging"] = [n for n, _ in merged.named_parameters() if ".lora_" in n]
@@ -602,7 +607,7 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         assert several["after delete"] == (["mlp"], []) and several["logits after delete"] < 1e-5, several
         assert several["saved active"] < 1e-5, several
         assert r["logits"] < 1e-5 and r["reloaded"] < 1e-5 and r["trainable by default"] == [], r
-        assert r["merged"] < 1e-5 and r["left after merging"] == [], r
+        assert r["merged"] < 1e-5 and r["left after merging"] == [] and r["planned by merging"] == {}, r
         assert all("no adapter loaded; attach one first" in e for e in r["no adapter"]), r["no adapter"]
         assert r["saved plan"]["same"], r["saved plan"]
         assert "parameter 'model.layers.0.self_attn.q_proj.lora_B.default.weight': the saved plan places it R" in \
