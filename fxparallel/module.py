@@ -34,6 +34,7 @@ from .inputs import ARGUMENTS, check_arguments, options_code
 from .items_in_batch import check_items_in_batch, loss_over_items
 from .model_facts import ModelFacts
 from .router_outputs import expert_counts_asked, loss_without_aux, router_logits_asked, split_router_logits
+from .shard_parameter import ShardParameter
 from .ops import collectives, context_parallel_attention
 from .ops.local_graph import LocalGraph
 from .ops.layer_units import install_layer_units
@@ -128,7 +129,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
     def _add_shard(self, p) -> None:
         """Register this rank's shard of the planned parameter ``p`` (a ParamPlan) under each of its names."""
         group = self.tp_group
-        param = nn.Parameter(torch.empty(p.local_shape(group.size, group.rank), device=self.device_, dtype=self.dtype_))
+        kind = ShardParameter if group.size > 1 else nn.Parameter  # a shard refuses torch's norm clipping of it
+        param = kind(torch.empty(p.local_shape(group.size, group.rank), device=self.device_, dtype=self.dtype_))
         param._fxparallel = p  # type: ignore[attr-defined]
         for name in p.names:
             _set_path(self, name, param, "param")

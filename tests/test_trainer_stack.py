@@ -351,15 +351,37 @@ def _own_loop(rank, world, path):
     """A loop of one's own with torch's clipping: the optimizer built on ``parameters()`` (the plain shards), then
     ``torch.nn.utils.clip_grad_norm_(model.parameters())``, which turns them into DTensor views first (with the
     backward's gradients), is the global norm and the optimizer, re-pointed at the views when it steps, trains the
-    model: norms and weights of the single-device loop."""
+    model: norms and weights of the single-device loop. A list of the shards taken before (torch's clipping then
+    never asks the model) is refused by ``clip_grad_norm_`` with every gradient unchanged, before the views exist and
+    after (when they hold the gradients and the list none); ``clip_grad_value_`` over it, exact on shards, runs."""
     import torch
     from transformers import AutoModelForCausalLM
 
     import fxparallel
+    from fxparallel.errors import ArgumentError
 
     model = fxparallel.parallelize(path, torch.distributed.group.WORLD, dtype=torch.float32)
     single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     rows = torch.randint(0, 128, (4, 10), generator=torch.Generator().manual_seed(11))
+    taken = list(model.parameters())
+
+    def clip_taken() -> dict:
+        model(input_ids=rows, labels=rows).loss.backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in taken]
+        try:
+            torch.nn.utils.clip_grad_norm_(taken, 0.5)
+            error = "no error"
+        except ArgumentError as err:
+            error = str(err)
+        kept = all((g is None and p.grad is None) or torch.equal(g, p.grad) for g, p in zip(grads, taken))
+        held = [p.grad for p in taken if p.grad is not None]  # none once the views hold the gradients
+        if held:
+            torch.nn.utils.clip_grad_value_(taken, 2 ** -10)
+        by_value = max(g.abs().max().item() for g in held) if held else None
+        model.zero_grad(set_to_none=True)
+        return {"error": error, "kept": kept, "by value": by_value}
+
+    out = {"taken before": clip_taken()}
     norms = []
     for m, optimizer in ((model, torch.optim.AdamW(model.parameters(), lr=3e-4)),
                          (single, torch.optim.AdamW(single.parameters(), lr=3e-4))):
@@ -371,7 +393,8 @@ def _own_loop(rank, world, path):
     reference = dict(single.named_parameters())
     weights = max((p.detach() - model.plan.param(n).shard_of(reference[n].detach(), rank, world)).abs().max().item()
                   for n, p in model.local_named_parameters())
-    return {"norms": norms, "weights": weights}
+    out["taken, views on"] = clip_taken()
+    return {**out, "norms": norms, "weights": weights}
 
 
 def _accelerate_checkpoints(rank, world, path, root):
@@ -528,6 +551,11 @@ def _check_own_loop(r):
     assert min(norms) > 0.5, norms  # the clipping acted
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(norms[:3], norms[3:])), norms
     assert r["own_loop"]["weights"] < 1e-5, r["own_loop"]
+    for when in ("taken before", "taken, views on"):  # a list of the shards taken earlier: refused, nothing changed
+        refused = r["own_loop"][when]
+        assert "clip_grad_norm_ reached a tensor-parallel shard" in refused["error"] and \
+            "through a list of parameters taken before" in refused["error"] and refused["kept"], (when, refused)
+    assert 0 < r["own_loop"]["taken before"]["by value"] <= 2 ** -10, r["own_loop"]  # by value: element by element
 
 
 def test_trainer_stack(checkpoints, tmp_path):
