@@ -193,6 +193,9 @@ def test_architectures_without_transformers_plan(on_ranks, tp, types):
                 {"in_proj.weight": "S(0)[128,128,1024,1024,8]", "out_proj.weight": "S(1)"}, mamba2["placements"]
             assert mamba2["placements"]["backbone.layers.0.mixer.conv1d.weight"] == "S(0)[128,1024,1024]"
             assert not [w for w in mamba2["reduced_weights"] if "conv1d" in w], mamba2["reduced_weights"]
+            # dt_bias, cast before it is added to dt's shards (rules/weight_ahead.py): split by heads like dt
+            assert mamba2["placements"]["backbone.layers.0.mixer.dt_bias"] == "S(0)"
+            assert not [w for w in mamba2["reduced_weights"] if "dt_bias" in w], mamba2["reduced_weights"]
             # Mamba-2 of one group: B and C (16 floats each) whole on every rank, x, z and dt by heads; C B^T and the
             # scan's products of B and C per head keep partial gradients back to the whole rows, summed once per step
             # at in_proj's weight (and the conv's): no per-token reduction for them, the mixer's forward one all-reduce

@@ -55,6 +55,7 @@ FAMILY_TESTS = {
     "triangular_solve": ["test_rule_triangular_solve.py"],
     "views": ["test_rule_views.py"],
     "vmap": ["test_rule_channels.py"],
+    "weight_ahead": ["test_rule_weight_ahead.py"],
 }
 
 

@@ -12,9 +12,10 @@ its mask is part of a logical one. Which ops are pointwise: ``op_traits.POINTWIS
 """
 from __future__ import annotations
 
-from ..op_traits import POINTWISE
+from ..op_traits import POINTWISE, SAME_VALUES, op_name
 from ..placement import R
 from .base import Strategy, register, requires_grad, tensor_inputs
+from .weight_ahead import split_met_ahead
 
 
 def pointwise_strategies(node, placements, ctx, inputs=None):
@@ -45,6 +46,10 @@ def pointwise_strategies(node, placements, ctx, inputs=None):
         if p.whole and any(r != R and placements[x] != r and requires_grad(x) for x, r in req.items()):
             continue  # whole segments meet only their own shards, broadcast operands and constants sliced alike
         strategies.append(Strategy(req, p.with_dim(d)))
+    if len(inputs) == 1 and not placements[inputs[0]].is_shard and op_name(node) in SAME_VALUES:
+        ahead = split_met_ahead(node, inputs[0], ctx)  # a weight cast before it meets its activation's shards
+        if ahead is not None:
+            strategies.append(Strategy({inputs[0]: ahead}, ahead, note="sharded like the activation it meets"))
     strategies.append(Strategy({x: R for x in inputs}, R))
     return strategies
 
