@@ -430,7 +430,8 @@ def negligible_matrices(param_nodes: dict, depthwise: frozenset) -> set:
         layer = name[:match.end()] if match else ""
         sizes[node] = (layer, fake.numel() * fake.element_size())
         totals[layer] = totals.get(layer, 0) + sizes[node][1]
-    return set(depthwise) | {node for node, (layer, nbytes) in sizes.items() if nbytes < NEGLIGIBLE_SHARE * totals[layer]}
+    small = {node for node, (layer, nbytes) in sizes.items() if nbytes < NEGLIGIBLE_SHARE * totals[layer]}
+    return set(depthwise) | small
 
 
 def _made_whole_for_shards(current, required, out_sharded: bool) -> bool:

@@ -34,10 +34,10 @@ def split_met_ahead(reader: fx.Node, weight: fx.Node, ctx) -> Placement | None:
     """The split of ``weight`` (a 1-d weight, or one with a single dim above 1) that ``reader``, a cast of it, should
     offer: the shard of the placed activation it meets a few casts and size-1 views further on, where that shard
     lies along the weight's dim; else None."""
-    shape = _shape(weight)
-    if shape is None or not is_weight(weight, len(shape)) or _one_dim(shape) is None:
+    shape, value, value_shape = _shape(weight), reader, _shape(reader)
+    if shape is None or value_shape is None or not is_weight(weight, len(shape)) or _one_dim(shape) is None:
         return None
-    value = reader
+    dim = _one_dim(shape)
     for _ in range(_STEPS + 1):
         if len(value.users) != 1:
             return None
@@ -46,18 +46,16 @@ def split_met_ahead(reader: fx.Node, weight: fx.Node, ctx) -> Placement | None:
         if out is None:
             return None
         if op_name(user) in SAME_VALUES or (op_name(user) in _UNSQUEEZING and _one_dim(out) is not None):
-            value = user
+            value, value_shape = user, out
             continue
-        if op_name(user) not in POINTWISE:
+        mine = _one_dim(value_shape)
+        if op_name(user) not in POINTWISE or mine is None or not ctx.can_split(shape[dim]):
             return None
-        others = [x for x in tensor_inputs(user) if x is not value]
-        mine = _one_dim(_shape(value))
-        for other in others:
-            p = ctx.placement_of(other)
-            if p is None or not p.is_plain_shard or mine is None:
-                continue
-            aligned = p.dim + len(out) - len(_shape(other)) - (len(out) - len(_shape(value)))
-            if aligned == mine and ctx.can_split(shape[_one_dim(shape)]):
-                return S(_one_dim(shape))
+        for other in tensor_inputs(user):
+            p, other_shape = ctx.placement_of(other), _shape(other)
+            # broadcast from the right: the other's sharded dim, counted in this value's dims
+            if other is not value and p is not None and p.is_plain_shard and other_shape is not None \
+                    and p.dim - len(other_shape) + len(value_shape) == mine:
+                return S(dim)
         return None
     return None
