@@ -22,7 +22,7 @@ def _conv(node, placements, ctx):
     channels = ctx.fake(w).shape[0]
     bias = {b: S(0)} if isinstance(b, fx.Node) else {}
     strategies = []
-    depthwise = isinstance(groups, int) and groups == channels == ctx.fake(x).shape[1] and ctx.fake(w).shape[1] == 1
+    depthwise = isinstance(groups, int) and _depthwise(ctx.fake(w), groups) and groups == ctx.fake(x).shape[1]
     if depthwise and ctx.can_split(channels):
         strategies.append(Strategy({x: S(1), w: S(0), **bias}, S(1), note="depthwise convolution, split by channels",
                                    local=LocalOp.of("local_groups", channels=int(channels)), name="channels"))
@@ -43,6 +43,11 @@ def _conv(node, placements, ctx):
 register(*_CONVS, whole=True)(_conv)
 
 
+def _depthwise(weight, groups) -> bool:
+    """A convolution weight of one input channel per group, a group per output channel."""
+    return weight is not None and weight.dim() >= 3 and weight.shape[1] == 1 and groups == weight.shape[0]
+
+
 def depthwise_conv_reading(weight: fx.Node, views: int = 3):
     """The depthwise convolution that reads ``weight`` as its weight, directly or through up to ``views``
     squeezes / unsqueezes (transformers' ``causal_conv1d_fn`` takes the weight squeezed), or None."""
@@ -50,9 +55,7 @@ def depthwise_conv_reading(weight: fx.Node, views: int = 3):
     for _ in range(views + 1):
         for user in value.users:
             if op_name(user) in _CONVS and arg(user, 1, "weight") is value:
-                w, groups = value.meta.get("example_value"), arg(user, 6, "groups", 1)
-                depthwise = w is not None and w.dim() >= 3 and w.shape[1] == 1 and groups == w.shape[0]
-                return user if depthwise else None
+                return user if _depthwise(value.meta.get("example_value"), arg(user, 6, "groups", 1)) else None
         nxt = [u for u in value.users if op_name(u) in ("squeeze", "unsqueeze")]
         if len(nxt) != 1:
             return None

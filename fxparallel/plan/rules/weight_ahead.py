@@ -7,7 +7,6 @@ shards. Where the activation is placed already (it is computed first), the cast 
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from ..op_traits import POINTWISE, SAME_VALUES, op_name
@@ -19,9 +18,9 @@ _UNSQUEEZING = frozenset({"view", "reshape", "unsqueeze"})
 _STEPS = 3  # casts and views followed from the weight
 
 
-def _shape(node):
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+def _shape(node, ctx):
+    value = ctx.fake(node)
+    return None if value is None else tuple(value.shape)
 
 
 def _one_dim(shape) -> int | None:
@@ -34,7 +33,7 @@ def split_met_ahead(reader: fx.Node, weight: fx.Node, ctx) -> Placement | None:
     """The split of ``weight`` (a 1-d weight, or one with a single dim above 1) that ``reader``, a cast of it, should
     offer: the shard of the placed activation it meets a few casts and size-1 views further on, where that shard
     lies along the weight's dim; else None."""
-    shape, value, value_shape = _shape(weight), reader, _shape(reader)
+    shape, value, value_shape = _shape(weight, ctx), reader, _shape(reader, ctx)
     if shape is None or value_shape is None or not is_weight(weight, len(shape)) or _one_dim(shape) is None:
         return None
     dim = _one_dim(shape)
@@ -42,7 +41,7 @@ def split_met_ahead(reader: fx.Node, weight: fx.Node, ctx) -> Placement | None:
         if len(value.users) != 1:
             return None
         (user,) = value.users
-        out = _shape(user)
+        out = _shape(user, ctx)
         if out is None:
             return None
         if op_name(user) in SAME_VALUES or (op_name(user) in _UNSQUEEZING and _one_dim(out) is not None):
@@ -52,7 +51,7 @@ def split_met_ahead(reader: fx.Node, weight: fx.Node, ctx) -> Placement | None:
         if op_name(user) not in POINTWISE or mine is None or not ctx.can_split(shape[dim]):
             return None
         for other in tensor_inputs(user):
-            p, other_shape = ctx.placement_of(other), _shape(other)
+            p, other_shape = ctx.placement_of(other), _shape(other, ctx)
             # broadcast from the right: the other's sharded dim, counted in this value's dims
             if other is not value and p is not None and p.is_plain_shard and other_shape is not None \
                     and p.dim - len(other_shape) + len(value_shape) == mine:
