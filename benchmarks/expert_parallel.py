@@ -7,7 +7,8 @@ One locally built Qwen3-MoE (fp32; 32 experts 192 wide, top-4, hidden 512, 4 lay
 Qwen3-30B-A3B's 128 experts 768 wide on hidden 2048), parallelized four times in the same processes:
 transformers' two experts kernels (grouped_mm, its default off CPU, run on CPU as tests/test_moe.py runs it;
 batched_mm, what parallelize picks on CPU), each with every expert split like a dense MLP (``expert_parallel=
-False``) and with whole experts per rank (``expert_parallel=True``).
+False``) and with whole experts per rank (``expert_parallel=True``); and once more per kernel with
+``expert_parallel`` left out, to record which of the two the planner chooses and why.
 
 Per run: the matrix products of one expert on one rank (rows x inner x columns, the rows for a balanced
 router), the collectives per step from the plan, the training step (forward, backward, AdamW at lr 0, one batch
@@ -92,6 +93,7 @@ def expert_products(model, rows: int) -> dict:
 class Run:
     def __init__(self, name: str, model, rows: int):
         self.name, self.model, self.times, self.decode = name, model.train(), [], []
+        self.chosen, self.why = False, ""  # the planner's choice (set by measure)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
         plan = model.plan
         self.facts = {"products": expert_products(model, rows),
@@ -135,6 +137,12 @@ def measure(path: str, args) -> dict:
                                            dist.group.WORLD, dtype=torch.float32, expert_parallel=ep)
             name = f"{kernel}, {'whole experts per rank' if ep else 'experts split inside'}"
             runs.append(Run(name, model, args.batch * args.seq * SHAPE["num_experts_per_tok"]))
+        # the planner's choice, from parallelize itself with expert_parallel left out (its graphs: one of the above)
+        chosen = fxparallel.parallelize(path + ("-grouped_mm" if kernel == "grouped_mm" else ""), dist.group.WORLD,
+                                        dtype=torch.float32).plan.experts
+        for run in runs[-2:]:
+            run.chosen = chosen.startswith("whole") == run.name.endswith("whole experts per rank")
+            run.why = chosen
         api._for_device = for_device
     ids = torch.randint(0, SHAPE["vocab_size"], (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     for i in range(args.warmup + args.steps):
@@ -151,7 +159,8 @@ def measure(path: str, args) -> dict:
             if i:
                 run.decode.append(rate)
     same_tokens = torch.equal(decoding[0].tokens, decoding[1].tokens)
-    return {"runs": {r.name: {**r.facts, "median_step_s": statistics.median(r.times), "steps_s": r.times,
+    return {"runs": {r.name: {**r.facts, "chosen": r.chosen, "why": r.why,
+                              "median_step_s": statistics.median(r.times), "steps_s": r.times,
                               **({"decode_tokens_per_s": statistics.median(r.decode)} if r.decode else {})}
                      for r in runs}, "same_generated_tokens": same_tokens}
 
@@ -166,17 +175,22 @@ def markdown_table(result: dict) -> str:
              f"batch {meta['decode_batch']}, {meta['new']} new tokens; load average {meta['load_average_start']:.1f} "
              f"at the start, {meta['load_average_end']:.1f} at the end; {meta['date']}.", "",
              "| kernel, experts | experts per rank | one expert's gate_up / down product (rows x inner x cols) "
-             "| collectives fwd / bwd per step | bytes per token fwd / bwd | step (s) | decode tokens/s |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+             "| collectives fwd / bwd per step | bytes per token fwd / bwd | step (s) | decode tokens/s "
+             "| the planner's choice (`expert_parallel` left out) |",
+             "|---|---:|---|---:|---:|---:|---:|---|"]
     for name, r in runs.items():
         p = r["products"]
         decode = f"{r['decode_tokens_per_s']:.1f}" if "decode_tokens_per_s" in r else "-"
         lines.append(f"| {name} | {p['experts_per_rank']} | {'x'.join(map(str, p['gate_up']))} / "
                      f"{'x'.join(map(str, p['down']))} | {r['forward_calls']} / {r['backward_calls']} | "
                      f"{r['forward_bytes_per_token']:.0f} / {r['backward_bytes_per_token']:.0f} | "
-                     f"{r['median_step_s']:.3f} | {decode} |")
+                     f"{r['median_step_s']:.3f} | {decode} | {'**chosen**' if r.get('chosen') else ''} |")
     lines.append("")
     lines.append(f"Greedy tokens of the two batched_mm runs equal: {result['same_generated_tokens']}.")
+    for kernel in KERNELS:
+        why = next((r["why"] for name, r in runs.items() if name.startswith(kernel) and "why" in r), None)
+        if why:
+            lines.append(f"\nThe plan's reason with {kernel}: `{why}`.")
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@
 #                             training step, checkpointing with deterministic kernels, a mixture of experts with
 #                             the grouped_mm kernel and its load-balancing loss in fp32 / bf16, stock Trainer;
 #                             tests/test_cuda_tp2.py: TP=2 as two processes on the one GPU over "cuda:gloo":
-#                             training, LoRA, generate eager / compiled / CUDA graphs, DCP, save_pretrained);
+#                             training, LoRA, generate eager / compiled / CUDA graphs, DCP, save_pretrained, a
+#                             mixture of experts with grouped_mm and the planner's whole experts per rank);
 #   generate-fp32, -bf16      benchmarks/generate.py on CUDA at TP=1: every system (static cache, compile, CUDA
 #                             graphs) on the small default Llama in fp32, then bf16 on a 160M-parameter one;
 #   generate-1b               the same in bf16 on a Llama-3.2-1B-shaped model (16 layers, hidden 2048, vocabulary

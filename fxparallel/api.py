@@ -49,6 +49,7 @@ from .module import ParallelCausalLM
 from .ops.local_graph import LocalGraph
 from .plan.layout import ShardLayout, expert_parameters, text_config
 from .plan.adapter_placements import adapter_placements, expert_adapter_rows
+from .plan.expert_choice import ExpertChoice, choose_experts, experts_line, saved_whole_experts, settle
 from .plan.options import PlanOptions
 from .plan.saved import check_applied, fixed_placements, read_plan
 from .plan.solver import check_layer_symmetry, solve
@@ -90,9 +91,10 @@ def plan_graph(meta_model, spec: GraphSpec, group: TPGroup, device, options: Pla
     ``derived``: a dict that gets the graph without labels derived from this capture
     (``capture/derive.py``), by its spec, before the passes rewrite the capture."""
     t = time.perf_counter()
-    if captured is None:
+    if captured is None or callable(captured):  # (a callable: gives a capture shared with another plan's)
         # a deep model with alike layers: captured with a few and repeated (capture/repeat_layers.py)
-        captured = capture_layers_once(meta_model, spec, capture) or capture(meta_model, spec)
+        captured = captured() if captured is not None else (capture_layers_once(meta_model, spec, capture)
+                                                            or capture(meta_model, spec))
         if derived is not None:
             without = without_labels(captured)
             if without is not None:
@@ -161,22 +163,6 @@ def _for_device(config, device: torch.device):
     return config
 
 
-def check_expert_parallel(meta, tp: int, cp) -> None:
-    """``expert_parallel=True`` needs stacked experts, at least one per rank, and no context parallelism (before
-    any capture). (Sequence parallelism keeps the MoE blocks' rows whole, so it composes.)"""
-    kind = getattr(meta.config, "model_type", type(meta).__name__)
-    counts = set(expert_parameters(meta).values())
-    if not counts:
-        raise ShardingError(f"expert_parallel=True, but the {kind} model has no mixture-of-experts layer with "
-                            "stacked expert weights ([experts, ...] parameters, as transformers' experts modules hold them)")
-    if min(counts) < tp:
-        raise ShardingError(f"expert_parallel=True: the {kind} model has {min(counts)} experts in a layer, fewer "
-                            f"than the tp size {tp}: a rank would hold none")
-    if cp is not None:
-        raise NotImplementedError("expert_parallel=True together with context parallelism (cp_group) is not "
-                                  "supported yet: use one of them")
-
-
 def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
     """The meta model of ``source`` (with its LoRA adapters' layers, the active one computing, unless adapters are
     disabled: capture/adapters.py), after checking it can be split over ``tp`` ranks."""
@@ -207,7 +193,17 @@ def planned_graph(meta, spec: GraphSpec, group: TPGroup, device, dtype, options:
             plan = build_plan(meta, ctx, dtype, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
         return PlannedGraph(local_graph(ctx, spec), dict(ctx.gplan.params), plan, timings=ctx.timings)
 
-    return graph_cache.cached(graph_key(meta, spec, group, device, dtype, options, report), build)
+    planned = graph_cache.cached(graph_key(meta, spec, group, device, dtype, options, report), build)
+    return _with_experts_line(planned, meta, options.experts_why)
+
+
+def _with_experts_line(planned: PlannedGraph, meta, why: str) -> PlannedGraph:
+    """``planned`` whose report says how the experts are held and ``why`` (plan/expert_choice.py): said by this
+    call, not by the graph cache's copy (the same graph serves a choice asked for and one the planner made)."""
+    if planned.plan is None:
+        return planned
+    line = experts_line(planned.plan, why, expert_parameters(meta))
+    return dataclasses.replace(planned, plan=dataclasses.replace(planned.plan, experts=line))
 
 
 def training_spec(cp) -> GraphSpec:
@@ -290,6 +286,7 @@ class GraphFactory:
         self.usual_shapes = None  # the training graph's ShapeGuards
         self.trained: Optional[PlannedGraph] = None  # the training graph, planned once
         self.plain: Optional["GraphFactory"] = None
+        self.pending_experts: Optional[ExpertChoice] = None  # whole experts, settled at the training graph
 
     def __call__(self, spec: GraphSpec) -> LocalGraph:
         planned = None
@@ -340,9 +337,43 @@ class GraphFactory:
         """The training graph (and its ShardingPlan), which ``parallelize`` captures first."""
         # its capture also gives the graph without labels (capture/derive.py), for the first call without labels
         if self.trained is None:
-            self.trained = self._planned(training_spec(self.options.cp), report=True, derived=self.derived)
+            spec = training_spec(self.options.cp)
+            if self.pending_experts is not None:
+                self.trained = self._settle_experts(spec)
+            else:
+                self.trained = self._planned(spec, report=True, derived=self.derived)
             self.usual_shapes = self.trained.local.guards
         return self.trained
+
+    def _settle_experts(self, spec: GraphSpec) -> PlannedGraph:
+        """The planner's choice of whole experts (plan/expert_choice.py): the training graph planned with every
+        expert split inside and with whole experts, from one capture; whole experts kept where they plan and cost
+        no more collectives and bytes. Every later graph then follows the choice."""
+        pending, self.pending_experts = self.pending_experts, None
+        pristine = []
+
+        def one_capture():  # the first planning captures; each gets its own copy to rewrite
+            if not pristine:
+                pristine.append(capture_layers_once(self.meta, spec, capture) or capture(self.meta, spec))
+            return pristine[0].copy()
+
+        def plan(whole: bool, **planning) -> PlannedGraph:
+            options = dataclasses.replace(self.options, expert_parallel=whole, experts_why="").with_fixed(self.fixed)
+            return planned_graph(self.meta, spec, self.group, self.device, self.dtype, options, report=True,
+                                 captured=one_capture, **planning)
+
+        split = plan(False, derived=self.derived)
+        try:
+            whole = plan(True)
+        except ShardingError as err:  # experts' rows meet an op the expert rules do not follow
+            whole = err
+        choice = settle(pending, whole.plan if isinstance(whole, PlannedGraph) else whole, split.plan,
+                        expert_parameters(self.meta))
+        self.options = dataclasses.replace(self.options, expert_parallel=choice.whole, experts_why=choice.why)
+        chosen = _with_experts_line(whole if choice.whole else split, self.meta, choice.why)
+        for name, placement in chosen.params.items():
+            self.fixed.setdefault(name, placement)
+        return chosen
 
 
 def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
@@ -388,7 +419,7 @@ def _first_graph(source, factory: GraphFactory) -> tuple:
 
 def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, revision=None,
                cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
-               sequence_parallel: bool = False, expert_parallel: bool = False):
+               sequence_parallel: bool = False, expert_parallel: Optional[bool] = None):
     """Plan only: capture, solve and rewrite for ``tp`` ranks without processes or weights.
 
     Returns (ShardingPlan, LocalGraph of rank 0). Only the config is read.
@@ -398,17 +429,17 @@ def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, t
     dtype = resolve_dtype(dtype, torch_dtype, config=source.config)
     base = dataclasses.replace(source, adapter=None)
     meta = _meta_model(base, tp, dtype, trust_remote_code)
-    if expert_parallel:
-        check_expert_parallel(meta, tp, None)
-    options = PlanOptions(sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
-    _, planned = _first_graph(source, GraphFactory(base, meta, dtype, fake_group(tp), torch.device("cpu"), options,
-                                                   trust_remote_code))
+    experts = choose_experts(meta, tp, expert_parallel)
+    options = PlanOptions(sequence_parallel=sequence_parallel, expert_parallel=experts.whole, experts_why=experts.why)
+    factory = GraphFactory(base, meta, dtype, fake_group(tp), torch.device("cpu"), options, trust_remote_code)
+    factory.pending_experts = experts if experts.pending else None
+    _, planned = _first_graph(source, factory)
     return planned.plan, planned.local
 
 
 def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, device=None,
                 revision=None, cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
-                seed: int = 0, cp_group=None, sequence_parallel: bool = False, expert_parallel: bool = False,
+                seed: int = 0, cp_group=None, sequence_parallel: bool = False, expert_parallel: Optional[bool] = None,
                 skip_passes=(), plan=None, is_trainable: bool = False) -> ParallelCausalLM:
     """Make a Hugging Face causal LM tensor-parallel over ``tp_group``.
 
@@ -428,12 +459,15 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     ``sequence_parallel``: keep activations outside attention and MLP sharded along the
     sequence (same communication, less activation memory); the sequence length of every
     call must then divide by the tp size.
-    ``expert_parallel``: each rank holds whole experts of every mixture-of-experts layer (experts
+    ``expert_parallel``: True: each rank holds whole experts of every mixture-of-experts layer (experts
     [r*E/tp, (r+1)*E/tp) on rank r, the first ranks one more where tp does not divide E), reads only
     those, and computes them for every token routed to them; the block's one all-reduce sums them with
     the shared experts (``plan/rules/expert_rows.py``). With transformers' grouped_mm experts kernel (its
     default off CPU) a rank computes only its experts' rows; with batched_mm (on CPU) every rank computes
-    every routed row, the others' with a stand-in expert, then masked.
+    every routed row, the others' with a stand-in expert, then masked. False: every expert split inside like
+    a dense MLP. None (default): the planner chooses (``plan/expert_choice.py``: whole experts with grouped_mm
+    where they plan at no more collectives and bytes than split experts, split inside otherwise) and
+    ``model.plan.experts`` says which and why.
     ``skip_passes``: optional rewrite passes to leave out (``rewrite/passes.py``), e.g.
     ``("split_by_layer",)`` to run each graph as one piece (no per-layer FSDP units).
     ``plan``: a saved ShardingPlan (or the path of its JSON, from ``fxparallel plan --json`` or
@@ -459,9 +493,8 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     saved = read_plan(plan) if plan is not None else None
     base = dataclasses.replace(source, adapter=None)  # with an adapter: its base model is planned first
     meta = _meta_model(base, group.size, dtype, trust_remote_code)
-    if expert_parallel:
-        check_expert_parallel(meta, group.size, cp)
     fixed = _saved_placements(saved, source, meta, group.size, dtype, trust_remote_code) if saved is not None else None
+    experts = choose_experts(meta, group.size, expert_parallel, cp, saved_whole_experts(meta, fixed))
     # resolve (download) the checkpoint before the capture, so a bad checkpoint fails early
     files = None
     if source.checkpoint is not None:
@@ -470,8 +503,10 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
 
     t = time.perf_counter()
     options = PlanOptions(fixed=fixed or {}, cp=cp, sequence_parallel=sequence_parallel,
-                          expert_parallel=expert_parallel, skip_passes=skip_passes)
-    factory, planned = _first_graph(source, GraphFactory(base, meta, dtype, group, device, options, trust_remote_code))
+                          expert_parallel=experts.whole, experts_why=experts.why, skip_passes=skip_passes)
+    factory = GraphFactory(base, meta, dtype, group, device, options, trust_remote_code)
+    factory.pending_experts = experts if experts.pending else None
+    factory, planned = _first_graph(source, factory)
     sharding = planned.plan
     if saved is not None:
         check_applied(saved, sharding)

@@ -1,8 +1,9 @@
 """Command line: ``fxparallel plan MODEL --tp N`` prints the sharding plan without any process group.
 
 MODEL is a hub id (only its config is fetched), a local checkpoint directory, or a
-config.json path. ``--sp`` plans sequence parallelism on top, ``--ep`` whole experts per rank. Exit codes: 0 done, 1 the
-library refused the input (a one-line message on stderr, no traceback), 2 bad command line.
+config.json path. ``--sp`` plans sequence parallelism on top, ``--ep`` / ``--no-ep`` whole or split experts
+(default: the planner's choice). Exit codes: 0 done, 1 the library refused the input (a one-line message on
+stderr, no traceback), 2 bad command line.
 """
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp", type=_positive_int, required=True, help="tensor-parallel size")
     plan.add_argument("--sp", action="store_true", help="sequence parallelism: activations outside attention and "
                       "MLP sharded along the sequence (reduce-scatter / all-gather instead of all-reduce)")
-    plan.add_argument("--ep", action="store_true", help="expert parallelism: whole experts of each mixture-of-"
-                      "experts layer per rank instead of a slice of every expert")
+    plan.add_argument("--ep", action=argparse.BooleanOptionalAction, default=None,
+                      help="expert parallelism: whole experts of each mixture-of-experts layer per rank (--ep) or a "
+                      "slice of every expert (--no-ep); default: the planner's choice (whole experts with "
+                      "transformers' grouped_mm experts kernel, its default off CPU)")
     plan.add_argument("--dtype", choices=DTYPES, default=None, help="parameter dtype (default: the config's, else "
                       "float32)")
     plan.add_argument("--layers", type=_positive_int, default=None, metavar="K",

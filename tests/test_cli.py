@@ -124,6 +124,15 @@ def test_ep_prints_whole_experts_per_rank(tmp_path, capsys):
     expected, _ = fxparallel.plan_model(config_dir, 2, expert_parallel=True)
     assert out.strip() == str(expected).strip()
     assert "model.layers.*.mlp.experts.gate_up_proj" in out and "expert parallel: whole experts per rank" in out
+    assert "experts: whole experts per rank (expert_parallel=True)" in out
+    # without --ep the planner chooses (grouped_mm: the experts kernel of a plan without a device); --no-ep splits
+    assert main(["plan", config_dir, "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "experts: whole experts per rank (chosen: transformers' grouped_mm kernel" in out
+    assert main(["plan", config_dir, "--tp", "2", "--no-ep"]) == 0
+    out = capsys.readouterr().out
+    assert "experts: every expert split inside (like a dense MLP) (expert_parallel=False)" in out
+    assert "expert parallel: whole experts per rank" not in out
     few = str(tmp_path / "two-experts")
     any_tiny_config("mixtral", num_experts=2).save_pretrained(few)
     assert main(["plan", few, "--tp", "4", "--ep"]) == 1  # refused, one line

@@ -5,7 +5,8 @@ every adapter gradient against PeftModel; greedy ``generate`` with left padding 
 compiled, while CUDA graphs (``mode="reduce-overhead"``), which cannot record gloo's collectives, are refused
 before the prefill (measured: the capture failed inside the first compiled step);
 ``dcp.save(model.state_dict())`` loaded into another parallel model; and
-``save_pretrained``, which transformers loads to the same logits. Run on a lent GPU by
+``save_pretrained``, which transformers loads to the same logits; a mixture of experts with the grouped_mm kernel
+and the planner's choice of whole experts per rank. Run on a lent GPU by
 ``benchmarks/gpu_session.sh``; CI has no GPU (the same cases run on CPU over gloo in the rest of the suite)."""
 from __future__ import annotations
 
@@ -121,7 +122,23 @@ def _export(model, root, ids) -> dict:
         return {"logits": (loaded(input_ids=ids).logits - ours).abs().max().item()}
 
 
-def _cases(rank, world, path, other, adapter, root, modes=MODES):
+def _experts(moe, rank, world, device) -> dict:
+    """A mixture of experts with transformers' grouped_mm kernel (its default on CUDA), ``expert_parallel`` left
+    to the planner: whole experts per rank, against transformers on the same GPU."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import fxparallel
+    from checks import batch, compare
+
+    model = fxparallel.parallelize(moe, dist.group.WORLD, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(moe, dtype=torch.float32).to(device)
+    ids = batch(model.config.vocab_size, 2, 9).to(device)
+    return {"why": model.plan.experts, "grouped": all("grouped_mm" in g.code for g in model.graphs()),
+            **compare(model.train(), ref.train(), rank, world, ids)}
+
+
+def _cases(rank, world, path, other, adapter, root, moe, modes=MODES):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -138,16 +155,24 @@ def _cases(rank, world, path, other, adapter, root, modes=MODES):
     out["checkpoint"] = _attempt(lambda: _checkpoint(model, other, root, ids))
     out["export"] = _attempt(lambda: _export(model, root, ids))
     out["lora"] = _attempt(lambda: _lora(adapter, dist.group.WORLD, rank, world, ids, device))
+    out["experts"] = _attempt(lambda: _experts(moe, rank, world, device))
     return out
 
 
 def test_tp2_on_one_gpu_over_cuda_gloo(checkpoints, tmp_path):
+    import os
+    import sys
+
     import test_lora
     from models import save_checkpoint, tiny_config
 
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+    from tiny_configs import tiny_config as any_tiny_config  # (every model type)
+
     other = save_checkpoint(tiny_config("llama"), str(tmp_path / "other"), seed=1)
     adapter = test_lora._adapter(str(tmp_path / "lora"))
-    results = run_ranks(2, _cases, checkpoints["llama"], other, adapter, str(tmp_path), backend="cuda:gloo",
+    moe = save_checkpoint(any_tiny_config("qwen3_moe"), str(tmp_path / "moe"))
+    results = run_ranks(2, _cases, checkpoints["llama"], other, adapter, str(tmp_path), moe, backend="cuda:gloo",
                         timeout=420)
     for r in results:
         assert r["device"].startswith("cuda") and r["params_on_device"], r
@@ -166,3 +191,7 @@ def test_tp2_on_one_gpu_over_cuda_gloo(checkpoints, tmp_path):
         lora = r["lora"]
         assert isinstance(lora, dict) and lora["trained"] == lora["ref_trained"] > 0, lora
         assert lora["loss"] < 1e-5 and lora["grad"] < 1e-5, lora
+        experts = r["experts"]  # grouped_mm on CUDA: the planner takes whole experts per rank
+        assert isinstance(experts, dict) and experts["grouped"], experts
+        assert experts["why"].startswith("whole experts per rank (chosen: transformers' grouped_mm"), experts
+        assert experts["loss"] < 1e-5 and experts["logits"] < 1e-5 and experts["grad"] < 1e-5, experts

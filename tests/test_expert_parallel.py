@@ -39,7 +39,7 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
-def _run(rank, tp, paths, generate, export_root=None):
+def _run(rank, tp, paths, generate, export_root=None, expert_parallel=True):
     import warnings
 
     import torch
@@ -52,7 +52,7 @@ def _run(rank, tp, paths, generate, export_root=None):
 
     out = {}
     for name, path in paths.items():
-        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32, expert_parallel=True)
+        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32, expert_parallel=expert_parallel)
         ref = reference(path)
         ids = batch(model.config.vocab_size)
         errors = compare(model, ref, rank, tp, ids=ids, gather_logits=True)
@@ -73,6 +73,7 @@ def _run(rank, tp, paths, generate, export_root=None):
             "count": _experts(model.config),
             "layers": model.config.num_hidden_layers,
             "top_k": model.config.num_experts_per_tok,
+            "why": model.plan.experts,
         }
         if export_root is not None:  # save_pretrained gathers whole experts: transformers loads the same weights
             from transformers import AutoModelForCausalLM
@@ -95,11 +96,11 @@ def _run(rank, tp, paths, generate, export_root=None):
 
 def _grouped(rank, tp, paths, generate):
     """transformers' grouped_mm kernel (its default off CPU), run on CPU as tests/test_moe.py runs it: each rank
-    computes only its experts' rows."""
+    computes only its experts' rows. ``expert_parallel`` left to the planner, which picks whole experts."""
     import fxparallel.api as api
 
     api._for_device = lambda config, device: config
-    return _run(rank, tp, paths, generate)
+    return _run(rank, tp, paths, generate, expert_parallel=None)
 
 
 def _plain_plans(paths: dict, tp: int, kernel: str = "batched_mm") -> dict:
@@ -111,7 +112,7 @@ def _plain_plans(paths: dict, tp: int, kernel: str = "batched_mm") -> dict:
     for name, path in paths.items():
         config = AutoConfig.from_pretrained(path)
         config._experts_implementation = kernel  # (what parallelize picks on CPU: batched_mm)
-        plan, _ = fxparallel.plan_model(config, tp)
+        plan, _ = fxparallel.plan_model(config, tp, expert_parallel=False)
         out[name] = {d: sorted((c.kind, c.where, c.count, c.bytes_per_token) for c in plan.collectives
                                if c.direction == d) for d in ("forward", "backward")}
     return out
@@ -176,6 +177,8 @@ def test_expert_parallel_grouped_mm_computes_each_ranks_rows(checkpoints, tmp_pa
     for rank, rank_result in enumerate(results):
         for name in names:
             _assert_rank(name, tp, rank, rank_result[name], plain[name], "grouped_mm")
+            assert rank_result[name]["why"].startswith("whole experts per rank (chosen: transformers' grouped_mm"), \
+                rank_result[name]["why"]
 
 
 def test_expert_parallel_uneven_expert_count(checkpoints, tmp_path):
@@ -216,6 +219,86 @@ def test_expert_parallel_bad_input():
         fxparallel.plan_model(tiny_config("llama"), 2, expert_parallel=True)
     with pytest.raises(ShardingError, match="has 2 experts in a layer, fewer than the tp size 4"):
         fxparallel.plan_model(tiny_config("mixtral", num_experts=2), 4, expert_parallel=True)
+
+
+def _collectives(plan) -> dict:
+    return {d: (sum(c.count for c in plan.collectives if c.direction == d),
+                sum(c.count * c.bytes_per_token for c in plan.collectives if c.direction == d))
+            for d in ("forward", "backward")}
+
+
+def test_the_planner_chooses_whole_experts_with_grouped_mm_and_says_why(kind="qwen3_moe"):
+    """``expert_parallel`` left out: with transformers' grouped_mm kernel (its default off CPU, and what a plan
+    without a device gets) the planner takes whole experts per rank, the plan asked for with ``True``, at the
+    collectives and bytes of splitting every expert; with batched_mm (parallelize's kernel on CPU) it splits every
+    expert, the plan asked for with ``False``. The report says which and why; a dense model says nothing."""
+    import fxparallel
+    from fxparallel.plan.plan import ShardingPlan
+    from tiny_configs import tiny_config
+
+    experts = "model.layers.1.mlp.experts.gate_up_proj"
+    plans = {}
+    for kernel in ("grouped_mm", "batched_mm"):
+        config = tiny_config(kind)
+        config._experts_implementation = kernel
+        plans[kernel] = {ep: fxparallel.plan_model(config, 2, expert_parallel=ep)[0] for ep in (None, True, False)}
+    whole, split = plans["grouped_mm"][None], plans["batched_mm"][None]
+    count = _experts(tiny_config(kind))
+    assert str(whole.param(experts).placement) == "S(0)" and str(split.param(experts).placement) != "S(0)"
+    assert whole.experts.startswith("whole experts per rank (chosen: transformers' grouped_mm kernel runs each "
+                                    f"expert on its routed rows only, so {count // 2} whole experts"), whole.experts
+    split_cost = plans["grouped_mm"][False]  # the collectives of both plans, said in the reason
+    calls = sum(c.count for c in split_cost.collectives)
+    assert f"against {calls} collectives per step, {split_cost.bytes_per_token():.0f} bytes per token" in whole.experts
+    assert split.experts.startswith("every expert split inside (like a dense MLP) (chosen: transformers' "
+                                    "batched_mm experts kernel gathers"), split.experts
+    for kernel, chosen in (("grouped_mm", True), ("batched_mm", False)):
+        asked = plans[kernel][chosen]
+        assert [(p.name, p.placement) for p in plans[kernel][None].params] == [(p.name, p.placement) for p in asked.params]
+        assert asked.experts.endswith(f"(expert_parallel={chosen})"), asked.experts
+    assert _collectives(whole) == _collectives(plans["grouped_mm"][False]), (whole.collectives,)
+    assert f"\nexperts: {whole.experts}\n" in str(whole)
+    assert ShardingPlan.from_json(whole.to_json()).experts == whole.experts
+    dense, _ = fxparallel.plan_model(tiny_config("llama"), 2)
+    assert dense.experts == "" and "experts:" not in str(dense)
+
+
+def test_the_planner_splits_experts_it_cannot_place_whole():
+    """Fewer experts than ranks: split inside, said so (``expert_parallel=True`` refuses it); a model whose plan with
+    whole experts fails keeps them split; a saved plan decides by its own placements, and a contradicting
+    ``expert_parallel`` is refused naming both."""
+    import torch
+
+    from fxparallel.capture import build_meta_model
+    from fxparallel.errors import ShardingError
+    from fxparallel.plan.expert_choice import choose_experts, saved_whole_experts
+    from fxparallel.plan.placement import S
+    from tiny_configs import tiny_config
+
+    import fxparallel
+
+    plan, _ = fxparallel.plan_model(tiny_config("mixtral", num_experts=2), 4)
+    assert plan.experts.endswith("(chosen: a layer has 2 experts, fewer than the 4 ranks)"), plan.experts
+    assert all(str(p.placement) != "S(0)" for p in plan.params if ".experts." in p.name)
+    # Qwen3-Next with grouped_mm: its experts' rows meet an op the expert rules do not follow, so the plan with whole
+    # experts fails; the planner keeps the other plan and names the failure (``expert_parallel=True`` raises it).
+    # The line says the form that plan holds: gate / up split inside, the down projections whole on every rank
+    config = tiny_config("qwen3_next")
+    config._experts_implementation = "grouped_mm"
+    plan, _ = fxparallel.plan_model(config, 2)
+    down = "model.layers.0.mlp.experts.down_proj"
+    assert str(plan.param(down).placement) == "R"
+    assert plan.experts == f"the experts' weights partly split ({down} kept whole on every rank) (chosen: whole " \
+        "experts per rank cannot be planned for this model: expert rows of to_17 come from no expert gather or " \
+        "grouped product)", plan.experts
+    meta = build_meta_model(tiny_config("qwen3_moe"), dtype=torch.float32)
+    saved = {"model.layers.0.mlp.experts.gate_up_proj": S(0)}
+    assert saved_whole_experts(meta, saved) is True and saved_whole_experts(meta, {}) is None
+    assert saved_whole_experts(meta, {"model.layers.0.mlp.experts.gate_up_proj": S(1)}) is False
+    choice = choose_experts(meta, 2, None, saved_whole=True)
+    assert choice.whole and choice.why == "as the saved plan places them"
+    with pytest.raises(ShardingError, match=r"expert_parallel=False, but the saved plan \(plan=\) places the experts whole"):
+        choose_experts(meta, 2, False, saved_whole=True)
 
 
 def _sequence_parallel(rank, tp, paths):
@@ -273,15 +356,15 @@ def _numpy(values: dict) -> dict:
 
 def _data_parallel(rank, world, path, ckpt):
     """dp=2 x tp=2 with whole experts per rank and FSDP2 over dp: train, saving a checkpoint; then that
-    checkpoint loaded at tp=4 (one expert per rank) and at dp=2 x tp=2 with the experts split inside."""
+    checkpoint loaded at tp=4 (one expert per rank) and at dp=2 x tp=2 with the experts split inside (gate / up
+    stored as two parts there), whose checkpoint loads back with whole experts at dp=2 x tp=2 and at tp=4."""
     import warnings
 
     import torch
 
     warnings.filterwarnings("ignore")
     import fxparallel
-    from checks import full_values, raised
-    from fxparallel.errors import CheckpointError
+    from checks import full_values
     from fxparallel.runtime import (StepBatches, apply_data_parallel, init_mesh, load_checkpoint, save_checkpoint,
                                     train_step)
 
@@ -296,7 +379,7 @@ def _data_parallel(rank, world, path, ckpt):
     out = {"history": [], "experts": str(model.plan.param("model.layers.0.mlp.experts.gate_up_proj").placement)}
     for step in range(STEPS):
         if step == SAVE_AT:
-            saved = full_values(model, mesh)
+            saved, moments = full_values(model, mesh), _moments(model, opt, mesh)
             save_checkpoint(ckpt, model, opt, mesh, SAVE_AT)
         m = train_step(model, opt, data.batch(step), mesh, max_norm=MAX_NORM)
         out["history"].append((m.loss, m.grad_norm))
@@ -308,9 +391,32 @@ def _data_parallel(rank, world, path, ckpt):
     loaded = full_values(model, mesh)
     if rank == 0:
         out["loaded at tp=4"] = _numpy(loaded)
-    mesh, model, opt = setup(2, 2, False)  # gate / up split inside: stored as two segments, not one tensor
-    out["other form"] = raised(lambda: load_checkpoint(ckpt, model, opt, mesh), CheckpointError)
+    # the other form: gate / up split inside, stored as two parts (one tensor with whole experts), and back
+    mesh, model, opt = setup(2, 2, False)
+    load_checkpoint(ckpt, model, opt, mesh)
+    out["split form"] = _differences(model, opt, mesh, saved, moments)
+    save_checkpoint(ckpt + "-split", model, opt, mesh, SAVE_AT)
+    for tp, dp in ((2, 2), (4, 1)):
+        mesh, model, opt = setup(tp, dp, True)
+        load_checkpoint(ckpt + "-split", model, opt, mesh)
+        out[f"whole again at dp={dp} x tp={tp}"] = _differences(model, opt, mesh, saved, moments)
     return out
+
+
+def _moments(model, opt, mesh) -> dict:
+    from checks import full_values
+
+    return {k: full_values(model, mesh, of=lambda p: opt.state[p][k]) for k in ("exp_avg", "exp_avg_sq")}
+
+
+def _differences(model, opt, mesh, params, moments) -> dict:
+    """The largest difference of every parameter and Adam moment from those saved, and the expert weights' form."""
+    from checks import full_values, max_diff
+
+    found = {"params": max_diff(full_values(model, mesh), params)}
+    found.update({k: max_diff(v, moments[k]) for k, v in _moments(model, opt, mesh).items()})
+    found["experts"] = str(model.plan.param("model.layers.0.mlp.experts.gate_up_proj").placement)
+    return found
 
 
 def test_expert_parallel_with_fsdp_trains_like_one_process_and_checkpoints_load_at_other_layouts(
@@ -328,6 +434,8 @@ def test_expert_parallel_with_fsdp_trains_like_one_process_and_checkpoints_load_
     assert max_diff(ranks[0]["params"], ref["params"]) < 3e-5
     assert max_diff(ranks[0]["saved"], ref["saved_params"]) < 3e-5
     assert max_diff(ranks[0]["loaded at tp=4"], ranks[0]["saved"]) == 0  # one expert per rank now
-    for r in ranks:  # loading into experts split inside: refused on every rank, naming the tensor and the way out
-        assert "holds model.model.layers.0.mlp.experts.gate_up_proj in another form" in r["other form"], r["other form"]
-        assert "expert_parallel it was saved with" in r["other form"], r["other form"]
+    for r in ranks:  # across the two forms, both ways: every parameter and Adam moment bit-exact
+        assert r["split form"]["experts"].startswith("S(1)[") and r["split form"]["params"] == 0, r["split form"]
+        for key in ("split form", "whole again at dp=2 x tp=2", "whole again at dp=1 x tp=4"):
+            assert r[key]["params"] == r[key]["exp_avg"] == r[key]["exp_avg_sq"] == 0, (key, r[key])
+        assert r["whole again at dp=1 x tp=4"]["experts"] == "S(0)"

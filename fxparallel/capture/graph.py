@@ -1,6 +1,7 @@
 """What capture hands to the planner: one FX graph and how its inputs map back to the model."""
 from __future__ import annotations
 
+import dataclasses
 import operator
 import re
 from collections import Counter
@@ -32,6 +33,14 @@ class CapturedGraph:
 
     def shape_guards(self) -> "ShapeGuards":
         return ShapeGuards(tuple(self.guards), dict(self.symbol_sources), dict(self.static_sizes))
+
+    def copy(self) -> "CapturedGraph":
+        """A copy whose graph the rewrite passes can change while this one stays as captured (the nodes are
+        new, with the same names; their meta dicts are shallow copies), to plan one capture more than one way."""
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(self.gm.graph, {}))
+        return dataclasses.replace(self, gm=fx.GraphModule(self.gm, graph), guards=list(self.guards),
+                                   few_layers=self.few_layers.copy() if self.few_layers is not None else None)
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,16 @@ class PlanOptions:
     """``fixed``: parameter name -> Placement decided before the solve (a saved plan, or the first graph's
     placements for every later graph). ``cp``: the context-parallel group (a TPGroup) or None.
     ``sequence_parallel``: activations outside attention and MLP sharded along the sequence (not for
-    generation graphs). ``expert_parallel``: whole experts per rank (plan/rules/expert_rows.py).
+    generation graphs). ``expert_parallel``: whole experts per rank (plan/rules/expert_rows.py); ``experts_why``:
+    the report's line on how the experts are split and why (plan/expert_choice.py; not part of the graph cache's
+    key: the same graph whether chosen or asked for).
     ``skip_passes``: rewrite passes left out (rewrite/passes.py)."""
 
     fixed: dict = field(default_factory=dict)
     cp: Optional[object] = None
     sequence_parallel: bool = False
     expert_parallel: bool = False
+    experts_why: str = ""
     skip_passes: tuple = ()
 
     def __post_init__(self):

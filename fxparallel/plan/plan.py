@@ -116,6 +116,7 @@ class ShardingPlan:
     sequence_parallel: bool = False  # activations outside attention/MLP sharded along the sequence
     sequence_parallel_kept: list = field(default_factory=list)  # ["where: reason"] regions left plain TP
     uneven: dict = field(default_factory=dict)  # full size -> per-rank sizes of the uneven splits (ShardLayout)
+    experts: str = ""  # how a mixture of experts is split and why (plan/expert_choice.py); "" without experts
 
     # ---- queries -------------------------------------------------------------
     def param(self, name: str) -> ParamPlan:
@@ -162,6 +163,7 @@ class ShardingPlan:
             "sequence_parallel": self.sequence_parallel,
             "sequence_parallel_kept": list(self.sequence_parallel_kept),
             "uneven": {str(k): list(v) for k, v in sorted(self.uneven.items())},
+            "experts": self.experts,
         }
 
     @classmethod
@@ -179,6 +181,7 @@ class ShardingPlan:
             sequence_parallel=d.get("sequence_parallel", False),
             sequence_parallel_kept=list(d.get("sequence_parallel_kept", [])),
             uneven={int(k): tuple(v) for k, v in d.get("uneven", {}).items()},
+            experts=d.get("experts", ""),
         )
 
     def to_json(self) -> str:
@@ -218,6 +221,8 @@ class ShardingPlan:
         for r in rows:
             out.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         out.append("")
+        if self.experts:
+            out.append(f"experts: {self.experts}")
         out.append("collectives per step (bytes per token are the payload of one call):")
         for direction in ("forward", "backward"):
             calls = [c for c in self.collectives if c.direction == direction]

@@ -58,6 +58,7 @@ import torch.distributed as dist
 from ..errors import CheckpointError
 from .dtensor import global_view, segment_views, segments_of
 from .fsdp import reshard
+from .fused_forms import SEGMENT, in_saved_form, without_segment
 
 log = logging.getLogger("fxparallel")
 
@@ -65,7 +66,6 @@ META = "fxparallel.json"
 LATEST = "latest"
 FORMAT = "fxparallel-dcp/1"
 DCP_METADATA = ".metadata"
-SEGMENT = ".segment"  # a fused weight's part i is saved as "<name>.segment<i>" (dtensor.segment_views)
 TMP, ASIDE, TRASH = ".tmp-", ".old-", ".trash-"  # prefixes of a step directory's name
 STEP_NAME = re.compile(r"step_([0-9]{8,})")  # step_dir_name's names; nothing else is a checkpoint
 
@@ -707,20 +707,9 @@ def _check_metadata_digest(directory: str, meta: dict, trust_metadata: bool) -> 
                               "checkpoint from a copy you trust, or load another step")
 
 
-def _without_segment(key: str) -> str:
-    head, dot, tail = key.rpartition(SEGMENT)
-    return head if dot and tail.isdigit() else key
-
-
-def _fused_elsewhere(key: str, saved) -> bool:
-    """Is ``key`` a fused weight saved in the other form: whole where the model wants segments, or segments where
-    it wants it whole (a layout with whole experts per rank against one that splits their gate / up)?"""
-    whole = _without_segment(key)
-    return (whole != key and whole in saved) or (whole == key and f"{key}{SEGMENT}0" in saved)
-
-
 def _check_against_metadata(state: dict, directory: str) -> None:
-    """Clear errors for a damaged checkpoint or one of another model, before DCP reads any tensor."""
+    """Clear errors for a damaged checkpoint or one of another model, before DCP reads any tensor; fused weights
+    the checkpoint holds in the other form are put in its form in ``state`` (``fused_forms.py``)."""
     path = os.path.join(directory, DCP_METADATA)
     try:
         metadata = metadata_reader(directory).read_metadata()
@@ -745,14 +734,13 @@ def _check_against_metadata(state: dict, directory: str) -> None:
         if size < end:
             raise CheckpointError(f"{file} is truncated: {size} bytes, but {path} places tensor data up to byte "
                                   f"{end} in it. Restore {directory} from a complete copy, or load another step")
+    # a fused weight saved whole where the model holds its parts, or the other way (experts whole per rank against
+    # split inside): read in the checkpoint's form (fused_forms.py)
+    failed = in_saved_form(state, {key: md.size for key, md in saved.items() if hasattr(md, "size")})
+    if failed:
+        raise CheckpointError(f"checkpoint {directory} holds {without_segment(failed[0])} in parts that do not "
+                              "make up this model's tensor; it is of another model")
     missing = [k for k in state if k not in saved]
-    fused = [k for k in missing if _fused_elsewhere(k, saved)]
-    if fused:
-        raise CheckpointError(
-            f"checkpoint {directory} holds {_without_segment(fused[0])} in another form than this model's: one of "
-            "them splits its fused parts (gate / up) over the ranks, the other holds whole experts per rank "
-            "(expert_parallel=True). Load it with the expert_parallel it was saved with (any tp / dp sizes), or "
-            "go through export_pretrained")
     if missing:
         raise CheckpointError(f"checkpoint {directory} lacks {len(missing)} tensor(s) the model needs: "
                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
