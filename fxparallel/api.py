@@ -37,7 +37,7 @@ from .capture.generation_inputs import inputs_beyond_tokens
 from .capture.static_cache import keeps_states
 from . import graph_cache
 from .graph_cache import PlannedGraph, graph_key
-from .errors import GroupError, ShardingError
+from .errors import GroupError
 from .group import TPGroup, choose_device, fake_group, resolve_tp_group, shared_devices, uses_nccl
 from .load import (initialize, load_from_files, load_from_state_dict, resolve_checkpoint,
                    resolve_source)
@@ -365,8 +365,8 @@ class GraphFactory:
         split = plan(False, derived=self.derived)
         try:
             whole = plan(True)
-        except ShardingError as err:  # experts' rows meet an op the expert rules do not follow
-            whole = err
+        except Exception as err:  # noqa: BLE001 - e.g. experts' rows meet an op the expert rules do not follow:
+            whole = err  # the split plan (the default before) serves, and the report names the error
         choice = settle(pending, whole.plan if isinstance(whole, PlannedGraph) else whole, split.plan,
                         expert_parameters(self.meta))
         self.options = dataclasses.replace(self.options, expert_parallel=choice.whole, experts_why=choice.why)

@@ -254,7 +254,8 @@ def test_the_planner_chooses_whole_experts_with_grouped_mm_and_says_why(kind="qw
                                     "batched_mm experts kernel gathers"), split.experts
     for kernel, chosen in (("grouped_mm", True), ("batched_mm", False)):
         asked = plans[kernel][chosen]
-        assert [(p.name, p.placement) for p in plans[kernel][None].params] == [(p.name, p.placement) for p in asked.params]
+        placed = [[(p.name, p.placement) for p in plan.params] for plan in (plans[kernel][None], asked)]
+        assert placed[0] == placed[1], kernel
         assert asked.experts.endswith(f"(expert_parallel={chosen})"), asked.experts
     assert _collectives(whole) == _collectives(plans["grouped_mm"][False]), (whole.collectives,)
     assert f"\nexperts: {whole.experts}\n" in str(whole)
@@ -297,7 +298,8 @@ def test_the_planner_splits_experts_it_cannot_place_whole():
     assert saved_whole_experts(meta, {"model.layers.0.mlp.experts.gate_up_proj": S(1)}) is False
     choice = choose_experts(meta, 2, None, saved_whole=True)
     assert choice.whole and choice.why == "as the saved plan places them"
-    with pytest.raises(ShardingError, match=r"expert_parallel=False, but the saved plan \(plan=\) places the experts whole"):
+    with pytest.raises(ShardingError, match=r"expert_parallel=False, but the saved plan \(plan=\) places the "
+                                            "experts whole"):
         choose_experts(meta, 2, False, saved_whole=True)
 
 

@@ -58,7 +58,8 @@ def check_expert_parallel(meta, tp: int, cp) -> None:
     counts = set(expert_parameters(meta).values())
     if not counts:
         raise ShardingError(f"expert_parallel=True, but the {kind} model has no mixture-of-experts layer with "
-                            "stacked expert weights ([experts, ...] parameters, as transformers' experts modules hold them)")
+                            "stacked expert weights ([experts, ...] parameters, as transformers' experts modules "
+                            "hold them)")
     if min(counts) < tp:
         raise ShardingError(f"expert_parallel=True: the {kind} model has {min(counts)} experts in a layer, fewer "
                             f"than the tp size {tp}: a rank would hold none")
@@ -84,7 +85,8 @@ def saved_whole_experts(meta, fixed: Optional[dict]) -> Optional[bool]:
     return any(p.is_shard and p.dim == 0 for p in placed)
 
 
-def choose_experts(meta, tp: int, requested: Optional[bool], cp=None, saved_whole: Optional[bool] = None) -> ExpertChoice:
+def choose_experts(meta, tp: int, requested: Optional[bool], cp=None,
+                   saved_whole: Optional[bool] = None) -> ExpertChoice:
     """How the experts of ``meta`` (the meta model, its experts kernel chosen for the device) are split over
     ``tp`` ranks: ``requested`` True / False as the user asked (True checked here, before any capture), None
     for the planner's choice (``saved_whole``: what a saved plan's placements say, which then decide)."""
@@ -139,7 +141,8 @@ def settle(pending: ExpertChoice, whole, split, experts) -> ExpertChoice:
     ``experts``: the names of the stacked expert weights. Whole experts are kept where that plan places them whole
     and costs no more collectives, bytes per token and bytes per step."""
     if isinstance(whole, Exception):
-        return ExpertChoice(False, f"chosen: whole experts per rank cannot be planned for this model: {whole}")
+        error = str(whole) if isinstance(whole, ShardingError) else f"{type(whole).__name__}: {whole}"
+        return ExpertChoice(False, f"chosen: whole experts per rank cannot be planned for this model: {error}")
     other = next((n for n in sorted(experts) if not _whole(whole.param(n).placement)), None)
     if other is not None:
         return ExpertChoice(False, f"chosen: the plan with whole experts holds {other} as "
@@ -166,5 +169,6 @@ def experts_line(plan, why: str, experts) -> str:
     if not kept:
         form = WHOLE if all(_whole(p) for p in placements.values()) else SPLIT
     else:
-        form = KEPT if len(kept) == len(placements) else f"the experts' weights partly split ({kept[0]} {WHOLE_ON_EVERY_RANK})"
+        form = KEPT if len(kept) == len(placements) else \
+            f"the experts' weights partly split ({kept[0]} {WHOLE_ON_EVERY_RANK})"
     return f"{form} ({why})"
