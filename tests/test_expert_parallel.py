@@ -265,14 +265,14 @@ def test_the_planner_chooses_whole_experts_with_grouped_mm_and_says_why(kind="qw
 
 
 def test_the_planner_splits_experts_it_cannot_place_whole():
-    """Fewer experts than ranks: split inside, said so (``expert_parallel=True`` refuses it); a model whose plan with
-    whole experts fails keeps them split; a saved plan decides by its own placements, and a contradicting
-    ``expert_parallel`` is refused naming both."""
+    """Fewer experts than ranks: split inside, said so (``expert_parallel=True`` refuses it); a plan with whole
+    experts that costs more collectives, or fails, leaves the split plan; a saved plan decides by its own
+    placements, and a contradicting ``expert_parallel`` is refused naming both."""
     import torch
 
     from fxparallel.capture import build_meta_model
     from fxparallel.errors import ShardingError
-    from fxparallel.plan.expert_choice import choose_experts, saved_whole_experts
+    from fxparallel.plan.expert_choice import ExpertChoice, choose_experts, saved_whole_experts, settle
     from fxparallel.plan.placement import S
     from tiny_configs import tiny_config
 
@@ -281,17 +281,24 @@ def test_the_planner_splits_experts_it_cannot_place_whole():
     plan, _ = fxparallel.plan_model(tiny_config("mixtral", num_experts=2), 4)
     assert plan.experts.endswith("(chosen: a layer has 2 experts, fewer than the 4 ranks)"), plan.experts
     assert all(str(p.placement) != "S(0)" for p in plan.params if ".experts." in p.name)
-    # Qwen3-Next with grouped_mm: its experts' rows meet an op the expert rules do not follow, so the plan with whole
-    # experts fails; the planner keeps the other plan and names the failure (``expert_parallel=True`` raises it).
-    # The line says the form that plan holds: gate / up split inside, the down projections whole on every rank
+    # the tiny Qwen3-Next with grouped_mm: its split plan replicates the experts' down projections (under 1% of
+    # their layer here), so whole experts would cost two collectives more: the planner keeps the split plan, and
+    # the line says the form that plan holds and both costs
     config = tiny_config("qwen3_next")
     config._experts_implementation = "grouped_mm"
     plan, _ = fxparallel.plan_model(config, 2)
     down = "model.layers.0.mlp.experts.down_proj"
     assert str(plan.param(down).placement) == "R"
     assert plan.experts == f"the experts' weights partly split ({down} kept whole on every rank) (chosen: whole " \
-        "experts per rank cannot be planned for this model: expert rows of to_17 come from no expert gather or " \
-        "grouped product)", plan.experts
+        "experts per rank would cost 17 collectives per step, 2592 bytes per token + 704 per step against 15 " \
+        "collectives per step, 2576 bytes per token + 704 per step; expert_parallel=True forces them)", plan.experts
+    # a plan with whole experts that fails: the split plan serves, the report names the error
+    pending = ExpertChoice(True, "products", pending=True)
+    for error, said in ((ShardingError("expert rows of x come from no expert gather"), "expert rows of x come from "
+                         "no expert gather"), (KeyError("y"), "KeyError: 'y'")):
+        choice = settle(pending, error, plan, [down])
+        assert not choice.whole and choice.why == f"chosen: whole experts per rank cannot be planned for this " \
+            f"model: {said}", choice
     meta = build_meta_model(tiny_config("qwen3_moe"), dtype=torch.float32)
     saved = {"model.layers.0.mlp.experts.gate_up_proj": S(0)}
     assert saved_whole_experts(meta, saved) is True and saved_whole_experts(meta, {}) is None

@@ -136,7 +136,9 @@ class Solver:
         self.ctx = RuleContext(tp=tp, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ, layout=self.layout,
                                experts=frozenset(n for n, name in self.param_nodes.items() if name in experts))
         self.depthwise = depthwise_weights(self.param_nodes)
-        self.negligible = negligible_matrices(self.param_nodes, self.depthwise)
+        # whole experts per rank: every stacked expert weight holds its experts, however small (the expert rows
+        # rules need the whole block on the same experts)
+        self.negligible = negligible_matrices(self.param_nodes, self.depthwise) - self.ctx.experts
         self.best: Optional[GraphPlan] = None
         self.explored = 0
         self.steps = 0  # nodes walked, over all branches
