@@ -82,6 +82,12 @@ def _choose_device(group: TPGroup, device, cp=None) -> torch.device:
     return device
 
 
+def capture_model(meta_model, spec: GraphSpec):
+    """The graph of ``spec``; a deep model with alike layers captured with a few and repeated
+    (capture/repeat_layers.py)."""
+    return capture_layers_once(meta_model, spec, capture) or capture(meta_model, spec)
+
+
 def plan_graph(meta_model, spec: GraphSpec, group: TPGroup, device, options: PlanOptions = PlanOptions(),
                captured=None, derived=None) -> PassContext:
     """Capture ``spec`` (what the graph computes: capture/spec.py), solve and rewrite it with ``options``
@@ -92,9 +98,7 @@ def plan_graph(meta_model, spec: GraphSpec, group: TPGroup, device, options: Pla
     (``capture/derive.py``), by its spec, before the passes rewrite the capture."""
     t = time.perf_counter()
     if captured is None or callable(captured):  # (a callable: gives a capture shared with another plan's)
-        # a deep model with alike layers: captured with a few and repeated (capture/repeat_layers.py)
-        captured = captured() if captured is not None else (capture_layers_once(meta_model, spec, capture)
-                                                            or capture(meta_model, spec))
+        captured = captured() if captured is not None else capture_model(meta_model, spec)
         if derived is not None:
             without = without_labels(captured)
             if without is not None:
@@ -303,9 +307,14 @@ class GraphFactory:
                 planned = None
         return (planned or self._planned(spec)).local
 
-    def _planned(self, spec: GraphSpec, **planning) -> PlannedGraph:
+    def _planned(self, spec: GraphSpec, options: Optional[PlanOptions] = None, **planning) -> PlannedGraph:
+        """``spec`` planned with every placement planned so far; ``options``: a candidate's instead of the
+        factory's, whose placements are then not kept (``_keep``)."""
         planned = planned_graph(self.meta, spec, self.group, self.device, self.dtype,
-                                self.options.with_fixed(self.fixed), **planning)
+                                (options or self.options).with_fixed(self.fixed), **planning)
+        return planned if options is not None else self._keep(planned)
+
+    def _keep(self, planned: PlannedGraph) -> PlannedGraph:
         for name, placement in planned.params.items():  # the first plan's placement holds for every later graph
             self.fixed.setdefault(name, placement)
         return planned
@@ -354,13 +363,12 @@ class GraphFactory:
 
         def one_capture():  # the first planning captures; each gets its own copy to rewrite
             if not pristine:
-                pristine.append(capture_layers_once(self.meta, spec, capture) or capture(self.meta, spec))
+                pristine.append(capture_model(self.meta, spec))
             return pristine[0].copy()
 
         def plan(whole: bool, **planning) -> PlannedGraph:
-            options = dataclasses.replace(self.options, expert_parallel=whole, experts_why="").with_fixed(self.fixed)
-            return planned_graph(self.meta, spec, self.group, self.device, self.dtype, options, report=True,
-                                 captured=one_capture, **planning)
+            options = dataclasses.replace(self.options, expert_parallel=whole, experts_why="")
+            return self._planned(spec, options, report=True, captured=one_capture, **planning)
 
         split = plan(False, derived=self.derived)
         try:
@@ -370,10 +378,7 @@ class GraphFactory:
         choice = settle(pending, whole.plan if isinstance(whole, PlannedGraph) else whole, split.plan,
                         expert_parameters(self.meta))
         self.options = dataclasses.replace(self.options, expert_parallel=choice.whole, experts_why=choice.why)
-        chosen = _with_experts_line(whole if choice.whole else split, self.meta, choice.why)
-        for name, placement in chosen.params.items():
-            self.fixed.setdefault(name, placement)
-        return chosen
+        return self._keep(_with_experts_line(whole if choice.whole else split, self.meta, choice.why))
 
 
 def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import dcp_optimizer, fused_head
+from . import dcp_optimizer, fused_head, optimizer_checks
 from .data_parallel_guard import RefusesDistributedDataParallel
 from .dcp_state import describe_state_dict
 from .full_state_loading import shard_full_values
@@ -107,6 +107,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         # load_state_dict of complete tensors (transformers' state dict, Trainer's resume): this rank's shards
         self.register_load_state_dict_pre_hook(shard_full_values)
         dcp_optimizer.track(self)  # optimizer.state_dict() to DCP as well (dcp_optimizer.py)
+        optimizer_checks.watch(self)  # no whole-tensor optimizer or whole-shape state on the shards
         # eval mode, as transformers' from_pretrained: the model's dropout applies after model.train()
         # (every graph reads self.training per call: ops/dropout_kernels.py)
         self.eval()

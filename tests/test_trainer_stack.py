@@ -353,11 +353,14 @@ def _own_loop(rank, world, path):
     backward's gradients), is the global norm and the optimizer, re-pointed at the views when it steps, trains the
     model: norms and weights of the single-device loop. A list of the shards taken before (torch's clipping then
     never asks the model) is refused by ``clip_grad_norm_`` with every gradient unchanged, before the views exist and
-    after (when they hold the gradients and the list none); ``clip_grad_value_`` over it, exact on shards, runs."""
+    after (when they hold the gradients and the list none); ``clip_grad_value_`` over it, exact on shards, runs.
+    Adafactor (torch's and transformers'), whose update reads the whole tensor, and ZeroRedundancyOptimizer over the
+    tp ranks are refused over the shards at their first step, every weight unchanged."""
     import torch
     from transformers import AutoModelForCausalLM
 
     import fxparallel
+    from checks import raised
     from fxparallel.errors import ArgumentError
 
     model = fxparallel.parallelize(path, torch.distributed.group.WORLD, dtype=torch.float32)
@@ -394,13 +397,44 @@ def _own_loop(rank, world, path):
     weights = max((p.detach() - model.plan.param(n).shard_of(reference[n].detach(), rank, world)).abs().max().item()
                   for n, p in model.local_named_parameters())
     out["taken, views on"] = clip_taken()
+    # an optimizer whose update reads the whole tensor, over the shards, and ZeRO over the tp ranks (each rank's
+    # update broadcast over the others' shards): refused at the first step, nothing changed
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from transformers.optimization import Adafactor
+
+    fresh = fxparallel.parallelize(path, torch.distributed.group.WORLD, dtype=torch.float32)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    out["whole-tensor optimizers"] = []
+    for optimizer in (torch.optim.Adafactor(fresh.parameters()), Adafactor(fresh.parameters()),
+                      ZeroRedundancyOptimizer(fresh.parameters(), optimizer_class=torch.optim.AdamW)):
+        fresh(input_ids=rows, labels=rows).loss.backward()
+        out["whole-tensor optimizers"].append(raised(optimizer.step, ArgumentError))
+        fresh.zero_grad(set_to_none=True)
+    out["whole-tensor kept"] = all(torch.equal(a, p) for a, p in zip(before, fresh.parameters()))
     return {**out, "norms": norms, "weights": weights}
+
+
+def _single_device_state(path, directory, rows):
+    """One AdamW step of the Hugging Face model under accelerate in one process, then ``save_state(directory)``."""
+    import torch
+    from accelerate import Accelerator
+
+    from models import reference
+
+    accelerator = Accelerator(cpu=True)
+    model = reference(path)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    accelerator.backward(model(input_ids=rows, labels=rows).loss)
+    optimizer.step()
+    accelerator.save_state(directory)
 
 
 def _accelerate_checkpoints(rank, world, path, root):
     """accelerate writes a state dict from its main process alone: ``accelerator.save_model`` (through its
     ``get_state_dict``) writes the complete trained weights; ``accelerator.save_state``, whose optimizer file would
-    be the main process's moments alone, is refused before anything is written."""
+    be the main process's moments alone, is refused before anything is written. ``accelerator.load_state`` of a
+    single-device run's folder loads its weights into the shards, and its optimizer file (whole moments, paired with
+    the shards by position) is refused before the first step, nothing stepped."""
     import os
 
     import torch
@@ -454,6 +488,20 @@ def _accelerate_checkpoints(rank, world, path, root):
         o.zero_grad()
     out["dcp_resumed"] = max((p.detach() - q.detach()).abs().max().item()
                              for (_, p), (_, q) in zip(model.local_named_parameters(), fresh.local_named_parameters()))
+    # a single-device run's save_state, loaded at TP=2 (map_location: accelerate names the device "cpu:0" here)
+    _reset_accelerate()
+    _single_process(_single_device_state, path, f"{root}/single_state{rank}", rows)
+    foreign = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(tp_size=world))
+    foreign, optimizer = accelerator.prepare(foreign, torch.optim.AdamW(foreign.parameters(), lr=1e-3))
+    accelerator.load_state(f"{root}/single_state{rank}", map_location="cpu")
+    saved = load_file(f"{root}/single_state{rank}/model.safetensors")
+    out["foreign_weights"] = max((foreign.plan.param(n).shard_of(saved[n], rank, world) - p.detach()).abs().max().item()
+                                 for n, p in foreign.local_named_parameters())
+    accelerator.backward(foreign(input_ids=rows, labels=rows).loss)
+    out["foreign_step"] = raised(optimizer.step)
+    out["foreign_kept"] = max((foreign.plan.param(n).shard_of(saved[n], rank, world) - p.detach()).abs().max().item()
+                              for n, p in foreign.local_named_parameters())
     _reset_accelerate()
     return out
 
@@ -556,6 +604,13 @@ def _check_own_loop(r):
         assert "clip_grad_norm_ reached a tensor-parallel shard" in refused["error"] and \
             "through a list of parameters taken before" in refused["error"] and refused["kept"], (when, refused)
     assert 0 < r["own_loop"]["taken before"]["by value"] <= 2 ** -10, r["own_loop"]  # by value: element by element
+    adafactors, zero = r["own_loop"]["whole-tensor optimizers"][:2], r["own_loop"]["whole-tensor optimizers"][2]
+    for refused, name in zip(adafactors, ("torch.optim.Adafactor", "transformers.optimization.Adafactor")):
+        assert f"{name} over the parallel model's shards would compute its update from this rank's piece" in \
+            refused, refused
+    assert "ZeroRedundancyOptimizer over the parallel model: after each step it broadcasts" in zero and \
+        "one rank's shards would overwrite the others'" in zero, zero
+    assert r["own_loop"]["whole-tensor kept"], r["own_loop"]
 
 
 def test_trainer_stack(checkpoints, tmp_path):
@@ -579,6 +634,9 @@ def test_trainer_stack(checkpoints, tmp_path):
         assert "accelerator.save_state() cannot checkpoint the parallel model" in ckpt["save_state"] and \
             "dcp.save(" in ckpt["save_state"] and ckpt["state_files"] == [], ckpt
         assert ckpt["dcp_resumed"] == 0.0, ckpt  # the same step from the same weights and moments
+        assert ckpt["foreign_weights"] == 0.0 and ckpt["foreign_kept"] == 0.0, ckpt
+        assert "ArgumentError: optimizer state 'exp_avg' of the parallel model's parameter" in ckpt["foreign_step"] \
+            and "a state saved by a run of another layout" in ckpt["foreign_step"], ckpt["foreign_step"]
         pipe = r["pipeline"]
         assert pipe["texts"][0] == pipe["texts"][1] and pipe["stopped"][0] == pipe["stopped"][1], pipe
         assert len(pipe["stopped"][1]) < len(pipe["texts"][1]) and pipe["stop"] in pipe["stopped"][1], pipe
