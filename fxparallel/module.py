@@ -130,7 +130,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
     def _add_shard(self, p) -> None:
         """Register this rank's shard of the planned parameter ``p`` (a ParamPlan) under each of its names."""
         group = self.tp_group
-        kind = ShardParameter if group.size > 1 else nn.Parameter  # a shard refuses torch's norm clipping of it
+        kind = ShardParameter if group.size > 1 else nn.Parameter  # refuses per-rank clipping and inf checks
         param = kind(torch.empty(p.local_shape(group.size, group.rank), device=self.device_, dtype=self.dtype_))
         param._fxparallel = p  # type: ignore[attr-defined]
         for name in p.names:

@@ -1,12 +1,20 @@
 """This rank's shard of a parameter of a model split over tp > 1 ranks, as the module registers it.
 
-Its gradient is this rank's piece. torch's ``clip_grad_norm_(model.parameters(), ...)`` is exact (the model answers
-DTensor views there: ``dtensor_parameters.py``), but a list of the shards taken before (``params =
-list(model.parameters())`` ahead of the loop) reaches torch's clipping without the model seeing it: each rank would
-clip by its own norm, silently, and replicated weights drift apart (or, once the views hold the gradients, the list
-has none and nothing is clipped). So reading a shard's ``.grad`` from within torch's ``clip_grad_norm_`` raises,
-before any gradient is scaled. Clipping by value (``clip_grad_value_``) is element by element: exact on shards, let
-through."""
+Its gradient is this rank's piece. Two of torch's readers of ``.grad`` would treat it as the whole gradient and act
+on each rank alone, silently, when they reach the shards without the model seeing it:
+
+- ``clip_grad_norm_`` over a list of the shards taken before (``params = list(model.parameters())`` ahead of the
+  loop): each rank would clip by its own norm, and replicated weights drift apart (or, once the views hold the
+  gradients, the list has none and nothing is clipped). ``clip_grad_norm_(model.parameters(), ...)`` is exact (the
+  model answers DTensor views there: ``dtensor_parameters.py``); clipping by value is element by element: exact on
+  shards, let through.
+- ``torch.amp.GradScaler``'s unscaling over an optimizer of the shards: each rank would look for inf / NaN in its
+  own pieces only, so an overflow in one rank's piece skips the step there and not elsewhere (measured at TP=2:
+  the ranks' replicated weights 0.01 apart and their scales 1 and 2 after one step), or, once the views hold the
+  gradients, finds none to unscale while the step then takes the views' scaled ones. ``ShardedGradScaler`` (its
+  found_inf summed over a process group) and a GradScaler over the DTensor views (DTensor sums it) are exact.
+
+So reading a shard's ``.grad`` from within either raises, before any gradient is changed."""
 from __future__ import annotations
 
 import sys
@@ -16,34 +24,46 @@ from torch import nn
 
 from .errors import ArgumentError
 
-_CLIPPING_MODULE = "torch.nn.utils.clip_grad"
-_BY_NORM = frozenset({"clip_grad_norm_", "clip_grad_norm"})
 _GRAD = torch.Tensor.grad  # the tensor's own attribute (a getset descriptor)
+# (module, functions) of the readers refused, and what to do instead
+_REFUSED = {
+    ("torch.nn.utils.clip_grad", frozenset({"clip_grad_norm_", "clip_grad_norm"})): (
+        "torch.nn.utils.clip_grad_norm_ reached a tensor-parallel shard ({name}, shape {shape}) through a list of "
+        "parameters taken before: each rank would clip by its own norm. Pass model.parameters() at the call (the "
+        "model then answers DTensor views, whose norm is the whole model's), take the list after reading "
+        "model.tp_size, or clip with fxparallel.runtime.clip_grad_norm_(model, max_norm, mesh); no gradient was "
+        "changed"),
+    ("torch.amp.grad_scaler", frozenset({"_unscale_grads_"})): (
+        "torch.amp.GradScaler reached a tensor-parallel shard ({name}, shape {shape}) through its optimizer: each "
+        "rank would look for inf / NaN in its own shards only, and an overflow in one rank's piece would skip the "
+        "step there alone. Use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (it sums found_inf "
+        "over its process group, the world by default), or build the optimizer on model.parameters() after "
+        "reading model.tp_size (DTensor views: DTensor sums it); no gradient was changed"),
+}
 
 
-def _read_by_norm_clipping() -> bool:
-    """Whether the ``.grad`` being read is read by torch's ``clip_grad_norm_`` (its comprehension, a frame of its own
-    before Python 3.12, or itself)."""
+def _refused_reader():
+    """The message for the reader of the ``.grad`` being read, if it is one of ``_REFUSED`` (looked for past the
+    property and any comprehension, a frame of its own before Python 3.12), else None."""
     frame = sys._getframe(2)  # the reader: past the property
     while frame is not None and frame.f_code.co_name.startswith("<"):  # <listcomp>, <genexpr>
         frame = frame.f_back
-    return frame is not None and frame.f_code.co_name in _BY_NORM \
-        and frame.f_globals.get("__name__") == _CLIPPING_MODULE
+    if frame is None:
+        return None
+    module, function = frame.f_globals.get("__name__"), frame.f_code.co_name
+    return next((message for (where, names), message in _REFUSED.items() if module == where and function in names),
+                None)
 
 
 class ShardParameter(nn.Parameter):
-    """An ``nn.Parameter`` whose ``.grad`` refuses torch's ``clip_grad_norm_`` (module docstring)."""
+    """An ``nn.Parameter`` whose ``.grad`` refuses torch's ``clip_grad_norm_`` and GradScaler (module docstring)."""
 
     @property
     def grad(self):
-        if not torch.compiler.is_compiling() and _read_by_norm_clipping():
-            raise ArgumentError(
-                f"torch.nn.utils.clip_grad_norm_ reached a tensor-parallel shard "
-                f"({getattr(getattr(self, '_fxparallel', None), 'name', 'a parameter')}, shape {tuple(self.shape)}) "
-                "through a list of parameters taken before: each rank would clip by its own norm. Pass "
-                "model.parameters() at the call (the model then answers DTensor views, whose norm is the whole "
-                "model's), take the list after reading model.tp_size, or clip with "
-                "fxparallel.runtime.clip_grad_norm_(model, max_norm, mesh); no gradient was changed")
+        message = None if torch.compiler.is_compiling() else _refused_reader()
+        if message is not None:
+            name = getattr(getattr(self, "_fxparallel", None), "name", "a parameter")
+            raise ArgumentError(message.format(name=name, shape=tuple(self.shape)))
         return _GRAD.__get__(self)
 
     @grad.setter

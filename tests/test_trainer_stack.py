@@ -355,7 +355,9 @@ def _own_loop(rank, world, path):
     never asks the model) is refused by ``clip_grad_norm_`` with every gradient unchanged, before the views exist and
     after (when they hold the gradients and the list none); ``clip_grad_value_`` over it, exact on shards, runs.
     Adafactor (torch's and transformers'), whose update reads the whole tensor, and ZeroRedundancyOptimizer over the
-    tp ranks are refused over the shards at their first step, every weight unchanged."""
+    tp ranks are refused over the shards at their first step, every weight unchanged; so is GradScaler, whose inf
+    check would be each rank's own, while ShardedGradScaler skips the step on every rank when one rank's piece
+    overflows."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -411,6 +413,26 @@ def _own_loop(rank, world, path):
         out["whole-tensor optimizers"].append(raised(optimizer.step, ArgumentError))
         fresh.zero_grad(set_to_none=True)
     out["whole-tensor kept"] = all(torch.equal(a, p) for a, p in zip(before, fresh.parameters()))
+    # loss scaling: GradScaler's inf check over the shards is each rank's own (refused, every gradient kept);
+    # ShardedGradScaler's is the group's: an overflow in rank 0's piece alone skips the step on both ranks
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    scaled = {}
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=2.0), ShardedGradScaler("cpu", init_scale=2.0)):
+        scaler.scale(fresh(input_ids=rows, labels=rows).loss).backward()
+        if rank == 0:
+            dict(fresh.local_named_parameters())["model.layers.0.self_attn.q_proj.weight"].grad[0, 0] = float("inf")
+        grads = [p.grad.clone() for p in fresh.parameters()]
+        scaled[type(scaler).__name__] = raised(lambda: scaler.step(optimizer), ArgumentError)
+        if isinstance(scaler, ShardedGradScaler):
+            scaler.update()
+            scaled["scale"] = scaler.get_scale()
+        else:
+            scaled["kept"] = all(torch.equal(g, p.grad) for g, p in zip(grads, fresh.parameters()))
+        fresh.zero_grad(set_to_none=True)
+    scaled["weights kept"] = all(torch.equal(a, p) for a, p in zip(before, fresh.parameters()))
+    out["loss scaling"] = scaled
     return {**out, "norms": norms, "weights": weights}
 
 
@@ -611,6 +633,10 @@ def _check_own_loop(r):
     assert "ZeroRedundancyOptimizer over the parallel model: after each step it broadcasts" in zero and \
         "one rank's shards would overwrite the others'" in zero, zero
     assert r["own_loop"]["whole-tensor kept"], r["own_loop"]
+    scaled = r["own_loop"]["loss scaling"]
+    assert "torch.amp.GradScaler reached a tensor-parallel shard" in scaled["GradScaler"] and \
+        "ShardedGradScaler" in scaled["GradScaler"] and scaled["kept"], scaled
+    assert scaled["ShardedGradScaler"] == "no error" and scaled["scale"] == 1.0 and scaled["weights kept"], scaled
 
 
 def test_trainer_stack(checkpoints, tmp_path):
