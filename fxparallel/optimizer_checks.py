@@ -16,7 +16,8 @@ cases:
 
 A process-wide step pre-hook (torch's ``register_optimizer_step_pre_hook``) looks at each optimizer once, at its
 first step, and at every later ``load_state_dict`` (a hook on the optimizer itself). Parameters stepped as DTensors
-(Trainer's and accelerate's views, FSDP) are DTensor's business: only their state must be DTensors too."""
+(Trainer's and accelerate's views, FSDP) are DTensor's business (it computes over the whole tensor, or stops with
+its own error: torch's and transformers' Adafactor do): only their state must be DTensors too."""
 from __future__ import annotations
 
 import sys
@@ -118,8 +119,7 @@ def check_optimizer(optimizer, known: dict) -> None:
                     f"{cls.__module__}.{cls.__name__} over the parallel model's shards would compute its update "
                     f"from this rank's piece of each parameter ({name}: {list(param.shape)} of {list(whole)}), "
                     "not from the whole tensor as on one device. Use an element-wise optimizer (SGD, Adam, AdamW, "
-                    "...), or step it over the DTensor views of the parameters "
-                    "(fxparallel.dtensor_parameters.use_dtensor_parameters(model), as Trainer and accelerate do)")
+                    "Adagrad, ...) at tp > 1")
             for key, value in optimizer.state.get(param, {}).items():
                 if not torch.is_tensor(value) or value.dim() == 0 or isinstance(value, DTensor):
                     continue
