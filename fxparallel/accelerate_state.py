@@ -16,6 +16,7 @@ into every rank (tried at TP=2: rank 1's ``q_proj`` took rank 0's shard, silentl
 from __future__ import annotations
 
 from .callers import functions_on_stack
+from .dcp_full_state import complete_state_dict
 from .errors import CheckpointError
 
 SAVE_STATE_REFUSAL = (
@@ -43,12 +44,5 @@ def complete_for_accelerate(model, state_dict: dict, prefix: str, planned) -> bo
         return False
     if caller == "save_state":
         raise CheckpointError(SAVE_STATE_REFUSAL)
-    from .runtime.export import gather_full_state_dict
-
-    full = gather_full_state_dict(model)
-    whole = {k: v for k, v in state_dict.items() if k[len(prefix):] not in planned}  # buffers: whole on every rank
-    state_dict.clear()
-    if full:
-        state_dict.update(whole)
-        state_dict.update({prefix + name: tensor for name, tensor in full.items()})
+    complete_state_dict(model, state_dict, prefix, planned, to_rank0_only=True)
     return True

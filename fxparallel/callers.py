@@ -17,3 +17,15 @@ def functions_on_stack(module: str, limit: Optional[int] = None) -> list:
             names.append(frame.f_code.co_name)
         frame, limit = frame.f_back, None if limit is None else limit - 1
     return names
+
+
+def frame_local(module: str, function: str, name: str):
+    """The local ``name`` of the innermost running call of ``module``'s ``function`` on the caller's stack, or None
+    (where a library's call carries what it asks for in its own frame only: the options of torch's state-dict
+    helpers)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
+            return frame.f_locals.get(name)
+        frame = frame.f_back
+    return None

@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from .dcp_full_state import full_state_dict_given, full_state_dict_requested
 from .dcp_state import describe
 
 _MODELS: "weakref.WeakSet" = weakref.WeakSet()
@@ -32,16 +33,15 @@ def track(model) -> None:
 
 
 def _shards() -> dict:
-    """{id(plain shard): (its ParamPlan, rank, tp)} of every parallel model alive at tp > 1."""
+    """{id(plain shard): (its ParamPlan, its model's TPGroup)} of every parallel model alive at tp > 1."""
     out = {}
     for model in list(_MODELS):
-        tp, rank = model.tp_group.size, model.tp_group.rank
-        if tp == 1:
+        if model.tp_group.size == 1:
             continue
         for name, param in model.local_named_parameters():
             plan = model.plan.param(name)
             if plan.placement.is_shard and not hasattr(param, "device_mesh"):  # DTensors describe themselves
-                out[id(param)] = (plan, rank, tp)
+                out[id(param)] = (plan, model.tp_group)
     return out
 
 
@@ -56,6 +56,11 @@ def _adopt(optimizer, _args, _kwargs) -> None:
 
 
 def _describe_state(optimizer, state_dict: dict) -> dict:
+    """Each shard's state described for DCP, or, for torch's ``get_optimizer_state_dict(full_state_dict=True)``,
+    complete (gathered over the tp group: ``dcp_full_state.py``)."""
+    from .runtime.dtensor import full_tensor
+
+    complete = full_state_dict_requested("optim")
     shards = _shards()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     indices = [i for group in state_dict["param_groups"] for i in group["params"]]
@@ -63,18 +68,36 @@ def _describe_state(optimizer, state_dict: dict) -> dict:
         entry = state_dict["state"].get(index)
         if id(param) not in shards or entry is None:
             continue
-        plan, rank, tp = shards[id(param)]
+        plan, group = shards[id(param)]
+        entry = state_dict["state"][index] = dict(entry)  # torch hands out the live state's own dict
         for key, value in entry.items():
             if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0:
-                entry[key] = value.detach()  # a new tensor on the same storage: the live state stays plain
-                describe(entry[key], plan, rank, tp)
+                if complete:
+                    entry[key] = full_tensor(value, plan, group)
+                else:
+                    entry[key] = value.detach()  # a new tensor on the same storage: the live state stays plain
+                    describe(entry[key], plan, group.rank, group.size)
     return state_dict
 
 
 def _plain_state(optimizer, state_dict: dict) -> dict:
-    """What ``load_state_dict`` keeps must not answer DCP's ``size()`` (the full tensor's)."""
+    """What ``load_state_dict`` keeps must not answer DCP's ``size()`` (the full tensor's); within torch's
+    ``set_optimizer_state_dict(full_state_dict=True)``, which pairs the complete states with the parameters by
+    name, each shard's states are cut from them (``dcp_full_state.py``)."""
     for entry in state_dict["state"].values():
         for key, value in entry.items():
             if isinstance(value, torch.Tensor) and "__create_write_items__" in vars(value):
                 entry[key] = value.detach()
+    if full_state_dict_given("optim"):
+        shards = _shards()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        indices = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for index, param in zip(indices, params):
+            entry = state_dict["state"].get(index)
+            if id(param) not in shards or entry is None:
+                continue
+            plan, group = shards[id(param)]
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(plan.shape) != tuple(param.shape):
+                    entry[key] = plan.shard_of(value, group.rank, group.size)
     return state_dict

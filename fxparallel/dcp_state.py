@@ -15,12 +15,14 @@ value as the plain shard it is. ``dcp_optimizer.py`` does the same for a torch o
 Under FSDP (``runtime.apply_data_parallel``) a value is a DTensor over the data-parallel ranks of
 this rank's tensor-parallel shard, which DCP cannot combine with the tensor-parallel pieces: DCP
 is refused there, naming ``runtime.save_checkpoint`` / ``load_checkpoint``. accelerate's calls, which write one
-process's state dict for the whole model, take complete tensors or are refused (``accelerate_state.py``)."""
+process's state dict for the whole model, take complete tensors or are refused (``accelerate_state.py``), and so do
+torch's state-dict helpers asked for the full state dict (``dcp_full_state.py``)."""
 from __future__ import annotations
 
 import torch
 
 from .accelerate_state import complete_for_accelerate
+from .dcp_full_state import complete_state_dict, full_state_dict_requested
 from .errors import CheckpointError
 
 
@@ -91,6 +93,9 @@ def describe_state_dict(model, state_dict: dict, prefix: str, _local_metadata) -
         return
     by_name = {n: p for p in model.plan.params for n in p.names}
     if complete_for_accelerate(model, state_dict, prefix, by_name):  # accelerate's calls: accelerate_state.py
+        return
+    if full_state_dict_requested("model"):  # torch's get_model_state_dict(full_state_dict=True): dcp_full_state.py
+        complete_state_dict(model, state_dict, prefix, by_name, to_rank0_only=False)
         return
     from torch.distributed.tensor import DTensor
 

@@ -1,7 +1,8 @@
 """torch.distributed.checkpoint fed `model.state_dict()`, as users write by habit: the shards are saved as
 full-shape tensors (each rank its pieces, fused weights included) that load exactly into a model parallelized
 at another tp size (uneven heads at TP=3) and into a transformers model on one process; under FSDP it is refused
-naming runtime.save_checkpoint. `optimizer.state_dict()` of a torch optimizer over the shards likewise."""
+naming runtime.save_checkpoint. `optimizer.state_dict()` of a torch optimizer over the shards likewise. torch's
+state-dict helpers (``get_state_dict`` / ``set_state_dict``), full and sharded."""
 from __future__ import annotations
 
 import io
@@ -180,3 +181,77 @@ def test_dcp_of_optimizer_state_dict_reloads_exactly_at_any_layout(checkpoints, 
                 assert torch.equal(torch.from_numpy(value), expected), (rank, name, key)
                 sharded += plan.param(name).placement.is_shard
     assert sharded > 20  # the sharded weights' moments, not only replicated ones
+
+
+def _state_dict_helpers(rank, world, path, out):
+    """torch's state-dict helpers (``torch.distributed.checkpoint.state_dict``) on the parallel model and a torch
+    optimizer over its shards, after one SGD step with momentum beside the same step on one device."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, get_state_dict, set_state_dict)
+
+    import fxparallel
+    from models import reference
+
+    def trained():
+        model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+        return model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+    def step(model, optimizer):
+        model(input_ids=_ids(), labels=_ids()).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def apart(a, b):  # the largest difference between two parallel models' shards
+        return max((p.detach() - q.detach()).abs().max().item()
+                   for (_, p), (_, q) in zip(a.local_named_parameters(), b.local_named_parameters()))
+
+    model, optimizer = trained()
+    single = reference(path)
+    single_optimizer = torch.optim.SGD(single.parameters(), lr=0.5, momentum=0.9)
+    step(model, optimizer)
+    step(single, single_optimizer)
+    full = StateDictOptions(full_state_dict=True)
+    model_state, optim_state = get_state_dict(model, optimizer, options=full)
+    ref_model, ref_optim = get_model_state_dict(single, options=full), get_optimizer_state_dict(single, single_optimizer,
+                                                                                               options=full)
+    result = {"keys": (sorted(model_state) == sorted(ref_model), sorted(optim_state["state"]) == sorted(ref_optim["state"])),
+              "weights": max((model_state[k] - v).abs().max().item() for k, v in ref_model.items()),
+              "momentum": max((optim_state["state"][k]["momentum_buffer"] - v["momentum_buffer"]).abs().max().item()
+                              for k, v in ref_optim["state"].items())}
+    offloaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    result["offloaded"] = sorted({tuple(v.shape) == tuple(ref_model[k].shape) for k, v in offloaded.items()})
+    # loaded back: the complete tensors (a copy, as from a file); the sharded form through DCP
+    fresh, fresh_optimizer = trained()
+    set_state_dict(fresh, fresh_optimizer, model_state_dict=copy.deepcopy(model_state),
+                   optim_state_dict=copy.deepcopy(optim_state), options=full)
+    copies = {"full": (fresh, fresh_optimizer)}
+    sharded = get_state_dict(model, optimizer)
+    dcp.save({"model": sharded[0], "optim": sharded[1]}, checkpoint_id=out)
+    fresh, fresh_optimizer = trained()
+    state = dict(zip(("model", "optim"), get_state_dict(fresh, fresh_optimizer)))
+    dcp.load(state, checkpoint_id=out)
+    set_state_dict(fresh, fresh_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    copies["sharded, through DCP"] = (fresh, fresh_optimizer)
+    step(model, optimizer)
+    for how, (fresh, fresh_optimizer) in copies.items():
+        step(fresh, fresh_optimizer)  # the momentum matters: the step equals the original's only with it
+        result[how] = apart(model, fresh)
+    return result
+
+
+def test_torch_state_dict_helpers_give_complete_tensors_and_load_them(checkpoints, tmp_path):
+    """``get_model_state_dict`` / ``get_optimizer_state_dict`` with ``full_state_dict=True`` gather DTensors only:
+    over the shards they gave each rank's pieces under the full names (q_proj [32, 64] of [64, 64]). Now the
+    complete weights and momenta of the single-device run (rank 0 alone with ``cpu_offload``), which
+    ``set_state_dict(full_state_dict=True)`` loads back as the sharded form saved through DCP does: the next step
+    equal to the original's."""
+    results = run_ranks(2, _state_dict_helpers, checkpoints["llama"], str(tmp_path / "helpers"))
+    for r in results:
+        assert r["keys"] == (True, True) and r["weights"] < 1e-5 and r["momentum"] < 1e-5, r
+        assert r["full"] == 0.0 and r["sharded, through DCP"] == 0.0, r
+    assert [r["offloaded"] for r in results] == [[True], []]  # every tensor complete, on rank 0 alone
