@@ -17,9 +17,17 @@ import torch
 from .capture.adapters import check_lora_config, is_adapter_parameter, without_adapter_name
 from .dtensor_parameters import dtensor_views, follow_requires_grad
 from .errors import ArgumentError
+from .callers import functions_on_stack
 from .hf_methods import called_from_peft
 from .load.adapter_files import AdapterSource, read_adapter
 from .load.adapter_weights import load_adapter_weights, set_trainable
+
+
+PEFT_STATE_DICT = (
+    "peft.get_peft_model_state_dict / set_peft_model_state_dict cannot take the parallel model's adapter: its "
+    "state_dict() holds this rank's shards of the adapter's matrices. Use model.get_adapter_state_dict() (the "
+    "complete matrices under PEFT's names; every tp rank calls it), model.save_pretrained(dir) (adapter_config.json "
+    "and adapter_model.safetensors), or model.load_adapter(dir)")
 
 
 class AdapterMethods:
@@ -52,6 +60,8 @@ class AdapterMethods:
         new dict per read, from the graphs' source. Absent to PEFT's tuner too, which would add its config to it in
         place before failing to wrap the parallel model (``hf_methods.called_from_peft``)."""
         attached = self._all_adapters()
+        if attached and functions_on_stack("peft.utils.save_and_load"):
+            raise ArgumentError(PEFT_STATE_DICT)
         if not attached or called_from_peft():
             raise AttributeError("peft_config: no adapter is attached" if not attached else "peft_config")
         return {a.name: a.config for a in attached}

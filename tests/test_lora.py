@@ -375,7 +375,8 @@ def _names_against_peft(model, adapter, ids) -> dict:
     device, computed with PEFT (transformers 5.24's own methods ask for peft >= 0.22, which the package index does
     not have yet): the adapter state dict (``get_peft_model_state_dict``, names as on a transformers model), logits
     disabled (``disable_adapter()``) and enabled again, which parameters ``set_adapter`` makes trainable; PEFT's
-    ``get_peft_model`` on the parallel model refused, naming the way."""
+    ``get_peft_model`` on the parallel model refused, naming the way, and PEFT's ``get_peft_model_state_dict`` (which
+    would take the shards) refused naming ``get_adapter_state_dict``."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
     from checks import raised
@@ -404,6 +405,7 @@ def _names_against_peft(model, adapter, ids) -> dict:
     config = model.peft_config["default"]
     out["get_peft_model"] = raised(lambda: get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"])))
     out["peft_config kept"] = model.peft_config == {"default": config}  # PEFT's tuner adds to it before failing
+    out["peft state dict"] = raised(lambda: get_peft_model_state_dict(model))  # it would take the shards
     return out
 
 
@@ -621,6 +623,8 @@ def test_lora_adapter_matches_peft_at_tp2(tmp_path):
         assert "cannot wrap the parallel model" in names["get_peft_model"] and "model.add_adapter(peft_config)" in \
             names["get_peft_model"], names
         assert names["peft_config kept"], names
+        assert "ArgumentError: peft.get_peft_model_state_dict / set_peft_model_state_dict cannot take" in \
+            names["peft state dict"] and "model.get_adapter_state_dict()" in names["peft state dict"], names
         assert r["generate"], r
         assert r["files"] == ["adapter_config.json", "adapter_model.safetensors"], r
 
