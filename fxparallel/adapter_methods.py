@@ -14,10 +14,10 @@ import math
 
 import torch
 
+from .callers import functions_on_stack
 from .capture.adapters import check_lora_config, is_adapter_parameter, without_adapter_name
 from .dtensor_parameters import dtensor_views, follow_requires_grad
 from .errors import ArgumentError
-from .callers import functions_on_stack
 from .hf_methods import called_from_peft
 from .load.adapter_files import AdapterSource, read_adapter
 from .load.adapter_weights import load_adapter_weights, set_trainable

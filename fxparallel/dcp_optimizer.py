@@ -55,21 +55,27 @@ def _adopt(optimizer, _args, _kwargs) -> None:
         optimizer.register_load_state_dict_pre_hook(_plain_state)
 
 
+def _shard_entries(optimizer, state_dict: dict):
+    """(state entry, parameter, ParamPlan, TPGroup) of each plain shard with state in ``state_dict`` (the
+    optimizer's, states by index); each entry a copy put in its place, so that changing it changes neither the
+    live state (torch hands out its own dicts) nor the caller's."""
+    shards = _shards()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    indices = [i for group in state_dict["param_groups"] for i in group["params"]]
+    for index, param in zip(indices, params):
+        entry = state_dict["state"].get(index)
+        if id(param) in shards and entry is not None:
+            entry = state_dict["state"][index] = dict(entry)
+            yield (entry, param, *shards[id(param)])
+
+
 def _describe_state(optimizer, state_dict: dict) -> dict:
     """Each shard's state described for DCP, or, for torch's ``get_optimizer_state_dict(full_state_dict=True)``,
     complete (gathered over the tp group: ``dcp_full_state.py``)."""
     from .runtime.dtensor import full_tensor
 
     complete = full_state_dict_requested("optim")
-    shards = _shards()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    indices = [i for group in state_dict["param_groups"] for i in group["params"]]
-    for index, param in zip(indices, params):
-        entry = state_dict["state"].get(index)
-        if id(param) not in shards or entry is None:
-            continue
-        plan, group = shards[id(param)]
-        entry = state_dict["state"][index] = dict(entry)  # torch hands out the live state's own dict
+    for entry, param, plan, group in _shard_entries(optimizer, state_dict):
         for key, value in entry.items():
             if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0:
                 if complete:
@@ -89,14 +95,7 @@ def _plain_state(optimizer, state_dict: dict) -> dict:
             if isinstance(value, torch.Tensor) and "__create_write_items__" in vars(value):
                 entry[key] = value.detach()
     if full_state_dict_given("optim"):
-        shards = _shards()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        indices = [i for group in state_dict["param_groups"] for i in group["params"]]
-        for index, param in zip(indices, params):
-            entry = state_dict["state"].get(index)
-            if id(param) not in shards or entry is None:
-                continue
-            plan, group = shards[id(param)]
+        for entry, param, plan, group in _shard_entries(optimizer, state_dict):
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(plan.shape) != tuple(param.shape):
                     entry[key] = plan.shard_of(value, group.rank, group.size)

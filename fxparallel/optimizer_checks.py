@@ -31,7 +31,7 @@ from .errors import ArgumentError
 
 WHOLE_TENSOR_OPTIMIZERS = (("torch.optim", "Adafactor"), ("torch.optim", "LBFGS"), ("torch.optim", "Muon"),
                            ("transformers.optimization", "Adafactor"))  # (module, class): updates that read a whole tensor
-RESUME = ("resume a run of another layout from its weights (accelerate's model.safetensors, a Hugging Face folder: "
+RESUME = ("Resume a run of another layout from its weights (accelerate's model.safetensors, a Hugging Face folder: "
           "fxparallel.parallelize(folder, ...)) with a new optimizer, or save the training state as full-shape tensors "
           "that load at any tp size: dcp.save({'model': model.state_dict(), 'optim': optimizer.state_dict()}) "
           "(docs/training.md, \"Checkpoints\"), under Trainer fxparallel.TrainerCheckpoints()")
@@ -49,8 +49,8 @@ def watch(model) -> None:
 
 
 def _parameters() -> dict:
-    """{id(parameter): (name, whole shape, sharded)} of every parameter of the parallel models alive, the plain
-    ones and their DTensor views."""
+    """{id(parameter): (name, whole shape, sharded at tp > 1, TPGroup)} of every parameter of the parallel models
+    alive, the plain ones and their DTensor views."""
     from .dtensor_parameters import dtensor_views
 
     out = {}
