@@ -12,7 +12,7 @@ on each rank alone, silently, when they reach the shards without the model seein
   own pieces only, so an overflow in one rank's piece skips the step there and not elsewhere (measured at TP=2:
   the ranks' replicated weights 0.01 apart and their scales 1 and 2 after one step), or, once the views hold the
   gradients, finds none to unscale while the step then takes the views' scaled ones. ``ShardedGradScaler`` (its
-  found_inf summed over a process group) and a GradScaler over the DTensor views (DTensor sums it) are exact.
+  found_inf summed over a process group) is exact; over the DTensor views DTensor sums found_inf itself.
 
 So reading a shard's ``.grad`` from within either raises, before any gradient is changed."""
 from __future__ import annotations
