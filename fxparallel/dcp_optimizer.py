@@ -17,32 +17,25 @@ import torch
 
 from .dcp_full_state import full_state_dict_given, full_state_dict_requested
 from .dcp_state import describe
+from .parallel_models import known_parameters
 
-_MODELS: "weakref.WeakSet" = weakref.WeakSet()
 _ADOPTED: "weakref.WeakSet" = weakref.WeakSet()
 _HOOK: list = []
 
 
-def track(model) -> None:
-    """Watch the optimizers that step ``model``'s shards (the hook is installed once per process)."""
+def install_hook() -> None:
+    """Watch the optimizers that step a parallel model's shards (``parallel_models.py``); once per process."""
     if not _HOOK:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         _HOOK.append(register_optimizer_step_post_hook(_adopt))
-    _MODELS.add(model)
 
 
 def _shards() -> dict:
-    """{id(plain shard): (its ParamPlan, its model's TPGroup)} of every parallel model alive at tp > 1."""
-    out = {}
-    for model in list(_MODELS):
-        if model.tp_group.size == 1:
-            continue
-        for name, param in model.local_named_parameters():
-            plan = model.plan.param(name)
-            if plan.placement.is_shard and not hasattr(param, "device_mesh"):  # DTensors describe themselves
-                out[id(param)] = (plan, model.tp_group)
-    return out
+    """{id(plain shard): (its ParamPlan, its model's TPGroup)} of every parallel model alive at tp > 1 (DTensors
+    describe themselves)."""
+    return {key: (known.plan, known.tp_group) for key, known in known_parameters().items()
+            if known.sharded and known.plain}
 
 
 def _adopt(optimizer, _args, _kwargs) -> None:

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import dcp_optimizer, fused_head, optimizer_checks
+from . import dcp_optimizer, fused_head, optimizer_checks, parallel_models
 from .data_parallel_guard import RefusesDistributedDataParallel
 from .dcp_state import describe_state_dict
 from .full_state_loading import shard_full_values
@@ -106,8 +106,11 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         self.register_state_dict_post_hook(describe_state_dict)
         # load_state_dict of complete tensors (transformers' state dict, Trainer's resume): this rank's shards
         self.register_load_state_dict_pre_hook(shard_full_values)
-        dcp_optimizer.track(self)  # optimizer.state_dict() to DCP as well (dcp_optimizer.py)
-        optimizer_checks.watch(self)  # no whole-tensor optimizer or whole-shape state on the shards
+        # optimizers over its parameters: no whole-tensor optimizer or whole-shape state on the shards
+        # (optimizer_checks.py), optimizer.state_dict() to DCP as full-shape state (dcp_optimizer.py)
+        parallel_models.register(self)
+        optimizer_checks.install_hook()
+        dcp_optimizer.install_hook()
         # eval mode, as transformers' from_pretrained: the model's dropout applies after model.train()
         # (every graph reads self.training per call: ops/dropout_kernels.py)
         self.eval()

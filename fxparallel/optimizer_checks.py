@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import ArgumentError
+from .parallel_models import known_parameters
 
 WHOLE_TENSOR_OPTIMIZERS = (("torch.optim", "Adafactor"), ("torch.optim", "LBFGS"), ("torch.optim", "Muon"),
                            ("transformers.optimization", "Adafactor"))  # (module, class): updates that read a whole tensor
@@ -37,42 +38,23 @@ RESUME = ("Resume a run of another layout from its weights (accelerate's model.s
           "(docs/training.md, \"Checkpoints\"), under Trainer fxparallel.TrainerCheckpoints()")
 
 _HOOK: list = []
-_MODELS: "weakref.WeakSet" = weakref.WeakSet()
 _SEEN: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def watch(model) -> None:
-    """Check every optimizer that steps ``model``'s shards (the hook is installed once per process)."""
+def install_hook() -> None:
+    """Check every optimizer that steps a parallel model's parameters (``parallel_models.py``); once per process."""
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_first_step))
-    _MODELS.add(model)
-
-
-def _parameters() -> dict:
-    """{id(parameter): (name, whole shape, sharded at tp > 1, TPGroup)} of every parameter of the parallel models
-    alive, the plain ones and their DTensor views."""
-    from .dtensor_parameters import dtensor_views
-
-    out = {}
-    for model in list(_MODELS):
-        views = dtensor_views(model) or {}
-        for name, param in model.local_named_parameters():
-            plan = model.plan.param(name)
-            entry = (name, tuple(plan.shape), plan.placement.is_shard and model.tp_group.size > 1, model.tp_group)
-            out[id(param)] = entry
-            if id(param) in views:
-                out[id(views[id(param)])] = entry
-    return out
 
 
 def _first_step(optimizer, _args, _kwargs) -> None:
     if optimizer in _SEEN:
         return
     _SEEN.add(optimizer)
-    known = _parameters()
+    known = known_parameters()
     if any(id(p) in known for group in optimizer.param_groups for p in group["params"]):
         check_optimizer(optimizer, known)
-        optimizer.register_load_state_dict_post_hook(lambda opt: check_optimizer(opt, _parameters()))
+        optimizer.register_load_state_dict_post_hook(lambda opt: check_optimizer(opt, known_parameters()))
 
 
 def reads_whole_tensors(optimizer) -> bool:
@@ -96,7 +78,7 @@ def _shares_ranks(optimizer, tp_group) -> bool:
 def check_optimizer(optimizer, known: dict) -> None:
     """Refuse (``ArgumentError``) a whole-tensor optimizer over plain shards, and a state tensor that cannot be its
     parameter's: of the whole shape next to a shard, plain next to a DTensor view, or, for torch's element-wise
-    optimizers (whose states are shaped as the parameter), of any other shape. ``known``: ``_parameters()``."""
+    optimizers (whose states are shaped as the parameter), of any other shape. ``known``: ``known_parameters()``."""
     cls = type(optimizer)
     whole_tensor = reads_whole_tensors(optimizer)
     elementwise = cls.__module__.split(".")[:2] == ["torch", "optim"] and not whole_tensor
@@ -104,8 +86,9 @@ def check_optimizer(optimizer, known: dict) -> None:
         for param in group["params"]:
             if id(param) not in known:
                 continue
-            name, whole, sharded, tp_group = known[id(param)]
-            plain = not isinstance(param, DTensor)
+            name, plan, tp_group, _ = entry = known[id(param)]
+            whole, sharded = tuple(plan.shape), entry.sharded
+            plain = entry.plain
             if sharded and _shares_ranks(optimizer, tp_group):
                 raise ArgumentError(
                     f"torch.distributed.optim.ZeroRedundancyOptimizer over the parallel model: after each step it "
