@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import dcp_optimizer, fused_head, optimizer_checks, parallel_models
+from . import dcp_optimizer, fused_head, optimizer_checks, parallel_models, trainer_predictions
 from .data_parallel_guard import RefusesDistributedDataParallel
 from .dcp_state import describe_state_dict
 from .full_state_loading import shard_full_values
@@ -270,8 +270,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
     # ---- forward -------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, gather_logits=None,
                 past_key_values=None, use_cache=None, return_dict=None, check_inputs=True, compile_config=None,
-                logits_to_keep=0, num_items_in_batch=None, fused_lm_head=False, shift_labels=None,
-                output_router_logits=None, output_tokens_per_expert=False, **unsupported):
+                logits_to_keep=0, num_items_in_batch=None, fused_lm_head=False, output_router_logits=None,
+                output_tokens_per_expert=False, **unsupported):
         """The model's forward on this rank's shards: same arguments and outputs as the Hugging Face model
         (see docs/reference.md, "Output conventions"). ``use_cache=True`` (or a ``past_key_values`` from an
         earlier call) runs with a static KV cache sharded by heads (``generation/parallel_cache.py``) and returns
@@ -289,13 +289,18 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         in transformers) on a mixture of experts: the loss holds the load-balancing term, ``aux_loss`` and
         ``router_logits`` are returned (``router_outputs.py``); ``output_tokens_per_expert=True``: the tokens routed
         to each expert of every MoE layer, ``tokens_per_expert`` [layers, experts], for any router."""
+        # (shift_labels, TRL's, is read from the keywords: a parameter named like a label would make Trainer take it
+        # for one of the model's label names, which every evaluation batch must then hold)
+        shift_labels = unsupported.pop("shift_labels", None)
         if fused_lm_head or shift_labels is not None:
             return fused_head.forward_of(self)(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
                 shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, check_inputs=check_inputs,
                 past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep,
                 gather_logits=gather_logits, compile_config=compile_config, return_dict=return_dict, **unsupported)
-        gather = (labels is None) if gather_logits is None else bool(gather_logits)
+        # Trainer's evaluate / predict read the output's fields as predictions: complete logits (trainer_predictions.py)
+        predicting = trainer_predictions.predicting(labels, gather_logits)
+        gather = predicting or ((labels is None) if gather_logits is None else bool(gather_logits))
         # the checks of this rank's own arguments: an error is raised only after the exchange in check_arguments,
         # so that an argument given to one rank only never leaves the others waiting in a collective (inputs.py)
         refused, cache, args, router, counts = None, None, {}, False, False
@@ -356,6 +361,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             uneven = (tuple(sizes),) if sizes and len(set(sizes)) > 1 else None
             local_logits = logits
             logits = collectives.all_gather(logits, placement.dim, self.tp_group.handle, None, uneven) if gather else None
+            if predicting:  # transformers' fields only
+                local_logits, vocab_range = None, None
         loss, aux_loss = results.get("loss"), results.get("aux_loss")
         if num_items_in_batch is not None and loss is not None and labels is not None:
             # transformers normalizes the language-model loss by the items and adds the load-balancing term after

@@ -5,7 +5,8 @@ loss and every gradient at TP=2; ``num_parameters(exclude_embeddings=True)`` (Tr
 ``transformers.Trainer`` training the parallel model at TP=1 with clipping, gradient accumulation,
 gradient checkpointing and a learning-rate schedule, at TP=2 (world = tp) and TP=1: the single-device
 Trainer's losses, grad norms (the true global norm, clipping by it) and final weights, replicated weights
-bit-identical on both ranks. At TP=2 Trainer takes transformers' tensor-parallel path
+bit-identical on both ranks, and then ``evaluate()`` (``compute_metrics`` over complete logits) and ``predict()`` of
+the trained model giving the single-device Trainer's loss, metrics and predictions. At TP=2 Trainer takes transformers' tensor-parallel path
 (``ParallelismConfig(tp_size=2)``), which accelerate allows on GPUs only: the one check that refuses it
 on CPU is simulated (``fxparallel.accelerate_cpu``, what a CPU user calls); everything else is the path GPU users take.
 ``Trainer.save_model`` then writes what transformers loads as the trained model. Trainer checkpoints
@@ -13,7 +14,8 @@ on CPU is simulated (``fxparallel.accelerate_cpu``, what a CPU user calls); ever
 adding the optimizer, hyperparameters, schedule and random states) resume to the uninterrupted run's steps and weights,
 and a checkpoint without those files is refused on resuming. And
 ``pipeline("text-generation")`` takes the parallel model: its repr, transformers' text, and stop strings
-(``stop_sequence``) stopping where they stop transformers'. TRL: the fused LM head its trainers add
+(``stop_sequence``) stopping where they stop transformers'; so does lm-eval's ``HFLM`` (a task's loglikelihoods and
+accuracy through ``simple_evaluate``, rolling loglikelihoods, ``generate_until``: transformers' numbers and text). TRL: the fused LM head its trainers add
 (``add_fused_lm_head``, with a temperature and every optional output) computed across the vocabulary shards equals
 TRL's on transformers' model (each field, the loss, every gradient), and stock ``SFTTrainer`` at TP=2 gives the
 single-device SFTTrainer's losses, grad norms, entropy and token accuracy and weights, and so does SFTTrainer training a
@@ -58,6 +60,28 @@ def _trainer_run(model, out_dir, save_to=None, optim="adamw_torch", use_cpu=True
     return [h["loss"] for h in logs], [float(h["grad_norm"]) for h in logs]
 
 
+def _trainer_eval(model, out_dir, rows=6, batch=2):
+    """Stock Trainer's ``evaluate()`` (with ``compute_metrics``) and ``predict()`` on ``rows`` rows: the metrics and
+    the predictions (as gathered over the processes)."""
+    import numpy as np
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(11)
+    data = [{"input_ids": ids, "labels": list(ids)} for ids in (torch.randint(0, 128, (9,), generator=g).tolist()
+                                                                 for _ in range(rows))]
+
+    def metrics(prediction):  # a mean over the rows, and one an argmax over the vocabulary decides
+        logits = prediction.predictions
+        return {"mean_logit": float(logits.mean()),
+                "top1": float((logits[:, :-1].argmax(-1) == prediction.label_ids[:, 1:]).mean())}
+
+    args = TrainingArguments(output_dir=out_dir, per_device_eval_batch_size=batch, report_to=[], use_cpu=True,
+                             save_strategy="no")
+    trainer = Trainer(model=model, args=args, eval_dataset=data, compute_metrics=metrics)
+    return {"metrics": trainer.evaluate(), "predictions": np.asarray(trainer.predict(data).predictions)}
+
+
 def _reset_accelerate():
     from accelerate.state import AcceleratorState
 
@@ -97,6 +121,9 @@ def _tensor_parallel_trainer(rank, world, path, root):
     result["replicated_count"] = len(replicated)
     single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     result["trainer_ref"] = _single_process(_trainer_run, single, f"{root}/single{rank}")
+    # evaluate() / predict() of the trained models
+    result["eval"] = _trainer_eval(parallel, f"{root}/eval{rank}")
+    result["eval_ref"] = _single_process(_trainer_eval, single, f"{root}/eval_single{rank}")
     ref_params = dict(single.named_parameters())
     result["trainer_weights"] = max(
         (p.detach() - parallel.plan.param(n).shard_of(ref_params[n].detach(), rank, world)).abs().max().item()
@@ -194,6 +221,62 @@ def _pipeline(rank, root):
     stop = texts[1][len(prompt):][3:6]  # a piece of the continuation: generation stops on reaching it
     stopped = [p(prompt, max_new_tokens=8, do_sample=False, stop_sequence=stop)[0]["generated_text"] for p in pipes]
     return {"texts": texts, "stopped": stopped, "stop": stop, "repr": repr(pipes[0])}
+
+
+_LM_EVAL_TASK = """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files: {data}
+test_split: train
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+"""
+
+
+def _lm_eval(rank, root):
+    """lm-eval's ``HFLM`` handed the parallel model and transformers' (every tp rank runs the whole evaluation,
+    as lm-eval does with a model it is handed): ``simple_evaluate`` of a multiple-choice task read from a local
+    file (the per-choice loglikelihoods it logs, its accuracy), ``loglikelihood_rolling`` and ``generate_until``."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from lm_eval import simple_evaluate
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import fxparallel
+
+    path, tasks = f"{root}/with_tokenizer", f"{root}/lm_eval_{rank}"
+    os.makedirs(tasks, exist_ok=True)
+    rows = [("the cat sat on the", [" mat", " dog", " ran"], 0), ("a dog ran", [" far", " the", " cat"], 0),
+            ("the mat", [" sat", " on", " a"], 1), ("on the", [" cat", " mat"], 1)]
+    with open(f"{tasks}/data.jsonl", "w") as f:
+        f.writelines(json.dumps({"question": q, "choices": c, "label": a}) + "\n" for q, c, a in rows)
+    with open(f"{tasks}/tiny_choice.yaml", "w") as f:
+        f.write(_LM_EVAL_TASK.format(data=f"{tasks}/data.jsonl"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    out = {}
+    for name, model in (("parallel", fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)),
+                        ("transformers", AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))):
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=2)
+        result = simple_evaluate(model=lm, tasks=["tiny_choice"], task_manager=TaskManager(include_path=tasks),
+                                 log_samples=True)
+        text = "the cat sat on the mat and the dog ran far"
+        out[name] = {} if result is None else {  # (lm-eval reports on LOCAL_RANK 0 alone, as for transformers' TP)
+            "acc": result["results"]["tiny_choice"]["acc,none"],
+            "choices": [[ll for ll, _ in s["filtered_resps"]] for s in result["samples"]["tiny_choice"]]}
+        out[name].update({
+            "rolling": lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)]),
+            "generated": lm.generate_until([Instance("generate_until", {}, (
+                "the cat", {"until": ["dog"], "max_gen_toks": 8, "do_sample": False}), 0)])})
+    return out
 
 
 def _fused_head(rank, world, path):
@@ -565,6 +648,7 @@ def _cases(rank, world, path, root):
     out["tp2"] = _tensor_parallel_trainer(rank, world, path, root)
     out["resumed"] = _resumed(rank, world, path, root)
     out["pipeline"] = _pipeline(rank, root)
+    out["lm_eval"] = _lm_eval(rank, root)
     out["fused_head"] = _fused_head(rank, world, f"{root}/with_tokenizer")
     out["sft"] = _sft(rank, world, root)
     out["sft_lora"] = _sft_lora(rank, world, root)
@@ -602,6 +686,19 @@ def _check_trainer(run: dict) -> None:
         assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (losses, ref_losses, norms, ref_norms)
     assert max(ref_norms) > 0.5  # the clipping acted
     assert run["trainer_weights"] < 1e-5, run["trainer_weights"]
+
+
+def _check_eval(run: dict, tp: int) -> None:
+    """Trainer's evaluation of the parallel model against the single-device Trainer's: the loss and the metrics
+    (``compute_metrics`` called, over complete logits), and the predictions, which accelerate gathers over every
+    process, as for transformers' own TP models: each step's batch once per tp rank."""
+    ours, theirs = run["eval"], run["eval_ref"]
+    for key in ("eval_loss", "eval_mean_logit", "eval_top1"):
+        assert abs(ours["metrics"][key] - theirs["metrics"][key]) < 1e-4, (key, ours["metrics"], theirs["metrics"])
+    steps, batch = 3, 2
+    got = ours["predictions"].reshape(steps, tp, batch, *theirs["predictions"].shape[1:])
+    expected = theirs["predictions"].reshape(steps, 1, batch, *theirs["predictions"].shape[1:])
+    assert abs(got - expected).max() < 1e-4, abs(got - expected).max()  # (trained weights 1e-5 apart)
 
 
 def _check_resumed(resumed: dict) -> None:
@@ -650,6 +747,7 @@ def test_trainer_stack(checkpoints, tmp_path):
         assert r["checkpointed"] == [True, False]  # two layers, every second one checkpointed
         assert "offload=True" in r["offload"] and "not supported" in r["offload"], r["offload"]
         _check_trainer(r["tp2"])
+        _check_eval(r["tp2"], 2)
         assert r["tp2"]["replicated_identical"] and r["tp2"]["replicated_count"] == 5  # 2 x 2 layer norms + final
         assert r["tp2"]["saved_equals_shards"] and r["tp2"]["saved_vs_single"] < 1e-5, r["tp2"]
         _check_resumed(r["resumed"])
@@ -667,6 +765,15 @@ def test_trainer_stack(checkpoints, tmp_path):
         assert pipe["texts"][0] == pipe["texts"][1] and pipe["stopped"][0] == pipe["stopped"][1], pipe
         assert len(pipe["stopped"][1]) < len(pipe["texts"][1]) and pipe["stop"] in pipe["stopped"][1], pipe
         assert "text-generation" in pipe["repr"] or "TextGeneration" in pipe["repr"], pipe["repr"]
+        ours, theirs = r["lm_eval"]["parallel"], r["lm_eval"]["transformers"]
+        if r is results[0]:
+            assert [len(c) for c in ours["choices"]] == [3, 3, 3, 2] and ours["acc"] == theirs["acc"], (ours, theirs)
+            assert max(abs(a - b) for x, y in zip(ours["choices"], theirs["choices"]) for a, b in zip(x, y)) < 1e-4, \
+                (ours, theirs)
+        else:
+            assert "acc" not in ours and "acc" not in theirs, (ours, theirs)
+        assert abs(ours["rolling"][0] - theirs["rolling"][0]) < 1e-4, (ours, theirs)
+        assert ours["generated"] == theirs["generated"] and ours["generated"][0], (ours, theirs)
         fused = r["fused_head"]
         assert all(v < 1e-5 for k, v in fused.items() if k not in ("top1_hits", "refused")), fused
         assert "logits_to_keep is not taken with it" in fused["refused"], fused["refused"]
