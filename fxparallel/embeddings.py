@@ -26,16 +26,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops import collectives
+from .uncalled_modules import RefusesHooks
 
 
-class ShardView(nn.Module):
-    """This rank's shard of an embedding table or output head (see the module docstring)."""
+class ShardView(RefusesHooks, nn.Module):
+    """This rank's shard of an embedding table or output head (see the module docstring). Hooks on it are refused:
+    the model's forward never calls it (``uncalled_modules.py``)."""
 
-    kind = ""
+    getter = ""  # the model's method that hands it out
 
     def __init__(self, model, path: str, class_name: str, has_bias: bool):
         super().__init__()
         self.path, self.class_name = path, class_name
+        self.hook_target = f"model.{self.getter} (the view of {path!r})"
         self.weight = model.get_parameter(f"{path}.weight")
         self.bias = model.get_parameter(f"{path}.bias") if has_bias else None
         self.plan = model.plan.param(f"{path}.weight")
@@ -78,6 +81,8 @@ class ShardView(nn.Module):
 class ShardedEmbedding(ShardView):
     """``model.get_input_embeddings()``: ``view(input_ids)`` equals the Hugging Face embedding's output."""
 
+    getter = "get_input_embeddings()"
+
     @property
     def num_embeddings(self) -> int:
         return self.full_shape[0]
@@ -101,6 +106,8 @@ class ShardedEmbedding(ShardView):
 
 class ShardedLMHead(ShardView):
     """``model.get_output_embeddings()``: ``view(hidden_states)`` equals the Hugging Face head's logits."""
+
+    getter = "get_output_embeddings()"
 
     @property
     def out_features(self) -> int:

@@ -35,6 +35,7 @@ from .items_in_batch import check_items_in_batch, loss_over_items
 from .model_facts import ModelFacts
 from .router_outputs import expert_counts_asked, loss_without_aux, router_logits_asked, split_router_logits
 from .shard_parameter import ShardParameter
+from .uncalled_modules import UncalledModule, holder
 from .ops import collectives, context_parallel_attention
 from .ops.local_graph import LocalGraph
 from .ops.layer_units import install_layer_units
@@ -65,10 +66,10 @@ class ParallelCausalLMOutput(CausalLMOutputWithPast):
 def _set_path(root: nn.Module, dotted: str, value, kind: str):
     *path, leaf = dotted.split(".")
     module = root
-    for part in path:
+    for i, part in enumerate(path):
         child = module._modules.get(part)
         if child is None:
-            child = nn.Module()
+            child = UncalledModule(".".join(path[:i + 1]))  # hooks on it are refused (uncalled_modules.py)
             module.add_module(part, child)
         module = child
     if kind == "param":
@@ -99,7 +100,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             setattr(self, name, getattr(facts, name))
         self._graph_set = GraphSet(factory)  # every graph of this module (graph_set.py)
         # decoder layers as modules the graphs call, so FSDP can make each one a unit
-        self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params)
+        self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params, holder)
         for p in plan.params:
             self._add_shard(p)
         # state_dict() handed to torch.distributed.checkpoint saves full-shape tensors (dcp_state.py)

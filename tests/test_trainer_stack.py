@@ -13,7 +13,8 @@ on CPU is simulated (``fxparallel.accelerate_cpu``, what a CPU user calls); ever
 (``save_only_model=True``, as transformers requires for models sharded at load, with ``fxparallel.TrainerCheckpoints``
 adding the optimizer, hyperparameters, schedule and random states) resume to the uninterrupted run's steps and weights,
 and a checkpoint without those files is refused on resuming. And
-``pipeline("text-generation")`` takes the parallel model: its repr, transformers' text, and stop strings
+Module hooks run on the model and its decoder layers and are refused on the modules its graphs never call (so
+Trainer's NEFTune stops before any step). ``pipeline("text-generation")`` takes the parallel model: its repr, transformers' text, and stop strings
 (``stop_sequence``) stopping where they stop transformers'; so does lm-eval's ``HFLM`` (a task's loglikelihoods and
 accuracy through ``simple_evaluate``, rolling loglikelihoods, ``generate_until``: transformers' numbers and text). TRL: the fused LM head its trainers add
 (``add_fused_lm_head``, with a temperature and every optional output) computed across the vocabulary shards equals
@@ -33,9 +34,9 @@ from distributed import run_ranks
 
 
 def _trainer_run(model, out_dir, save_to=None, optim="adamw_torch", use_cpu=True, batch=2, rows=16,
-                 sampling="random"):
+                 sampling="random", **arguments):
     """Train ``model`` with stock Trainer for 4 optimizer steps of 2 micro-batches of ``batch`` rows (then
-    ``save_model(save_to)``); returns (losses, grad norms). ``use_cpu=False``: on the GPU (tests/test_cuda.py);
+    ``save_model(save_to)``); returns (losses, grad norms). ``arguments``: more TrainingArguments. ``use_cpu=False``: on the GPU (tests/test_cuda.py);
     ``sampling="sequential"``: the same rows make each global batch however data parallelism splits it."""
     import torch
     from transformers import Trainer, TrainingArguments
@@ -51,7 +52,7 @@ def _trainer_run(model, out_dir, save_to=None, optim="adamw_torch", use_cpu=True
                              max_steps=4, learning_rate=5e-2, lr_scheduler_type="linear", warmup_steps=1,
                              max_grad_norm=0.5, gradient_checkpointing=True, logging_steps=1, report_to=[],
                              use_cpu=use_cpu, save_strategy="no", seed=7, dataloader_num_workers=0, optim=optim,
-                             train_sampling_strategy=sampling)
+                             train_sampling_strategy=sampling, **arguments)
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     if save_to is not None:
@@ -80,6 +81,32 @@ def _trainer_eval(model, out_dir, rows=6, batch=2):
                              save_strategy="no")
     trainer = Trainer(model=model, args=args, eval_dataset=data, compute_metrics=metrics)
     return {"metrics": trainer.evaluate(), "predictions": np.asarray(trainer.predict(data).predictions)}
+
+
+def _hooks(rank, world, path, root):
+    """Module hooks: on the model and its decoder layers they run; on the modules that only hold shards, and on
+    the view get_input_embeddings() returns, they are refused when registered (the graphs never call those), so
+    Trainer's NEFTune (a hook on the input embeddings) stops before any step, every weight kept."""
+    import torch
+    import torch.distributed as dist
+
+    import fxparallel
+    from checks import raised
+
+    model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    ran = []
+    handles = [model.register_forward_hook(lambda *_: ran.append("model")),
+               model.model.layers[1].register_forward_pre_hook(lambda *_: ran.append("layer 1"))]
+    model(input_ids=torch.arange(9).reshape(1, 9))
+    layers = [len(model.model.layers), [type(layer).__name__ for layer in model.model.layers]]
+    for handle in handles:
+        handle.remove()
+    before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+    return {"ran": ran, "layers": layers,
+            "submodule": raised(lambda: model.model.layers[0].mlp.up_proj.register_forward_hook(lambda *_: None)),
+            "backward": raised(lambda: model.lm_head.register_full_backward_hook(lambda *_: None)),
+            "neftune": raised(lambda: _trainer_run(model, f"{root}/neftune{rank}", neftune_noise_alpha=5.0)),
+            "kept": all(torch.equal(p, before[n]) for n, p in model.local_named_parameters())}
 
 
 def _reset_accelerate():
@@ -649,6 +676,7 @@ def _cases(rank, world, path, root):
     out["resumed"] = _resumed(rank, world, path, root)
     out["pipeline"] = _pipeline(rank, root)
     out["lm_eval"] = _lm_eval(rank, root)
+    out["hooks"] = _hooks(rank, world, path, root)
     out["fused_head"] = _fused_head(rank, world, f"{root}/with_tokenizer")
     out["sft"] = _sft(rank, world, root)
     out["sft_lora"] = _sft_lora(rank, world, root)
@@ -765,6 +793,13 @@ def test_trainer_stack(checkpoints, tmp_path):
         assert pipe["texts"][0] == pipe["texts"][1] and pipe["stopped"][0] == pipe["stopped"][1], pipe
         assert len(pipe["stopped"][1]) < len(pipe["texts"][1]) and pipe["stop"] in pipe["stopped"][1], pipe
         assert "text-generation" in pipe["repr"] or "TextGeneration" in pipe["repr"], pipe["repr"]
+        hooks = r["hooks"]
+        assert hooks["ran"] == ["layer 1", "model"] and hooks["layers"] == [2, ["LayerUnit"] * 2], hooks
+        assert "module 'model.layers.0.mlp.up_proj'.register_forward_hook(...)" in hooks["submodule"] and \
+            "would never run" in hooks["submodule"], hooks
+        assert "module 'lm_head'.register_full_backward_hook" in hooks["backward"], hooks
+        assert "get_input_embeddings()" in hooks["neftune"] and "neftune_noise_alpha" in hooks["neftune"] and \
+            hooks["kept"], hooks
         ours, theirs = r["lm_eval"]["parallel"], r["lm_eval"]["transformers"]
         if r is results[0]:
             assert [len(c) for c in ours["choices"]] == [3, 3, 3, 2] and ours["acc"] == theirs["acc"], (ours, theirs)

@@ -72,10 +72,11 @@ def layer_of(name: str, container: Optional[str]) -> Optional[str]:
     return f"{container}.{index}" if index.isdigit() else None
 
 
-def install_layer_units(root: nn.Module, params: list) -> tuple:
+def install_layer_units(root: nn.Module, params: list, holder: Callable[[str, bool], nn.Module]) -> tuple:
     """Create a LayerUnit at each layer path of the plan's ``params`` (``ParamPlan``) that the
     forward uses (a multimodal model's vision tower has layers of its own, which a text forward
-    never runs), before the parameters are registered under them. Returns (layer paths, None), or
+    never runs), before the parameters are registered under them; the modules above them are
+    ``holder(path, holds the layers)``. Returns (layer paths, None), or
     (layer paths, why they cannot be FSDP units: one parameter object under names of two units,
     e.g. a weight shared by several layers)."""
     param_names = [p.names for p in params if p.used]
@@ -87,9 +88,9 @@ def install_layer_units(root: nn.Module, params: list) -> tuple:
     for path in paths:
         *parents, leaf = path.split(".")
         module = root
-        for part in parents:
+        for i, part in enumerate(parents):
             if part not in module._modules:
-                module.add_module(part, nn.Module())
+                module.add_module(part, holder(".".join(parents[:i + 1]), i == len(parents) - 1))
             module = module._modules[part]
         module.add_module(leaf, LayerUnit())
     for names in param_names:
