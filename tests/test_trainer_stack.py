@@ -19,7 +19,8 @@ Trainer's NEFTune stops before any step). ``pipeline("text-generation")`` takes 
 accuracy through ``simple_evaluate``, rolling loglikelihoods, ``generate_until``: transformers' numbers and text). TRL: the fused LM head its trainers add
 (``add_fused_lm_head``, with a temperature and every optional output) computed across the vocabulary shards equals
 TRL's on transformers' model (each field, the loss, every gradient), and stock ``SFTTrainer`` at TP=2 gives the
-single-device SFTTrainer's losses, grad norms, entropy and token accuracy and weights, and so does SFTTrainer training a
+single-device SFTTrainer's losses, grad norms, entropy and token accuracy and weights (DPOTrainer, with a parallel
+reference model, its losses, reward margins and weights), and so does SFTTrainer training a
 LoRA adapter (on the parallel model with ``load_adapter(..., is_trainable=True)``, against PeftModel; its trained
 adapter equal too), while ``SFTTrainer(peft_config=...)``, whose ``get_peft_model`` cannot wrap the parallel model, is
 refused naming ``add_adapter``; GRPOTrainer, which gives the
@@ -381,6 +382,47 @@ def _sft(rank, world, root):
     return out
 
 
+def _dpo_run(model, ref_model, tokenizer, out_dir):
+    """Stock DPOTrainer, 3 steps of 2 preference pairs (SGD); returns its logged losses and reward margins."""
+    import torch
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    g = torch.Generator().manual_seed(5)
+    words = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far", "a"]
+    text = lambda n: " ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g))  # noqa: E731
+    rows = [{"prompt": text(4), "chosen": text(3), "rejected": text(5)} for _ in range(8)]
+    args = DPOConfig(output_dir=out_dir, per_device_train_batch_size=2, max_steps=3, learning_rate=5e-2,
+                     logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=7, dataloader_num_workers=0,
+                     bf16=False, optim="sgd", max_grad_norm=10.0)
+    trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=tokenizer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {k: [float(h[k]) for h in logs] for k in ("loss", "rewards/margins", "logps/chosen")}
+
+
+def _dpo(rank, world, root):
+    """DPOTrainer on the parallel model with a parallel reference model at TP=2, and on transformers' (its
+    reference loaded by TRL) in a job of one process."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import fxparallel
+
+    path = f"{root}/with_tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    parallel, reference = (fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32) for _ in range(2))
+    out = {"tp2": _dpo_run(parallel, reference, tokenizer, f"{root}/dpo{rank}")}
+    single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out["single"] = _single_process(_dpo_run, single, None, tokenizer, f"{root}/dpo-single{rank}")
+    weights = dict(single.named_parameters())
+    out["weights"] = max((p.detach() - parallel.plan.param(n).shard_of(weights[n].detach(), rank, world)).abs().max()
+                         .item() for n, p in parallel.local_named_parameters())
+    return out
+
+
 def _sft_lora(rank, world, root):
     """SFTTrainer training a LoRA adapter: on the parallel model (the adapter attached with load_adapter, trainable)
     at TP=2 and on PeftModel in a job of one process; SFTTrainer(peft_config=...) on the parallel model refused
@@ -680,6 +722,7 @@ def _cases(rank, world, path, root):
     out["fused_head"] = _fused_head(rank, world, f"{root}/with_tokenizer")
     out["sft"] = _sft(rank, world, root)
     out["sft_lora"] = _sft_lora(rank, world, root)
+    out["dpo"] = _dpo(rank, world, root)
     out["grpo"] = _grpo_refused(rank, world, root)
     out["own_loop"] = _own_loop(rank, world, path)
     out["accelerate_checkpoints"] = _accelerate_checkpoints(rank, world, path, root)
@@ -818,6 +861,11 @@ def test_trainer_stack(checkpoints, tmp_path):
             assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(ours, sft["single"][key])), (
                 key, ours, sft["single"][key])
         assert max(sft["single"]["grad_norm"]) > 0.5 and sft["weights"] < 1e-5, sft  # clipped; the same weights
+        dpo = r["dpo"]
+        for key, ours in dpo["tp2"].items():
+            assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(ours, dpo["single"][key])), (
+                key, ours, dpo["single"][key])
+        assert dpo["single"]["rewards/margins"][-1] > 0.1 and dpo["weights"] < 1e-5, dpo  # it learned; the same weights
         lora = r["sft_lora"]
         for key, ours in lora["tp2"].items():
             assert len(ours) == 3 and all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(ours, lora["single"][key])), (
