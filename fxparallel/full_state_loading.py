@@ -14,9 +14,11 @@ import torch
 
 def shard_full_values(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs) -> None:
-    """nn.Module's load_state_dict pre-hook (see the module docstring)."""
+    """nn.Module's load_state_dict pre-hook (see the module docstring); counts the loads (``inputs.py`` compares
+    the count across the tp ranks)."""
     from torch.distributed.tensor import DTensor
 
+    module._weights_loaded += 1
     group = module.tp_group
     for name, param in module.local_named_parameters(remove_duplicate=False):
         value = state_dict.get(prefix + name)

@@ -7,7 +7,7 @@
 * The TP contract: every rank of a tensor-parallel group must get the same arguments (the
   same tokens, labels, mask and shapes); each rank holds part of one model that computes one
   result. A fingerprint of the arguments (shapes, which are given, and position-weighted sums
-  of every tensor: 14 int64 per rank) is all-gathered over the group, so a mismatch is an
+  of every tensor: 15 int64 per rank) is all-gathered over the group, so a mismatch is an
   error on every rank that names the ranks that differ, instead of a hang or a result that
   mixes data. The range check rides on the same host sync.
 * Options that change which collectives run (whether the logits are gathered, logits_to_keep,
@@ -25,6 +25,9 @@
 * Padding: whether the attention mask holds any, read in the same exchange. A call without a
   cache whose mask holds none runs attention as transformers does then, without the mask
   (``capture/causal_mask.py``).
+* Weights: how many times ``load_state_dict`` loaded weights into this rank's shards rides along too, so a load
+  run on some ranks only (``if rank == 0:``, or Trainer's ``load_best_model_at_end`` with a checkpoint folder a
+  rank cannot see) is an error at the next call instead of shards of two models computing together.
 * A caller's own number can ride on the same read (``read_with_argument_check``): ``train_step`` reads its
   global label count there, so a training step reads the host once.
 """
@@ -43,11 +46,12 @@ from .errors import InputError
 # the tensor arguments of the forward, in the order the graphs take them
 ARGUMENTS = ("input_ids", "attention_mask", "position_ids", "labels")
 
-# the arguments a fingerprint covers; its 14 fields: ndim, batch, seq, presence bits (and above them the
+# the arguments a fingerprint covers; its 15 fields: ndim, batch, seq, presence bits (and above them the
 # options, ``options_code``), 4 checksums (one per argument), ids min / max, labels bad count, problem, rng
-# digest, mask without padding
+# digest, mask without padding, weights loaded (``loads``)
 FINGERPRINT = ("input_ids", "attention_mask", "position_ids", "labels")
-FIELDS = 14
+FIELDS = 15
+LOADS = 14
 _PRESENCE_BITS = len(FINGERPRINT)
 _KEEP_LIMIT = 1 << 20  # logits_to_keep above this is compared as this (no graph keeps more)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # the model's dtype as an index (4: other)
@@ -127,9 +131,11 @@ def rng_digest(device: torch.device) -> int:
     return zlib.crc32(state.numpy().tobytes())
 
 
-def fingerprint(args: dict, classes: Optional[int], problem: bool, rng: int = 0, options: int = 0) -> torch.Tensor:
-    """The 14 numbers each rank sends; ``problem``: this rank's arguments failed a local check; ``rng``:
-    its generator digest when the call draws dropout masks (else 0); ``options``: ``options_code``."""
+def fingerprint(args: dict, classes: Optional[int], problem: bool, rng: int = 0, options: int = 0,
+                loads: int = 0) -> torch.Tensor:
+    """The 15 numbers each rank sends; ``problem``: this rank's arguments failed a local check; ``rng``:
+    its generator digest when the call draws dropout masks (else 0); ``options``: ``options_code``; ``loads``:
+    how many times weights were loaded into the model on this rank."""
     ids = args["input_ids"]
     present = sum(1 << i for i, name in enumerate(FINGERPRINT) if name in args) | options << _PRESENCE_BITS
     zero = torch.zeros((), dtype=torch.int64, device=ids.device)
@@ -144,27 +150,29 @@ def fingerprint(args: dict, classes: Optional[int], problem: bool, rng: int = 0,
     mask = args.get("attention_mask")
     unpadded = mask.bool().all().to(torch.int64) if mask is not None and mask.numel() and not problem else zero
     return torch.cat([head, torch.stack(sums + [low.to(torch.int64), high.to(torch.int64), bad_labels.to(torch.int64),
-                                                zero + int(problem), zero + rng, unpadded])])
+                                                zero + int(problem), zero + rng, unpadded, zero + loads])])
 
 
 def check_arguments(args: dict, group, vocab: Optional[int], classes: Optional[int],
                     mask_length: Optional[int] = None, dropout: bool = False, options: int = 0,
-                    refused: Optional[BaseException] = None, device=None) -> bool:
+                    refused: Optional[BaseException] = None, device=None, loads: int = 0) -> bool:
     """Shapes, ranges and (over ``group``, a TPGroup) equality of the arguments of one call and of its
     ``options`` (``options_code``), and with ``dropout`` of the ranks' random generators. Every rank takes
     part in the exchange before anything is raised, so all raise together. ``refused``: the error this rank's
     arguments already got from a check before this one (an unsupported argument, say); the rank then sends a
     fingerprint flagged as failed (on ``device``: its arguments may hold no tensor) and raises that error
     after the exchange, while the others raise one naming it. Returns whether an attention mask was given that
-    holds no padding."""
+    holds no padding. ``loads``: how many times weights were loaded into the model on this rank
+    (``load_state_dict``), compared across the ranks: a load on some of them only leaves their shards of
+    different models."""
     if refused is None:
         problem = shape_problem(args, mask_length)
         rng = rng_digest(args["input_ids"].device) if dropout else 0
-        mine = fingerprint(args, classes, problem is not None, rng, options)
+        mine = fingerprint(args, classes, problem is not None, rng, options, loads)
     else:
         problem = None
         mine = torch.zeros(FIELDS, dtype=torch.int64, device=device)
-        mine[11] = 1
+        mine[11], mine[LOADS] = 1, loads
     box = getattr(_RIDER, "box", None)
     if box is not None and "value" not in box:
         mine = torch.cat([mine, box["tensor"].to(mine.device)])
@@ -185,7 +193,15 @@ def check_arguments(args: dict, group, vocab: Optional[int], classes: Optional[i
         where = "that rank" if len(failed) == 1 else "those ranks"
         raise InputError(f"the arguments of {ranks_named(failed)} are invalid (see the error on {where}); every tp "
                          f"rank must be given the same arguments")
-    compared = lambda row: row[:8] + row[13:]  # noqa: E731 - shapes, presence, options, checksums, padding
+    loaded = [row[LOADS] for row in table]
+    if len(set(loaded)) > 1:
+        raise InputError(
+            f"the tp ranks hold shards of different weights: load_state_dict loaded weights into this model "
+            f"{', '.join(f'{n} time(s) on tp rank {r}' for r, n in enumerate(loaded))}, so a load ran on some ranks "
+            "only. Load on every rank of the tp group: an `if rank == 0:` around load_state_dict, or Trainer's "
+            "load_best_model_at_end with a checkpoint folder some ranks cannot see (give them one output_dir on a "
+            "shared filesystem, or save_on_each_node=True across nodes)")
+    compared = lambda row: row[:8] + row[13:LOADS] + row[FIELDS:]  # noqa: E731 - shapes, presence, options, ...
     differ = [r for r, row in enumerate(table) if compared(row) != compared(table[0])]
     if differ:
         what = _what_differs(table[0], table[differ[0]])

@@ -105,7 +105,9 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             self._add_shard(p)
         # state_dict() handed to torch.distributed.checkpoint saves full-shape tensors (dcp_state.py)
         self.register_state_dict_post_hook(describe_state_dict)
-        # load_state_dict of complete tensors (transformers' state dict, Trainer's resume): this rank's shards
+        # load_state_dict of complete tensors (transformers' state dict, Trainer's resume): this rank's shards;
+        # counted, and the count compared across the tp ranks at each call (inputs.py: a load on some ranks only)
+        self._weights_loaded = 0
         self.register_load_state_dict_pre_hook(shard_full_values)
         # optimizers over its parameters: no whole-tensor optimizer or whole-shape state on the shards
         # (optimizer_checks.py), optimizer.state_dict() to DCP as full-shape state (dcp_optimizer.py)
@@ -333,7 +335,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                                        options=options_code(gather, dropout, logits_to_keep,
                                                             cache.length if cache is not None else None, self.dtype_,
                                                             router, counts),
-                                       refused=refused, device=self.device_)
+                                       refused=refused, device=self.device_, loads=self._weights_loaded)
             unpadded = unpadded and cache is None and self.cp_group is None
         if self.sequence_parallel and cache is None and input_ids.shape[-1] % self.tp_group.size:
             raise ShardingError(f"sequence_parallel: the sequence length {input_ids.shape[-1]} of input_ids "

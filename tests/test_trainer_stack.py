@@ -6,7 +6,8 @@ loss and every gradient at TP=2; ``num_parameters(exclude_embeddings=True)`` (Tr
 gradient checkpointing and a learning-rate schedule, at TP=2 (world = tp) and TP=1: the single-device
 Trainer's losses, grad norms (the true global norm, clipping by it) and final weights, replicated weights
 bit-identical on both ranks, and then ``evaluate()`` (``compute_metrics`` over complete logits) and ``predict()`` of
-the trained model giving the single-device Trainer's loss, metrics and predictions. At TP=2 Trainer takes transformers' tensor-parallel path
+the trained model giving the single-device Trainer's loss, metrics and predictions, and ``load_best_model_at_end``
+loading the best checkpoint (not the last) as the single-device Trainer does. At TP=2 Trainer takes transformers' tensor-parallel path
 (``ParallelismConfig(tp_size=2)``), which accelerate allows on GPUs only: the one check that refuses it
 on CPU is simulated (``fxparallel.accelerate_cpu``, what a CPU user calls); everything else is the path GPU users take.
 ``Trainer.save_model`` then writes what transformers loads as the trained model. Trainer checkpoints
@@ -14,7 +15,7 @@ on CPU is simulated (``fxparallel.accelerate_cpu``, what a CPU user calls); ever
 adding the optimizer, hyperparameters, schedule and random states) resume to the uninterrupted run's steps and weights,
 and a checkpoint without those files is refused on resuming. And
 Module hooks run on the model and its decoder layers and are refused on the modules its graphs never call (so
-Trainer's NEFTune stops before any step). ``pipeline("text-generation")`` takes the parallel model: its repr, transformers' text, and stop strings
+Trainer's NEFTune stops before any step); a ``load_state_dict`` on one rank only is named at the next call. ``pipeline("text-generation")`` takes the parallel model: its repr, transformers' text, and stop strings
 (``stop_sequence``) stopping where they stop transformers'; so does lm-eval's ``HFLM`` (a task's loglikelihoods and
 accuracy through ``simple_evaluate``, rolling loglikelihoods, ``generate_until``: transformers' numbers and text). TRL: the fused LM head its trainers add
 (``add_fused_lm_head``, with a temperature and every optional output) computed across the vocabulary shards equals
@@ -91,6 +92,8 @@ def _hooks(rank, world, path, root):
     import torch
     import torch.distributed as dist
 
+    from transformers import AutoModelForCausalLM
+
     import fxparallel
     from checks import raised
 
@@ -103,11 +106,38 @@ def _hooks(rank, world, path, root):
     for handle in handles:
         handle.remove()
     before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
-    return {"ran": ran, "layers": layers,
+    # a load on one rank only (transformers' state dict: complete tensors) leaves the ranks with shards of two
+    # models: the next call says so on every rank
+    other = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
+    if rank == 0:
+        other.load_state_dict({n: torch.zeros_like(p) for n, p in
+                               AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items()})
+    one_rank_load = raised(lambda: other(input_ids=torch.arange(9).reshape(1, 9)))
+    return {"ran": ran, "layers": layers, "one rank load": one_rank_load,
             "submodule": raised(lambda: model.model.layers[0].mlp.up_proj.register_forward_hook(lambda *_: None)),
             "backward": raised(lambda: model.lm_head.register_full_backward_hook(lambda *_: None)),
             "neftune": raised(lambda: _trainer_run(model, f"{root}/neftune{rank}", neftune_noise_alpha=5.0)),
             "kept": all(torch.equal(p, before[n]) for n, p in model.local_named_parameters())}
+
+
+def _best_model_run(model, out_dir):
+    """Stock Trainer evaluating every 2 steps and loading the best checkpoint at the end (a learning rate that
+    overshoots, so the best is not the last); returns the evaluations' losses and the loaded model's."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(3)
+    data = [{"input_ids": ids, "labels": ids} for ids in (torch.randint(0, 128, (9,), generator=g).tolist()
+                                                          for _ in range(16))]
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                             max_steps=6, learning_rate=40.0, optim="sgd", report_to=[], use_cpu=True, seed=7,
+                             eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                             save_only_model=True, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                             greater_is_better=False)
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4])
+    trainer.train()
+    return {"evals": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
+            "best": os.path.basename(trainer.state.best_model_checkpoint), "loaded": trainer.evaluate()["eval_loss"]}
 
 
 def _reset_accelerate():
@@ -149,6 +179,12 @@ def _tensor_parallel_trainer(rank, world, path, root):
     result["replicated_count"] = len(replicated)
     single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     result["trainer_ref"] = _single_process(_trainer_run, single, f"{root}/single{rank}")
+    # load_best_model_at_end: the tp ranks share the output folder (rank 0 writes each checkpoint)
+    result["best"] = _best_model_run(fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32),
+                                     f"{root}/best")
+    if rank == 0:  # (a job of one process on rank 1 would not write its checkpoints: accelerate's main process is 0)
+        result["best_ref"] = _single_process(_best_model_run, AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32), f"{root}/best_single")
     # evaluate() / predict() of the trained models
     result["eval"] = _trainer_eval(parallel, f"{root}/eval{rank}")
     result["eval_ref"] = _single_process(_trainer_eval, single, f"{root}/eval_single{rank}")
@@ -819,6 +855,10 @@ def test_trainer_stack(checkpoints, tmp_path):
         assert "offload=True" in r["offload"] and "not supported" in r["offload"], r["offload"]
         _check_trainer(r["tp2"])
         _check_eval(r["tp2"], 2)
+        best, best_ref = r["tp2"]["best"], results[0]["tp2"]["best_ref"]
+        assert best["best"] == best_ref["best"] == "checkpoint-4" and best_ref["evals"][2] > best_ref["evals"][1], best_ref
+        assert all(abs(a - b) < 1e-4 for a, b in zip(best["evals"] + [best["loaded"]],
+                                                      best_ref["evals"] + [best_ref["loaded"]])), (best, best_ref)
         assert r["tp2"]["replicated_identical"] and r["tp2"]["replicated_count"] == 5  # 2 x 2 layer norms + final
         assert r["tp2"]["saved_equals_shards"] and r["tp2"]["saved_vs_single"] < 1e-5, r["tp2"]
         _check_resumed(r["resumed"])
@@ -841,6 +881,8 @@ def test_trainer_stack(checkpoints, tmp_path):
         assert "module 'model.layers.0.mlp.up_proj'.register_forward_hook(...)" in hooks["submodule"] and \
             "would never run" in hooks["submodule"], hooks
         assert "module 'lm_head'.register_full_backward_hook" in hooks["backward"], hooks
+        assert "InputError: the tp ranks hold shards of different weights: load_state_dict loaded weights into " \
+            "this model 1 time(s) on tp rank 0, 0 time(s) on tp rank 1" in hooks["one rank load"], hooks
         assert "get_input_embeddings()" in hooks["neftune"] and "neftune_noise_alpha" in hooks["neftune"] and \
             hooks["kept"], hooks
         ours, theirs = r["lm_eval"]["parallel"], r["lm_eval"]["transformers"]
