@@ -14,7 +14,15 @@ on each rank alone, silently, when they reach the shards without the model seein
   gradients, finds none to unscale while the step then takes the views' scaled ones. ``ShardedGradScaler`` (its
   found_inf summed over a process group) is exact; over the DTensor views DTensor sums found_inf itself.
 
-So reading a shard's ``.grad`` from within either raises, before any gradient is changed."""
+So reading a shard's ``.grad`` from within either raises, before any gradient is changed.
+
+And one reader of ``.data``: for a model sharded at load, Trainer broadcasts from rank 0 every parameter that is not a
+DTensor (``_sync_replicated_trainable_parameters``, meant for adapters added after FSDP). The model answers it
+DTensor views; under ``TrainingArguments(torch_compile=True)`` Trainer asks torch.compile's wrapper, which collects
+the registered shards, and rank 0's would overwrite the others' (tried at TP=2: then a TypeError at the first
+backward, its gradient hook finding no gradient; with that mended, the views' gradients never cleared by the
+wrapper's ``zero_grad``, the second step's norm 4.03 where one device gives 2.97). So it raises there, before the
+broadcast."""
 from __future__ import annotations
 
 import sys
@@ -24,7 +32,16 @@ from torch import nn
 
 from .errors import ArgumentError
 
-_GRAD = torch.Tensor.grad  # the tensor's own attribute (a getset descriptor)
+_GRAD = torch.Tensor.grad  # the tensor's own attributes (getset descriptors)
+_DATA = torch.Tensor.data
+# the reader of ``.data`` refused (module docstring): Trainer's broadcast of the parameters that are not DTensors
+_TRAINER_BROADCAST = ("transformers.trainer", "_sync_replicated_trainable_parameters")
+_COMPILED_TRAINER = (
+    "transformers.Trainer reached the parallel model's shard {name} (shape {shape}) as a plain parameter, to "
+    "broadcast it from rank 0 over the other ranks, whose shards differ: TrainingArguments(torch_compile=True) hands "
+    "Trainer torch.compile's wrapper, whose parameters are the registered shards, not the model's DTensor views "
+    "(and its zero_grad would not clear the views' gradients). Not supported: leave torch_compile unset; no weight "
+    "was changed")
 # (module, functions) of the readers refused, and what to do instead
 _REFUSED = {
     ("torch.nn.utils.clip_grad", frozenset({"clip_grad_norm_", "clip_grad_norm"})): (
@@ -56,7 +73,21 @@ def _refused_reader():
 
 
 class ShardParameter(nn.Parameter):
-    """An ``nn.Parameter`` whose ``.grad`` refuses torch's ``clip_grad_norm_`` and GradScaler (module docstring)."""
+    """An ``nn.Parameter`` whose ``.grad`` refuses torch's ``clip_grad_norm_`` and GradScaler, and whose ``.data``
+    refuses Trainer's broadcast (module docstring)."""
+
+    @property
+    def data(self):
+        if not torch.compiler.is_compiling():
+            frame = sys._getframe(1)
+            if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _TRAINER_BROADCAST:
+                name = getattr(getattr(self, "_fxparallel", None), "name", "a parameter")
+                raise ArgumentError(_COMPILED_TRAINER.format(name=name, shape=tuple(self.shape)))
+        return _DATA.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        _DATA.__set__(self, value)
 
     @property
     def grad(self):

@@ -15,7 +15,8 @@ on CPU is simulated (``fxparallel.accelerate_cpu``, what a CPU user calls); ever
 adding the optimizer, hyperparameters, schedule and random states) resume to the uninterrupted run's steps and weights,
 and a checkpoint without those files is refused on resuming. And
 Module hooks run on the model and its decoder layers and are refused on the modules its graphs never call (so
-Trainer's NEFTune stops before any step); a ``load_state_dict`` on one rank only is named at the next call. ``pipeline("text-generation")`` takes the parallel model: its repr, transformers' text, and stop strings
+Trainer's NEFTune stops before any step), and so does ``torch_compile=True`` (Trainer would broadcast rank 0's shards
+through torch.compile's wrapper); a ``load_state_dict`` on one rank only is named at the next call. ``pipeline("text-generation")`` takes the parallel model: its repr, transformers' text, and stop strings
 (``stop_sequence``) stopping where they stop transformers'; so does lm-eval's ``HFLM`` (a task's loglikelihoods and
 accuracy through ``simple_evaluate``, rolling loglikelihoods, ``generate_until``: transformers' numbers and text). TRL: the fused LM head its trainers add
 (``add_fused_lm_head``, with a temperature and every optional output) computed across the vocabulary shards equals
@@ -117,6 +118,7 @@ def _hooks(rank, world, path, root):
             "submodule": raised(lambda: model.model.layers[0].mlp.up_proj.register_forward_hook(lambda *_: None)),
             "backward": raised(lambda: model.lm_head.register_full_backward_hook(lambda *_: None)),
             "neftune": raised(lambda: _trainer_run(model, f"{root}/neftune{rank}", neftune_noise_alpha=5.0)),
+            "torch_compile": raised(lambda: _trainer_run(model, f"{root}/compiled{rank}", torch_compile=True)),
             "kept": all(torch.equal(p, before[n]) for n, p in model.local_named_parameters())}
 
 
@@ -883,6 +885,8 @@ def test_trainer_stack(checkpoints, tmp_path):
         assert "module 'lm_head'.register_full_backward_hook" in hooks["backward"], hooks
         assert "InputError: the tp ranks hold shards of different weights: load_state_dict loaded weights into " \
             "this model 1 time(s) on tp rank 0, 0 time(s) on tp rank 1" in hooks["one rank load"], hooks
+        assert "TrainingArguments(torch_compile=True)" in hooks["torch_compile"] and \
+            "to broadcast it from rank 0" in hooks["torch_compile"], hooks["torch_compile"]
         assert "get_input_embeddings()" in hooks["neftune"] and "neftune_noise_alpha" in hooks["neftune"] and \
             hooks["kept"], hooks
         ours, theirs = r["lm_eval"]["parallel"], r["lm_eval"]["transformers"]
