@@ -390,7 +390,7 @@ def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
         position_limit=_position_limit(meta), takes_position_ids="position_ids" in forward_parameters,
         takes_logits_to_keep="logits_to_keep" in forward_parameters,
         takes_router_logits=takes_router_logits(meta),
-        hf_loss_type=getattr(meta, "loss_type", None),
+        hf_loss_type=getattr(meta, "loss_type", None), hf_class_name=type(meta).__name__,
         router_aux_loss_coef=float(getattr(meta, "router_aux_loss_coef", 0.0) or 0.0),
         moe_layers=len(experts_modules(meta)), recurrent_cache=keeps_states(meta.config),
         inputs_beyond_tokens=inputs_beyond_tokens(meta),

@@ -16,6 +16,7 @@ class ModelFacts:
     takes_position_ids: bool = True  # the model's forward has position_ids (else: positions from its cache)
     takes_logits_to_keep: bool = False  # the model's forward has logits_to_keep (generate's prefill keeps 1)
     hf_loss_type: Optional[str] = "ForCausalLM"  # the Hugging Face model's loss_type (None: a class name unmapped)
+    hf_class_name: Optional[str] = None  # the Hugging Face model's class name (LlamaForCausalLM): _get_name()
     # the model's forward has output_router_logits (a mixture of experts), and the load-balancing loss's weight
     takes_router_logits: bool = False
     router_aux_loss_coef: float = 0.0

@@ -7,7 +7,8 @@ gradient checkpointing and a learning-rate schedule, at TP=2 (world = tp) and TP
 Trainer's losses, grad norms (the true global norm, clipping by it) and final weights, replicated weights
 bit-identical on both ranks, and then ``evaluate()`` (``compute_metrics`` over complete logits) and ``predict()`` of
 the trained model giving the single-device Trainer's loss, metrics and predictions, and ``load_best_model_at_end``
-loading the best checkpoint (not the last) as the single-device Trainer does. At TP=2 Trainer takes transformers' tensor-parallel path
+loading the best checkpoint (not the last) as the single-device Trainer does; ``label_smoothing_factor`` too (Trainer
+shifts the labels for the class name the model answers, transformers'). At TP=2 Trainer takes transformers' tensor-parallel path
 (``ParallelismConfig(tp_size=2)``), which accelerate allows on GPUs only: the one check that refuses it
 on CPU is simulated (``fxparallel.accelerate_cpu``, what a CPU user calls); everything else is the path GPU users take.
 ``Trainer.save_model`` then writes what transformers loads as the trained model. Trainer checkpoints
@@ -181,6 +182,11 @@ def _tensor_parallel_trainer(rank, world, path, root):
     result["replicated_count"] = len(replicated)
     single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     result["trainer_ref"] = _single_process(_trainer_run, single, f"{root}/single{rank}")
+    # label smoothing: Trainer shifts the labels for the class names of causal LMs it knows (model._get_name())
+    result["smoothed"] = _trainer_run(fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32),
+                                      f"{root}/smoothed{rank}", label_smoothing_factor=0.1)
+    result["smoothed_ref"] = _single_process(_trainer_run, AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32), f"{root}/smoothed_single{rank}", label_smoothing_factor=0.1)
     # load_best_model_at_end: the tp ranks share the output folder (rank 0 writes each checkpoint)
     result["best"] = _best_model_run(fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32),
                                      f"{root}/best")
@@ -857,6 +863,10 @@ def test_trainer_stack(checkpoints, tmp_path):
         assert "offload=True" in r["offload"] and "not supported" in r["offload"], r["offload"]
         _check_trainer(r["tp2"])
         _check_eval(r["tp2"], 2)
+        smoothed, smoothed_ref = r["tp2"]["smoothed"], r["tp2"]["smoothed_ref"]
+        assert all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(smoothed[0] + smoothed[1],
+                                                                        smoothed_ref[0] + smoothed_ref[1])), \
+            (smoothed, smoothed_ref)
         best, best_ref = r["tp2"]["best"], results[0]["tp2"]["best_ref"]
         assert best["best"] == best_ref["best"] == "checkpoint-4" and best_ref["evals"][2] > best_ref["evals"][1], best_ref
         assert all(abs(a - b) < 1e-4 for a, b in zip(best["evals"] + [best["loaded"]],
