@@ -35,7 +35,7 @@ from .items_in_batch import check_items_in_batch, loss_over_items
 from .model_facts import ModelFacts
 from .router_outputs import expert_counts_asked, loss_without_aux, router_logits_asked, split_router_logits
 from .shard_parameter import ShardParameter
-from .uncalled_modules import UncalledModule, holder
+from .uncalled_modules import parent_of
 from .ops import collectives, context_parallel_attention
 from .ops.local_graph import LocalGraph
 from .ops.layer_units import install_layer_units
@@ -63,21 +63,6 @@ class ParallelCausalLMOutput(CausalLMOutputWithPast):
     tokens_per_expert: Optional[torch.LongTensor] = None  # with output_tokens_per_expert: [MoE layers, experts]
 
 
-def _set_path(root: nn.Module, dotted: str, value, kind: str):
-    *path, leaf = dotted.split(".")
-    module = root
-    for i, part in enumerate(path):
-        child = module._modules.get(part)
-        if child is None:
-            child = UncalledModule(".".join(path[:i + 1]))  # hooks on it are refused (uncalled_modules.py)
-            module.add_module(part, child)
-        module = child
-    if kind == "param":
-        module.register_parameter(leaf, value)
-    else:
-        module.register_buffer(leaf, value, persistent=False)
-
-
 class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFaceMethods, PreTrainedModel,
                        GenerationMixin):
     """This rank's shards and the graphs that run them; the Hugging Face model methods it has (and the
@@ -100,7 +85,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             setattr(self, name, getattr(facts, name))
         self._graph_set = GraphSet(factory)  # every graph of this module (graph_set.py)
         # decoder layers as modules the graphs call, so FSDP can make each one a unit
-        self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params, holder)
+        self._layer_paths, self._no_layer_units = install_layer_units(self, plan.params, parent_of)
         for p in plan.params:
             self._add_shard(p)
         # state_dict() handed to torch.distributed.checkpoint saves full-shape tensors (dcp_state.py)
@@ -140,7 +125,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         param = kind(torch.empty(p.local_shape(group.size, group.rank), device=self.device_, dtype=self.dtype_))
         param._fxparallel = p  # type: ignore[attr-defined]
         for name in p.names:
-            _set_path(self, name, param, "param")
+            module, leaf = parent_of(self, name)
+            module.register_parameter(leaf, param)
 
     # ---- graphs --------------------------------------------------------------
     def add_graph(self, graph: LocalGraph, shapes: Optional[dict] = None) -> None:
@@ -268,7 +254,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
 
     def set_buffers(self, buffers: dict) -> None:
         for name, value in buffers.items():
-            _set_path(self, name, value.to(self.device_), "buffer")
+            module, leaf = parent_of(self, name)
+            module.register_buffer(leaf, value.to(self.device_), persistent=False)
 
     # ---- forward -------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, gather_logits=None,
@@ -302,7 +289,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                 past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep,
                 gather_logits=gather_logits, compile_config=compile_config, return_dict=return_dict, **unsupported)
         # Trainer's evaluate / predict read the output's fields as predictions: complete logits (trainer_predictions.py)
-        predicting = trainer_predictions.predicting(labels, gather_logits)
+        predicting = trainer_predictions.predicting(self.training, labels, gather_logits)
         gather = predicting or ((labels is None) if gather_logits is None else bool(gather_logits))
         # the checks of this rank's own arguments: an error is raised only after the exchange in check_arguments,
         # so that an argument given to one rank only never leaves the others waiting in a collective (inputs.py)

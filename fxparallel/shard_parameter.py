@@ -34,16 +34,8 @@ from .errors import ArgumentError
 
 _GRAD = torch.Tensor.grad  # the tensor's own attributes (getset descriptors)
 _DATA = torch.Tensor.data
-# the reader of ``.data`` refused (module docstring): Trainer's broadcast of the parameters that are not DTensors
-_TRAINER_BROADCAST = ("transformers.trainer", "_sync_replicated_trainable_parameters")
-_COMPILED_TRAINER = (
-    "transformers.Trainer reached the parallel model's shard {name} (shape {shape}) as a plain parameter, to "
-    "broadcast it from rank 0 over the other ranks, whose shards differ: TrainingArguments(torch_compile=True) hands "
-    "Trainer torch.compile's wrapper, whose parameters are the registered shards, not the model's DTensor views "
-    "(and its zero_grad would not clear the views' gradients). Not supported: leave torch_compile unset; no weight "
-    "was changed")
-# (module, functions) of the readers refused, and what to do instead
-_REFUSED = {
+# (module, functions) of the readers of ``.grad`` refused, and what to do instead
+_GRAD_READERS = {
     ("torch.nn.utils.clip_grad", frozenset({"clip_grad_norm_", "clip_grad_norm"})): (
         "torch.nn.utils.clip_grad_norm_ reached a tensor-parallel shard ({name}, shape {shape}) through a list of "
         "parameters taken before: each rank would clip by its own norm. Pass model.parameters() at the call (the "
@@ -57,19 +49,33 @@ _REFUSED = {
         "over its process group, the world by default), or build the optimizer on model.parameters() after "
         "reading model.tp_size (DTensor views: DTensor sums it); no gradient was changed"),
 }
+# the reader of ``.data`` refused (module docstring): Trainer's broadcast of the parameters that are not DTensors
+_DATA_READERS = {
+    ("transformers.trainer", frozenset({"_sync_replicated_trainable_parameters"})): (
+        "transformers.Trainer reached the parallel model's shard {name} (shape {shape}) as a plain parameter, to "
+        "broadcast it from rank 0 over the other ranks, whose shards differ: TrainingArguments(torch_compile=True) "
+        "hands Trainer torch.compile's wrapper, whose parameters are the registered shards, not the model's DTensor "
+        "views (and its zero_grad would not clear the views' gradients). Not supported: leave torch_compile unset; "
+        "no weight was changed"),
+}
 
 
-def _refused_reader():
-    """The message for the reader of the ``.grad`` being read, if it is one of ``_REFUSED`` (looked for past the
-    property and any comprehension, a frame of its own before Python 3.12), else None."""
-    frame = sys._getframe(2)  # the reader: past the property
+def _refuse_reader(parameter, readers: dict) -> None:
+    """Raise the message of ``readers`` for the function reading ``parameter``'s attribute, if it is one of them
+    (looked for past the property and any comprehension, a frame of its own before Python 3.12)."""
+    if torch.compiler.is_compiling():
+        return
+    frame = sys._getframe(2)  # the reader: past this function and the property
     while frame is not None and frame.f_code.co_name.startswith("<"):  # <listcomp>, <genexpr>
         frame = frame.f_back
     if frame is None:
-        return None
+        return
     module, function = frame.f_globals.get("__name__"), frame.f_code.co_name
-    return next((message for (where, names), message in _REFUSED.items() if module == where and function in names),
-                None)
+    message = next((message for (where, names), message in readers.items() if module == where and function in names),
+                   None)
+    if message is not None:
+        name = getattr(getattr(parameter, "_fxparallel", None), "name", "a parameter")
+        raise ArgumentError(message.format(name=name, shape=tuple(parameter.shape)))
 
 
 class ShardParameter(nn.Parameter):
@@ -78,11 +84,7 @@ class ShardParameter(nn.Parameter):
 
     @property
     def data(self):
-        if not torch.compiler.is_compiling():
-            frame = sys._getframe(1)
-            if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _TRAINER_BROADCAST:
-                name = getattr(getattr(self, "_fxparallel", None), "name", "a parameter")
-                raise ArgumentError(_COMPILED_TRAINER.format(name=name, shape=tuple(self.shape)))
+        _refuse_reader(self, _DATA_READERS)
         return _DATA.__get__(self)
 
     @data.setter
@@ -91,10 +93,7 @@ class ShardParameter(nn.Parameter):
 
     @property
     def grad(self):
-        message = None if torch.compiler.is_compiling() else _refused_reader()
-        if message is not None:
-            name = getattr(getattr(self, "_fxparallel", None), "name", "a parameter")
-            raise ArgumentError(message.format(name=name, shape=tuple(self.shape)))
+        _refuse_reader(self, _GRAD_READERS)
         return _GRAD.__get__(self)
 
     @grad.setter

@@ -14,9 +14,11 @@ from .callers import frame_local, functions_on_stack
 TRAINER = "transformers.trainer"
 
 
-def predicting(labels, gather_logits) -> bool:
-    """Is this a call of Trainer's ``prediction_step`` that keeps the logits as predictions (with labels, the
-    gather left to the model)?"""
-    if labels is None or gather_logits is not None or "prediction_step" not in functions_on_stack(TRAINER):
+def predicting(training: bool, labels, gather_logits) -> bool:
+    """Is this a call of Trainer's ``prediction_step`` (in eval mode) that keeps the logits as predictions (with
+    labels, the gather left to the model)? The stack is read only for a labelled call in eval mode."""
+    if training or labels is None or gather_logits is not None:
+        return False
+    if "prediction_step" not in functions_on_stack(TRAINER):
         return False
     return not frame_local(TRAINER, "prediction_step", "prediction_loss_only")

@@ -68,6 +68,14 @@ class UncalledLayers(UncalledModule):
         return iter(self._modules.values())
 
 
-def holder(path: str, layers: bool = False) -> UncalledModule:
-    """The module made at ``path`` (``layers``: it holds the decoder layers)."""
-    return UncalledLayers(path) if layers else UncalledModule(path)
+def parent_of(root: nn.Module, dotted: str, layers: bool = False) -> tuple:
+    """The module holding the last name of ``dotted`` under ``root``, and that name; the modules above it made
+    where missing (``layers``: the innermost of them holds the decoder layers)."""
+    *parents, leaf = dotted.split(".")
+    module = root
+    for i, part in enumerate(parents):
+        if part not in module._modules:
+            path = ".".join(parents[:i + 1])
+            module.add_module(part, UncalledLayers(path) if layers and i == len(parents) - 1 else UncalledModule(path))
+        module = module._modules[part]
+    return module, leaf

@@ -338,11 +338,12 @@ def test_layer_units_are_the_layers_the_forward_runs():
 
     from fxparallel.plan.plan import UNUSED, ParamPlan
     from fxparallel.ops.layer_units import install_layer_units
+    from fxparallel.uncalled_modules import parent_of
 
     vision = [ParamPlan(f"model.vision_tower.layers.{i}.fc.weight", (4, 4), "R", UNUSED) for i in range(4)]
     text = [ParamPlan(f"model.language_model.layers.{i}.mlp.up_proj.weight", (4, 4), "S(0)", "column")
             for i in range(2)]
-    paths, why_not = install_layer_units(nn.Module(), vision + text, lambda path, layers: nn.Module())
+    paths, why_not = install_layer_units(nn.Module(), vision + text, parent_of)
     assert paths == ["model.language_model.layers.0", "model.language_model.layers.1"] and why_not is None
 
 
@@ -404,12 +405,13 @@ def test_a_weight_shared_by_two_layers_rules_out_layer_units():
 
     from fxparallel.plan.plan import ParamPlan
     from fxparallel.ops.layer_units import LayerUnit, install_layer_units
+    from fxparallel.uncalled_modules import parent_of
 
     root = nn.Module()
     params = [ParamPlan("model.layers.0.w", (4,), "R", "replicated", aliases=("model.layers.1.w",)),
               ParamPlan("model.layers.1.v", (4,), "R", "replicated"),
               ParamPlan("model.norm.weight", (4,), "R", "replicated")]
-    paths, why = install_layer_units(root, params, lambda path, layers: nn.Module())
+    paths, why = install_layer_units(root, params, parent_of)
     assert paths == ["model.layers.0", "model.layers.1"]  # the split still runs through them
     assert isinstance(root.get_submodule("model.layers.1"), LayerUnit)
     assert why == "parameter model.layers.0.w is shared by ['model.layers.0', 'model.layers.1']"

@@ -72,13 +72,13 @@ def layer_of(name: str, container: Optional[str]) -> Optional[str]:
     return f"{container}.{index}" if index.isdigit() else None
 
 
-def install_layer_units(root: nn.Module, params: list, holder: Callable[[str, bool], nn.Module]) -> tuple:
+def install_layer_units(root: nn.Module, params: list, parent_of: Callable[..., tuple]) -> tuple:
     """Create a LayerUnit at each layer path of the plan's ``params`` (``ParamPlan``) that the
     forward uses (a multimodal model's vision tower has layers of its own, which a text forward
     never runs), before the parameters are registered under them; the modules above them are
-    ``holder(path, holds the layers)``. Returns (layer paths, None), or
-    (layer paths, why they cannot be FSDP units: one parameter object under names of two units,
-    e.g. a weight shared by several layers)."""
+    made by ``parent_of(root, path, layers=True)`` (-> the layer's parent, its name there).
+    Returns (layer paths, None), or (layer paths, why they cannot be FSDP units: one parameter
+    object under names of two units, e.g. a weight shared by several layers)."""
     param_names = [p.names for p in params if p.used]
     container = layer_container(names[0] for names in param_names)
     if container is None:
@@ -86,12 +86,7 @@ def install_layer_units(root: nn.Module, params: list, holder: Callable[[str, bo
     paths = sorted({layer_of(names[0], container) for names in param_names} - {None},
                    key=lambda p: int(p.rsplit(".", 1)[1]))
     for path in paths:
-        *parents, leaf = path.split(".")
-        module = root
-        for i, part in enumerate(parents):
-            if part not in module._modules:
-                module.add_module(part, holder(".".join(parents[:i + 1]), i == len(parents) - 1))
-            module = module._modules[part]
+        module, leaf = parent_of(root, path, layers=True)
         module.add_module(leaf, LayerUnit())
     for names in param_names:
         owners = {layer_of(n, container) for n in names}
