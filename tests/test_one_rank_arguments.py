@@ -6,6 +6,7 @@ are), ``num_return_sequences`` draws that many rows per prompt, and no call of o
 its ``past_key_values`` deprecation warning."""
 from __future__ import annotations
 
+import os
 import time
 
 from checks import raised
@@ -102,6 +103,22 @@ def _one_rank(rank, world, path, save_dir):
         out["num_return_sequences"] = (tuple(drawn.shape), torch.equal(drawn[:, :7], ids.repeat_interleave(3, 0)),
                                        drawn.tolist())
     out["transformers warnings"] = records
+
+    # ---- a collective method called on some ranks only: named, not left in a gather (load/coordinate.py) ----
+    alone = save_dir + "-alone"
+    # at once: rank 0 saves while rank 1 generates
+    out["different methods"] = _raised(
+        lambda: model.save_pretrained(alone) if rank == 0 else model.generate(**generate))
+    out["nothing written alone"] = not os.path.exists(alone)
+    # generate on rank 0 alone; rank 1 calls it after rank 0 stopped waiting
+    os.environ["FXPARALLEL_AGREE_TIMEOUT"] = "2"
+    if rank == 1:
+        time.sleep(3)
+    out["generate on rank 0 alone"] = _raised(lambda: model.generate(**generate))
+    del os.environ["FXPARALLEL_AGREE_TIMEOUT"]
+    # then the ranks meet again
+    out["generate after"] = model.generate(**generate).tolist()
+    out["save after"] = _raised(lambda: model.save_pretrained(save_dir + "-after"))[0]
     return out
 
 
@@ -173,5 +190,24 @@ def test_a_refusal_on_one_rank_is_raised_on_every_rank_at_once(checkpoints, tmp_
         assert "(gather_logits=False leaves them sharded;" in out["tuple of a shard, gather_logits=False"]
         assert out["num_return_sequences"][:2] == ((6, 9), True), out["num_return_sequences"]
         assert out["num_return_sequences"][2] == results[0]["num_return_sequences"][2]  # the same draws on each rank
+        # save_pretrained on rank 0 while rank 1 generates: both refused at once, naming each rank's call
+        message, seconds = out["different methods"]
+        assert message.startswith("GroupError: the ranks of the tensor-parallel group are at different steps: rank 0 "
+                                  "at save_pretrained; rank 1 at generate. Every rank must take the same steps: "), \
+            message
+        assert "call the model's collective methods (save_pretrained, generate) on every rank, not `if rank == 0:`" \
+            in message and seconds < 10 and out["nothing written alone"], (message, seconds)
+        # generate on rank 0 alone: it stops waiting after FXPARALLEL_AGREE_TIMEOUT; rank 1, coming later, is told
+        message, seconds = out["generate on rank 0 alone"]
+        assert message.startswith(
+            "RankTimeoutError: rank 0 waited 2 s for rank 1 of the tensor-parallel group (ranks [0, 1]) at generate: "
+            "it did not arrive within 2 s (FXPARALLEL_AGREE_TIMEOUT) and reported no progress: stuck, exited, not "
+            "making this call (one called on some ranks only, `if rank == 0: ...`, never completes)"), message
+        assert message.endswith("(rank 1 is this process: it arrived after its peers had stopped waiting)") == \
+            (rank == 1), message
+        assert (2 <= seconds < 10) if rank == 0 else seconds < 1, seconds
+        # after both: the ranks meet again, the same tokens, a save
+        assert out["generate after"] == results[0]["generate after"] and out["save after"] == "no error"
+        assert os.path.exists(os.path.join(str(tmp_path), "saved-after", "config.json"))
         # forward, forward with a cache and generate log no deprecation of past_key_values
         assert not [r for r in out["transformers warnings"] if "past_key_values" in r], out["transformers warnings"]

@@ -264,7 +264,7 @@ def _late_rank(rank, world_size, checkpoint):
             time.sleep(0.25)
     assert coordinate.exchange(group, rank * 10, "a slow step with progress") == [0, 10]
     # ranks at different steps (one retried after an error): refused on both, not paired
-    with pytest.raises(GroupError, match=r"different steps of parallelize: rank 0 at step A; rank 1 at step B"):
+    with pytest.raises(GroupError, match=r"different steps: rank 0 at step A; rank 1 at step B"):
         coordinate.exchange(group, None, "step A" if rank == 0 else "step B")
     dist.barrier()
 

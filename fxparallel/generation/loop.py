@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..errors import CacheNotCarried, InputError
 from ..group import uses_nccl
 from ..inputs import ranks_named
+from ..load.coordinate import exchange
 from . import recompute, transformers_private as hf_private
 from .parallel_cache import ParallelCache, cache_length
 from .select import full_scores, top_k_candidates, vocab_parallel_argmax
@@ -149,25 +150,23 @@ def _same_on_every_rank(model, what: str, text: str, refused=None) -> None:
     """Refuse arguments that differ between the tp ranks (they would desynchronize the loop and hang), and
     raise on every rank an error one rank's own checks raised (``refused``): that rank raises its own, the others
     one naming it. Every rank takes part in the exchange before anything is raised, so an argument given to one
-    rank only never leaves the others waiting in a collective."""
+    rank only never leaves the others waiting in a collective; the exchange runs through the store with a
+    bounded wait (load/coordinate.py), so neither does a generate called on some ranks only."""
     group = model.tp_group
     if group.process_group is None or group.size == 1:
         if refused is not None:
             raise refused
         return
-    # on the model's device: an NCCL group takes CUDA tensors only; the first number flags a refusal
-    digest = torch.tensor([int(refused is not None)] + list(hashlib.sha256(text.encode()).digest()[:8]),
-                          dtype=torch.int64, device=model.device_)
-    rows = [torch.empty_like(digest) for _ in range(group.size)]
-    dist.all_gather(rows, digest, group=group.process_group)
+    rows = exchange(group.process_group, [refused is not None, hashlib.sha256(text.encode()).hexdigest()[:16]],
+                    "generate", step="generate")
     if refused is not None:
         raise refused
-    failed = [r for r, row in enumerate(rows) if int(row[0])]
+    failed = [r for r, (bad, _) in enumerate(rows) if bad]
     if failed:
         where = "that rank" if len(failed) == 1 else "those ranks"
         raise InputError(f"generate: the arguments of {ranks_named(failed)} were refused (see the error on {where}); "
                          f"every tp rank must call generate with the same prompts and generation arguments")
-    differ = [r for r, row in enumerate(rows) if not torch.equal(row, rows[0])]
+    differ = [r for r, row in enumerate(rows) if row != rows[0]]
     if differ:
         raise InputError(f"generate: the tp ranks were given different {what} (rank 0 vs ranks {differ}); every tp "
                          f"rank must call generate with the same prompts and generation arguments")

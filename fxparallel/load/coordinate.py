@@ -2,7 +2,11 @@
 
 Every function that exchanges values is entered by all ranks of ``group`` (each rank
 of the group calls ``parallelize``), so a rank that fails still reaches it with its
-error, and all ranks raise instead of one waiting for a peer that left.
+error, and all ranks raise instead of one waiting for a peer that left. The parallel model's
+own collective methods (``save_pretrained``, ``generate``) agree here before their first
+collective, so one called on some ranks only (``if rank == 0: model.generate(...)``, a
+single-device habit) is named in an error instead of waiting in a gather forever, or, over
+NCCL, pairing with another collective and exchanging the wrong data.
 
 The exchange runs through torch.distributed's key-value store, not a collective, so its
 wait is bounded: a rank that does not arrive within ``FXPARALLEL_AGREE_TIMEOUT`` seconds
@@ -208,7 +212,7 @@ def _wait(store, keys, verdict_key, prefix, ranks, me, what, timeout) -> bytes:
     every rank then obeys (the store's compare_set makes the decision atomic)."""
     start = time.monotonic()
     deadline = start + timeout
-    beats, next_look, told, pause = {}, start + BEAT_EVERY, False, 0.005
+    beats, next_look, told, pause = {}, start + BEAT_EVERY, False, 0.0005
     while True:
         if store.check([verdict_key]):
             return store.get(verdict_key)
@@ -235,8 +239,9 @@ def _wait(store, keys, verdict_key, prefix, ranks, me, what, timeout) -> bytes:
                 message = (f"{_name(me, ranks)} waited {now - start:.0f} s for {_names(missing, ranks)} of the "
                            f"tensor-parallel group (ranks {list(ranks)}) at {what}: "
                            f"{'it' if len(missing) == 1 else 'they'} did not arrive within {timeout:g} s "
-                           f"({TIMEOUT_ENV}) and reported no progress: stuck, exited, or retrying after an error "
-                           "(see that rank's own output)")
+                           f"({TIMEOUT_ENV}) and reported no progress: stuck, exited, not making this call (one "
+                           "called on some ranks only, `if rank == 0: ...`, never completes), or retrying after an "
+                           "error (see that rank's own output)")
                 return store.compare_set(verdict_key, "", _encode([message, missing]))
             continue
         time.sleep(pause)
@@ -269,10 +274,11 @@ def _check_same_step(everyone: list, ranks: tuple) -> list:
     """The values of ``everyone`` ([(step, what, value)] by rank), after checking all ranks are at one step."""
     if len({step for step, _, _ in everyone}) > 1:
         listing = "; ".join(f"{_name(r, ranks)} at {what}" for r, (_, what, _) in enumerate(everyone))
-        raise GroupError(f"the ranks of the tensor-parallel group are at different steps of parallelize: {listing}. "
-                         "Every rank must take the same steps: pass the same model on every rank (a directory must "
-                         "exist on every node), and let an error end every rank rather than calling parallelize "
-                         "again on one")
+        raise GroupError(f"the ranks of the tensor-parallel group are at different steps: {listing}. Every rank "
+                         "must take the same steps: pass the same model to parallelize on every rank (a directory "
+                         "must exist on every node), call the model's collective methods (save_pretrained, generate) "
+                         "on every rank, not `if rank == 0:`, and let an error end every rank rather than calling "
+                         "parallelize again on one")
     return [value for _, _, value in everyone]
 
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ..capture.adapters import is_adapter_parameter
 from ..errors import ArgumentError, CheckpointError
+from ..load.coordinate import exchange
 from ..ops.collectives import gather_full_to, gather_parts_to
 from .dtensor import fsdp_mesh_dim, full_tensor, local_part, tp_of
 from .fsdp import reshard
@@ -127,9 +128,10 @@ def _route(scope: ExportScope, refusal: Optional[Exception] = None) -> Optional[
     mine = None
     if scope.writer:
         _, tp_group = tp_of(scope.tp)
-        mine = (rank, tuple(dist.get_process_group_ranks(tp_group)) if tp_group is not None else (rank,))
-    found = [None] * dist.get_world_size(scope.group)
-    dist.all_gather_object(found, (mine, refusal is not None), group=scope.group)
+        mine = [rank, dist.get_process_group_ranks(tp_group) if tp_group is not None else [rank]]
+    # through the store, not a collective: a rank that calls save_pretrained alone (`if rank == 0: ...`) is
+    # named in an error instead of waiting in a gather (load/coordinate.py)
+    found = exchange(scope.group, [mine, refusal is not None], "save_pretrained", step="save_pretrained")
     if refusal is not None:
         raise refusal
     refused = [dist.get_global_rank(scope.group, r) if scope.group is not None else r
@@ -138,7 +140,7 @@ def _route(scope: ExportScope, refusal: Optional[Exception] = None) -> Optional[
         raise ArgumentError(f"save_pretrained: the arguments of rank {refused[0]} were refused (see the error on that "
                             "rank); every rank must call it with the same arguments")
     writer = next((w for w, _ in found if w is not None), None)
-    return None if writer is None else _Route(rank, *writer)
+    return None if writer is None else _Route(rank, writer[0], tuple(writer[1]))
 
 
 def _full_on_writer(param, plan_param, tp_mesh, route: _Route) -> Optional[torch.Tensor]:
