@@ -1,5 +1,6 @@
 """model.generate on models whose cache keeps recurrent states instead of (or beside) keys and values: pure
-Mamba, a Mamba-2 hybrid (Bamba) and a gated-delta-net hybrid (Qwen3.5). Greedy tokens equal single-device
+Mamba, a Mamba-2 hybrid (Bamba), a gated-delta-net hybrid (Qwen3.5) and a lightning-attention hybrid whose cache
+is a class of its own (MiniMax). Greedy tokens equal single-device
 transformers' from a left-padded batch; two graphs per cache length (the prompt's, which starts the states,
 and one token's, which continues them); a decode step communicates what a forward does (no gather); each
 rank keeps the states of the channels / heads it computes (1/TP of transformers' states where the forward
@@ -16,12 +17,13 @@ from distributed import run_ranks
 NEW_TOKENS = 8
 
 
-def _state_bytes(cache_layers) -> int:
-    """Bytes of transformers' cache's convolution and recurrent states."""
+def _state_bytes(cache) -> int:
+    """Bytes of transformers' cache's convolution and recurrent states (MiniMax's: its ``linear_cache``)."""
     import torch
 
-    return sum(t.numel() * t.element_size() for layer in cache_layers for field in ("conv_states", "recurrent_states")
-               for t in (getattr(layer, field, None) or {}).values() if isinstance(t, torch.Tensor))
+    states = [t for layer in cache.layers for field in ("conv_states", "recurrent_states")
+              for t in (getattr(layer, field, None) or {}).values()] + list(getattr(cache, "linear_cache", []))
+    return sum(t.numel() * t.element_size() for t in states if isinstance(t, torch.Tensor))
 
 
 def _generate(rank, tp, paths):
@@ -53,7 +55,7 @@ def _generate(rank, tp, paths):
             "prompt collectives": (prompt.code.count("collectives_all_reduce("),
                                    prompt.code.count("collectives_all_gather(")),
             "states": len(states),
-            "state share": ours / _state_bytes(expected.past_key_values.layers),
+            "state share": ours / _state_bytes(expected.past_key_values),
             "split states": sum(1 for full, local, _ in states.values() if full != local),
         }
         if name == "mamba":  # a hand-written loop: the prompt in the cache's first forward, then one token a call
@@ -87,10 +89,13 @@ def _paths(tmp_path, **configs) -> dict:
 
 
 def test_generate_state_space_and_linear_attention_models(tmp_path):
-    """Mamba (every layer a selective scan), Bamba (Mamba-2 layers and attention) and Qwen3.5 (gated delta nets
-    and attention, as in Qwen3-Next) at TP=2."""
+    """Mamba (every layer a selective scan), Bamba (Mamba-2 layers and attention), Qwen3.5 (gated delta nets
+    and attention, as in Qwen3-Next) and MiniMax (lightning attention and attention, its cache a class of its own)
+    at TP=2."""
     # Bamba of one group (B and C whole on every rank), at a width where the solver splits its mixer by heads
-    paths = _paths(tmp_path, mamba={}, bamba=dict(hidden_size=128, mamba_d_state=16, mamba_d_head=32), qwen3_5_text={})
+    # MiniMax's first layer linear (its cache's length then read past it), the prompt's scan in blocks of 3 tokens
+    paths = _paths(tmp_path, mamba={}, bamba=dict(hidden_size=128, mamba_d_state=16, mamba_d_head=32), qwen3_5_text={},
+                   minimax=dict(block_size=3, layer_types=["linear_attention", "full_attention"]))
     results = run_ranks(2, _generate, paths)
     assert results[0]["sampled"] == results[1]["sampled"]
     for out in results:
@@ -101,9 +106,10 @@ def test_generate_state_space_and_linear_attention_models(tmp_path):
             assert row["graphs"] == [(False, True), (True, False)], (name, row)  # the prompt's, then one token's
             # a token communicates what the prompt's forward does
             assert row["decode collectives"] == row["prompt collectives"], (name, row)
-            assert row["states"] >= 2, (name, row)
-        for name in ("mamba", "bamba", "qwen3_5_text"):
-            assert out[name]["decode collectives"][1] == 0, (name, out[name])
+            assert row["states"] >= (1 if name == "minimax" else 2), (name, row)
+            assert row["decode collectives"][1] == 0, (name, row)
+        # MiniMax's lightning-attention state (K^T V per head) by heads: half of it on each rank
+        assert out["minimax"]["state share"] == 0.5 and out["minimax"]["split states"] == 1, out["minimax"]
         # Qwen3.5's gated delta net by heads: half of its convolution's channels (of q, k and v each) and half
         # the heads' recurrent states
         assert out["qwen3_5_text"]["state share"] == 0.5 and out["qwen3_5_text"]["split states"] == 2, \

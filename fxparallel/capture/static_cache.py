@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..errors import CacheNotCarried
+from .own_caches import in_own_class
 
 # argument names of the cache tensors in the generated code: past_<layer>_<field>
 FIELDS = ("keys", "values", "cumulative_length", "indexer_keys", "indexer_cumulative_length")  # the last two: DSA indexers
@@ -83,7 +84,7 @@ def meta_cache(model, batch: int, length: int):
     if missing:  # (e.g. DeepSeek-V4's compressed attention: transformers generates with a dynamic cache)
         raise CacheNotCarried(f"{type(model).__name__} has layers of type {missing}, for which transformers has no "
                               "static cache layer")
-    cache = StaticCache(config=model.config, max_cache_len=length)
+    cache = in_own_class(model, StaticCache(config=model.config, max_cache_len=length))  # (MiniMax's: own_caches.py)
     # a sliding-window (or chunked) layer keeps every token, as a full-attention layer does: the window is
     # the mask's (transformers builds it from the config for that layer type, over the positions of the whole
     # cache), so the keys a query attends are those of transformers' rolling cache, and no graph depends on
