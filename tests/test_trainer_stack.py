@@ -513,34 +513,59 @@ def _reward_length(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
-def _grpo_refused(rank, world, root):
-    """TRL's GRPOTrainer at TP=2: it seeds each process differently and shuffles each generation batch with that
-    seed, so the tp ranks get different batches; the first forward refuses them, before any update."""
-    import torch
-    import torch.distributed as dist
+def _grpo_run(model, tokenizer, out_dir, **options):
+    """Stock GRPOTrainer, 2 steps of 4 sampled completions of one prompt each (SGD; GRPOConfig ``options``); returns
+    its logged values and the completions it sampled."""
     from datasets import Dataset
-    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    prompts = ["the cat", "a dog ran", "one two", "big red tree", "the mat", "it was", "then a", "under the"]
+    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=4, num_generations=4, max_completion_length=5,
+                      max_steps=2, learning_rate=5e-2, logging_steps=1, report_to=[], use_cpu=True,
+                      save_strategy="no", seed=7, dataloader_num_workers=0, bf16=False, optim="sgd",
+                      max_grad_norm=10.0, **options)
+    trainer = GRPOTrainer(model=model, args=args, reward_funcs=_reward_length, processing_class=tokenizer,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    values = {k: [float(h[k]) for h in logs] for k in ("loss", "reward", "reward_std", "grad_norm")}
+    return {"logs": values, "completions": list(trainer._logs["completion"])}
+
+
+def _grpo(rank, world, root):
+    """TRL's GRPOTrainer at TP=2 against the same on the parallel model at TP=1 (a job of one process), whose
+    sampling draws as fxparallel's generate draws (transformers' generate draws otherwise). TRL seeds each process
+    differently and shuffles each generation batch with the global generator after sampling: a sampling generate
+    leaves the tp ranks' generators alike, so they shuffle alike (before: each rank its own order, refused at
+    the first forward by the input check). ``scale_rewards="batch"`` is refused before any update."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
     import fxparallel
-    from fxparallel.errors import InputError
+    from fxparallel.errors import ArgumentError
 
     path = f"{root}/with_tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    groups = [dist.new_group([r]) for r in range(world)]
     model = fxparallel.parallelize(path, dist.group.WORLD, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
-    prompts = ["the cat", "a dog ran", "one two", "big red tree", "the mat", "it was", "then a", "under the"]
-    args = GRPOConfig(output_dir=f"{root}/grpo{rank}", per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=5, max_steps=2, learning_rate=5e-2, logging_steps=1, report_to=[],
-                      use_cpu=True, save_strategy="no", seed=7, dataloader_num_workers=0, bf16=False)
-    trainer = GRPOTrainer(model=model, args=args, reward_funcs=_reward_length, processing_class=
-                          AutoTokenizer.from_pretrained(path), train_dataset=Dataset.from_dict({"prompt": prompts}))
-    try:
-        trainer.train()
-        error = "no error"
-    except InputError as err:
-        error = str(err)
-    unchanged = all(torch.equal(p, before[n]) for n, p in model.local_named_parameters())
-    return {"error": error, "unchanged": unchanged}
+    try:  # advantages over the std of the whole gathered batch, where each tp rank's rewards are repeated
+        _grpo_run(model, tokenizer, f"{root}/grpo-batch{rank}", scale_rewards="batch")
+        out = {"batch std": "no error"}
+    except ArgumentError as err:
+        out = {"batch std": str(err)}
+    out["unchanged"] = all(torch.equal(p, before[n]) for n, p in model.local_named_parameters())
+    out["tp2"] = _grpo_run(model, tokenizer, f"{root}/grpo{rank}")
+    if rank == 0:
+        single = fxparallel.parallelize(path, groups[rank], dtype=torch.float32)
+        out["tp1"] = _single_process(_grpo_run, single, tokenizer, f"{root}/grpo-single")
+        weights = dict(single.local_named_parameters())
+        out["weights"] = max((p.detach() - model.plan.param(n).shard_of(weights[n].detach(), rank, world)).abs().max()
+                             .item() for n, p in model.local_named_parameters())
+        out["trained"] = max((p.detach() - q.detach()).abs().max().item() for (_, p), (_, q) in zip(
+            single.local_named_parameters(), fxparallel.parallelize(path, groups[rank]).local_named_parameters()))
+    return out
 
 
 def _own_loop(rank, world, path):
@@ -767,7 +792,7 @@ def _cases(rank, world, path, root):
     out["sft"] = _sft(rank, world, root)
     out["sft_lora"] = _sft_lora(rank, world, root)
     out["dpo"] = _dpo(rank, world, root)
-    out["grpo"] = _grpo_refused(rank, world, root)
+    out["grpo"] = _grpo(rank, world, root)
     out["own_loop"] = _own_loop(rank, world, path)
     out["accelerate_checkpoints"] = _accelerate_checkpoints(rank, world, path, root)
 
@@ -928,8 +953,22 @@ def test_trainer_stack(checkpoints, tmp_path):
                 key, ours, lora["single"][key])
         assert lora["adapter weights"][0] and lora["adapter weights"][1] < 1e-5, lora["adapter weights"]
         assert "cannot wrap the parallel model" in lora["peft_config"] and "add_adapter" in lora["peft_config"], lora
-        assert "the ranks of one tensor-parallel group got different arguments (the values of input_ids" in \
-            r["grpo"]["error"] and r["grpo"]["unchanged"], r["grpo"]
+        grpo, grpo1 = r["grpo"], results[0]["grpo"]
+        assert grpo["batch std"].startswith("GRPOConfig(scale_rewards='batch') at tp=2: accelerate gathers each tp "
+                                            "rank's rewards") and grpo["unchanged"], grpo["batch std"]
+        # the last step's completions, as TRL logs them (gathered: each tp rank's, the same, at TP=2)
+        sampled = grpo1["tp1"]["completions"]
+        assert len(sampled) == 4 and grpo["tp2"]["completions"] == sampled * 2, (grpo["tp2"], sampled)
+        for key in ("loss", "reward", "grad_norm"):
+            ours, theirs = grpo["tp2"]["logs"][key], grpo1["tp1"]["logs"][key]
+            assert len(ours) == 2 and all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(ours, theirs)), (
+                key, ours, theirs)
+        # the logged reward_std is over the gathered batch, each of the 4 rewards twice: sqrt(6/7) of one device's
+        for ours, theirs in zip(grpo["tp2"]["logs"]["reward_std"], grpo1["tp1"]["logs"]["reward_std"]):
+            assert abs(ours - theirs * (6 / 7) ** 0.5) < 1e-5, (ours, theirs)
+        # the rewards differ within a group, so it trained; the same weights
+        assert min(grpo["tp2"]["logs"]["reward_std"]) > 0 and grpo1["trained"] > 1e-3 and grpo1["weights"] < 1e-5, \
+            grpo1
     _check_trainer(results[0]["tp1"])
     assert "the world has 2 ranks and the model's tp group 1" in results[0]["tp1"]["smaller_group"]
 

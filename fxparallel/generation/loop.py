@@ -30,6 +30,7 @@ from ..errors import CacheNotCarried, InputError
 from ..group import uses_nccl
 from ..inputs import ranks_named
 from ..load.coordinate import exchange
+from ..trl_grpo import refuse_batch_statistics
 from . import recompute, transformers_private as hf_private
 from .parallel_cache import ParallelCache, cache_length
 from .select import full_scores, top_k_candidates, vocab_parallel_argmax
@@ -122,6 +123,7 @@ def _checked_arguments(model, input_ids, attention_mask, generation_config, kwar
         raise InputError(f"generate needs input_ids of shape [batch, prompt length], got {got}")
     if model.cp_group is not None:
         raise InputError("generate is not supported under context parallelism (cp_group): parallelize without it")
+    refuse_batch_statistics(model.tp_group.size)  # TRL's GRPOTrainer (trl_grpo.py)
     user_max_length = kwargs.get("max_length")
     config, model_kwargs = hf_private.prepare_generation_config(model, generation_config, kwargs)
     mode = config.get_generation_mode()
@@ -245,6 +247,9 @@ def _shared_generator(model) -> torch.Generator:
     if model.tp_group.process_group is not None and model.tp_group.size > 1:
         dist.broadcast(seed, src=dist.get_global_rank(model.tp_group.process_group, 0),
                        group=model.tp_group.process_group)
+    # the tp ranks are one device: their global generators go on alike after a sampling generate (TRL's
+    # GRPOTrainer, seeded per process, shuffles the completions it sampled with them before the model sees them)
+    torch.manual_seed(int(seed) + 1)
     return torch.Generator(device=device).manual_seed(int(seed))
 
 
