@@ -26,8 +26,8 @@ single-device SFTTrainer's losses, grad norms, entropy and token accuracy and we
 reference model, its losses, reward margins and weights), and so does SFTTrainer training a
 LoRA adapter (on the parallel model with ``load_adapter(..., is_trainable=True)``, against PeftModel; its trained
 adapter equal too), while ``SFTTrainer(peft_config=...)``, whose ``get_peft_model`` cannot wrap the parallel model, is
-refused naming ``add_adapter``; GRPOTrainer, which gives the
-tp ranks different batches, is refused on its first forward, naming input_ids, with every weight unchanged. (The SFT runs use SGD:
+refused naming ``add_adapter``; GRPOTrainer at TP=2 samples, rewards, trains and logs as the same training at TP=1
+(its ``scale_rewards="batch"`` refused, every weight unchanged). (The SFT runs use SGD:
 Adam's first steps divide each gradient by its own magnitude, which turns fp32 rounding in near-zero gradients into
 1e-4 weight differences whatever computed them; Trainer's run above uses AdamW.)"""
 from __future__ import annotations
