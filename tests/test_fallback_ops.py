@@ -9,6 +9,11 @@ dimension (a parameter gathered for the op: its gradient from the replicated bra
 and is added to the shard's). Loss, logits and every gradient must match at TP=2, and the plan must list both
 fallbacks.
 
+Before the flip, the MLP writes into a view of the hidden units with a tensor index (no rule keeps the shard: the
+write runs on a gathered copy of the view, and this rank's part goes back into the view, so the flip, which reads
+the hidden units themselves, sees it; before: only readers of the view itself were looked for, and the write was
+lost, as in Kimi-Linear's keys filled through slices).
+
 The MLP also reads one row of ``gate_proj``'s weight, split by rows (``weight[-3]``, as Gemma 4 reads its pad
 token's row of the vocabulary-split embedding): that has a rule, not a fallback. The rank holding the row gives it,
 the others zeros (a partial sum), so the weight is not gathered, and the row's gradient reaches its owner only.
@@ -23,6 +28,8 @@ from distributed import run_ranks
 
 def flipped_mlp(self, x):
     h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+    row = h[:, 1]  # a view of the hidden units, split as they are
+    row[torch.arange(1, device=h.device)] = 0.0  # a tensor index: written on a gathered copy, then back into the view
     h = torch.flip(h, dims=[-1])  # not elementwise: flipping a sharded dim locally would be wrong
     out = self.down_proj(h)
     # a sharded weight read as a whole by an op without a rule (after down_proj has decided its placement)

@@ -210,9 +210,14 @@ SEQUENCE_MIXING = frozenset({"cumsum", "cumprod", "roll", "flip", "diff", "conv1
 # products that may multiply two activations (attention written out by hand)
 ACTIVATION_PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum", "mm"})
 
+# results that may share their first argument's storage: a write into them is a write into it (rewrite/redistribute.py)
+SHARES_STORAGE = frozenset({"getitem", "view", "reshape", "expand", "transpose", "permute", "unsqueeze", "squeeze",
+                            "flatten", "unflatten", "movedim", "t", "split", "chunk", "unbind"})
+
 _TRAITS = (POINTWISE, LINEAR_UNARY, LINEAR_SCALE, DIVIDES, LINEAR_ADD, REDUCTIONS, SHAPE_KEEPING, SIZED_VIEWS,
            PURE_RESHAPES, SHAPE_QUERIES, SAME_VALUES, KEEPS_FEATURES, TOKEN_WISE, TOKEN_WISE_REDUCTIONS,
-           SEQUENCE_MIXING, ACTIVATION_PRODUCTS, TOKEN_WISE_PRODUCTS, frozenset(NORMALIZED_SHAPE_ARG), ELEMENTWISE_ACTIVATIONS)
+           SEQUENCE_MIXING, ACTIVATION_PRODUCTS, TOKEN_WISE_PRODUCTS, frozenset(NORMALIZED_SHAPE_ARG), ELEMENTWISE_ACTIVATIONS,
+           SHARES_STORAGE)
 for _trait in _TRAITS:
     if not _trait <= SPELLINGS.keys():
         raise AssertionError(f"traits name ops the table does not spell: {sorted(_trait - SPELLINGS.keys())}")

@@ -13,6 +13,7 @@ import torch.fx as fx
 from ..capture.graph import writes_data
 from ..errors import ShardingError
 from ..plan.layout import uneven_split
+from ..plan.op_traits import SHARES_STORAGE, op_name
 from ..plan.placement import P, R, Placement, is_sharded
 from ..plan.rules.base import requires_grad
 from ..plan.solver import GraphPlan, describe
@@ -63,10 +64,11 @@ def _write_back(graph, node: fx.Node, dest: fx.Node, cur: Placement, req: Placem
                 layout, rank: int, gplan: GraphPlan) -> None:
     """``node`` writes in place into ``copy``, the redistributed ``dest``: readers of ``dest`` after it must
     see the write, so this rank's part of ``copy`` goes back into ``dest``. (A slice of a replicated ``dest``
-    is a view of it, written through already; readers of the op's result read the written copy.)"""
+    is a view of it, written through already; readers of the op's result read the written copy.) Readers of the
+    tensor ``dest`` is a view of, or of another view of it, are readers of ``dest``'s storage too."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     later = [u for u in dest.users if order[u] > order[node]]
-    if not later:
+    if not later and not _storage_read_after(dest, node, order):
         return  # nothing reads ``dest`` after the write (its readers take the op's result, the written copy)
     if cur.is_partial and req.is_replicate and all(
             getattr(gplan.strategies.get(u), "inputs", {}).get(dest, R) == R for u in later):
@@ -80,6 +82,24 @@ def _write_back(graph, node: fx.Node, dest: fx.Node, cur: Placement, req: Placem
     with graph.inserting_after(steps[-1]):
         back = graph.call_method("copy_", (dest, steps[-1]))
     back.meta["example_value"] = dest.meta.get("example_value")
+
+
+def _storage_read_after(value: fx.Node, write: fx.Node, order: dict) -> bool:
+    """Is the tensor ``value`` is a view of (through ``op_traits.SHARES_STORAGE``), or any view of that tensor,
+    read after ``write``? (Kimi-Linear's MLA fills its keys through slices: ``keys[..., :d].copy_(k)``.)"""
+    root = value
+    while op_name(root) in SHARES_STORAGE and root.args and isinstance(root.args[0], fx.Node):
+        root = root.args[0]
+    family, seen = [root], {root}
+    while family:
+        member = family.pop()
+        for user in member.users:
+            if order[user] > order[write]:
+                return True
+            if user not in seen and op_name(user) in SHARES_STORAGE and user.args and user.args[0] is member:
+                seen.add(user)
+                family.append(user)
+    return False
 
 
 def _blockwise(graph, value: fx.Node, p: Placement, block: Optional[int], collective) -> list:
