@@ -12,7 +12,9 @@ fallbacks.
 Before the flip, the MLP writes into a view of the hidden units with a tensor index (no rule keeps the shard: the
 write runs on a gathered copy of the view, and this rank's part goes back into the view, so the flip, which reads
 the hidden units themselves, sees it; before: only readers of the view itself were looked for, and the write was
-lost, as in Kimi-Linear's keys filled through slices).
+lost, as in Kimi-Linear's keys filled through slices). A write into a slice taken across the split
+(``h[..., 1:3].mul_(2.0)``: the slice is read from a gathered copy) is refused by name (before: lost, loss off by
+4e-4).
 
 The MLP also reads one row of ``gate_proj``'s weight, split by rows (``weight[-3]``, as Gemma 4 reads its pad
 token's row of the vocabulary-split embedding): that has a rule, not a fallback. The rank holding the row gives it,
@@ -37,6 +39,13 @@ def flipped_mlp(self, x):
     return out + 0.25 * self.gate_proj.weight[-3]  # one row of a weight split by rows: read from its owner
 
 
+def slice_writing_mlp(self, x):
+    """An in-place write into a slice of the hidden units taken across their split: refused by name."""
+    h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+    h[..., 1:3].mul_(2.0)
+    return self.down_proj(h)
+
+
 def _patch():
     from transformers.models.llama import modeling_llama
 
@@ -48,13 +57,22 @@ def _fallback(rank, tp, path):
 
     import fxparallel
     from checks import compare
+    from fxparallel.errors import ShardingError
     from models import reference
 
     _patch()  # in this process: the ranks' meta model and the reference run the same code
     model = fxparallel.parallelize(path, dist.group.WORLD)
     errors = compare(model, reference(path), rank, tp, gather_logits=True)
     placements = {p.name: str(p.placement) for p in model.plan.params}
-    return errors, list(model.plan.fallbacks), str(model.plan), placements
+    from transformers.models.llama import modeling_llama
+
+    modeling_llama.LlamaMLP.forward = slice_writing_mlp
+    try:
+        fxparallel.parallelize(path, dist.group.WORLD)
+        refused = "no error"
+    except ShardingError as err:
+        refused = str(err)
+    return errors, list(model.plan.fallbacks), str(model.plan), placements, refused
 
 
 @pytest.fixture(scope="module")
@@ -63,16 +81,21 @@ def fallback_run(checkpoints):
 
 
 def test_fallback_on_real_ranks_matches_single_device(fallback_run):
-    for errors, _, _, placements in fallback_run:
+    for errors, _, _, placements, refused in fallback_run:
         # the ops read sharded values: the MLP is split as usual, so the fallback has something to gather
         assert placements["model.layers.0.mlp.up_proj.weight"] == "S(0)", placements
         # (row- or column-parallel after the gathered flip: the same bytes either way, the solver may take either)
         assert placements["model.layers.0.mlp.down_proj.weight"] in ("S(0)", "S(1)"), placements
         assert errors["loss"] < 1e-5 and errors["logits"] < 1e-5 and errors["grad"] < 1e-5, errors
+        # a write into a slice taken across the split would land in a gathered copy (loss off by 4e-4): refused
+        assert refused.startswith("mul_ (mul_; File ") and refused.endswith(
+            "in slice_writing_mlp) writes in place into a slice of h taken across its split over the tp ranks: the "
+            "slice is read from a gathered copy, so the write would not reach h. Not supported: write out of place "
+            "(e.g. torch.where, or a new tensor)"), refused
 
 
 def test_plan_lists_the_fallbacks(fallback_run):
-    for _, fallbacks, report, _ in fallback_run:
+    for _, fallbacks, report, _, _ in fallback_run:
         flips = [f for f in fallbacks if "flip" in f and "gathered" in f]
         # two per layer (the hidden units and down_proj's weight), two layers
         assert len(flips) == 4, fallbacks

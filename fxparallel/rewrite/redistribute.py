@@ -84,6 +84,25 @@ def _write_back(graph, node: fx.Node, dest: fx.Node, cur: Placement, req: Placem
     back.meta["example_value"] = dest.meta.get("example_value")
 
 
+def _refuse_write_into_a_copy(node: fx.Node, made_from: dict, graph: fx.Graph) -> None:
+    """``node`` writes in place through a view (``op_traits.SHARES_STORAGE``, one or more deep) of a redistributed
+    copy (``h[..., 1:3].zero_()`` with ``h`` split on its last dim: the slice is taken from ``all_gather(h)``): the
+    write lands in the copy, lost to the readers of the value copied after it. Refused, naming the op, rather than
+    run wrong. (A write into the copy itself is put back: ``_write_back``.)"""
+    value = node.args[0] if node.args else None
+    while isinstance(value, fx.Node) and op_name(value) in SHARES_STORAGE and value.args:
+        value = value.args[0]
+        if value in made_from:
+            copied = made_from[value]
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            if _storage_read_after(copied, node, order):
+                raise ShardingError(
+                    f"{describe(node)} writes in place into a slice of {copied.name} taken across its split over the "
+                    "tp ranks: the slice is read from a gathered copy, so the write would not reach "
+                    f"{copied.name}. Not supported: write out of place (e.g. torch.where, or a new tensor)")
+            return
+
+
 def _storage_read_after(value: fx.Node, write: fx.Node, order: dict) -> bool:
     """Is the tensor ``value`` is a view of (through ``op_traits.SHARES_STORAGE``), or any view of that tensor,
     read after ``write``? (Kimi-Linear's MLA fills its keys through slices: ``keys[..., :d].copy_(k)``.)"""
@@ -117,8 +136,11 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, editor: GraphEdito
     group = editor.group
     _sum_whole_rows(graph, gplan, editor)
     cache = {}
+    made_from = {}  # a redistributed copy -> the value it copies
     sharded_consumers = defaultdict(list)
     for node in list(graph.nodes):
+        if writes_data(node):
+            _refuse_write_into_a_copy(node, made_from, graph)
         strategy = gplan.strategies.get(node)
         if strategy is None:
             continue
@@ -137,6 +159,7 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, editor: GraphEdito
                 steps = _redistribute(graph, inp, cur, req, group.handle, node, editor.layout, group.rank,
                                       gplan.placements)
                 cache[key] = steps[-1]
+                made_from[steps[-1]] = inp
                 for step in steps:
                     if step.target is collectives.local_chunk:
                         source = step.args[0]
