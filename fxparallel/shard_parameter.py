@@ -78,28 +78,18 @@ def _refuse_reader(parameter, readers: dict) -> None:
         raise ArgumentError(message.format(name=name, shape=tuple(parameter.shape)))
 
 
+def _refusing(attribute, readers: dict, deletable: bool = False) -> property:
+    """The tensor's own ``attribute`` (a getset descriptor) as a property whose reading refuses ``readers``."""
+    def read(parameter):
+        _refuse_reader(parameter, readers)
+        return attribute.__get__(parameter)
+
+    return property(read, attribute.__set__, attribute.__delete__ if deletable else None)
+
+
 class ShardParameter(nn.Parameter):
     """An ``nn.Parameter`` whose ``.grad`` refuses torch's ``clip_grad_norm_`` and GradScaler, and whose ``.data``
     refuses Trainer's broadcast (module docstring)."""
 
-    @property
-    def data(self):
-        _refuse_reader(self, _DATA_READERS)
-        return _DATA.__get__(self)
-
-    @data.setter
-    def data(self, value):
-        _DATA.__set__(self, value)
-
-    @property
-    def grad(self):
-        _refuse_reader(self, _GRAD_READERS)
-        return _GRAD.__get__(self)
-
-    @grad.setter
-    def grad(self, value):
-        _GRAD.__set__(self, value)
-
-    @grad.deleter
-    def grad(self):
-        _GRAD.__delete__(self)
+    data = _refusing(_DATA, _DATA_READERS)
+    grad = _refusing(_GRAD, _GRAD_READERS, deletable=True)
