@@ -1,8 +1,8 @@
 """model.generate on models whose cache keeps recurrent states instead of (or beside) keys and values: pure
-Mamba, a Mamba-2 hybrid (Bamba), a gated-delta-net hybrid (Qwen3.5) and a lightning-attention hybrid whose cache
-is a class of its own (MiniMax). Greedy tokens equal single-device
-transformers' from a left-padded batch; two graphs per cache length (the prompt's, which starts the states,
-and one token's, which continues them); a decode step communicates what a forward does (no gather); each
+Mamba, a Mamba-2 hybrid (Bamba), a gated-delta-net hybrid (Qwen3.5), a lightning-attention hybrid whose cache
+is a class of its own (MiniMax), and xLSTM (mLSTM states only, in its own cache class). Greedy tokens equal
+single-device transformers' from a left-padded batch; two graphs per cache length (the prompt's, which starts the
+states, and one token's, which continues them); a decode step communicates what a forward does (no gather); each
 rank keeps the states of the channels / heads it computes (1/TP of transformers' states where the forward
 splits the layer); output_scores and sampling as for attention models; a multi-token forward on a cache already
 written is refused by name."""
@@ -18,11 +18,13 @@ NEW_TOKENS = 8
 
 
 def _state_bytes(cache) -> int:
-    """Bytes of transformers' cache's convolution and recurrent states (MiniMax's: its ``linear_cache``)."""
+    """Bytes of transformers' cache's convolution and recurrent states (MiniMax's: its ``linear_cache``; xLSTM's:
+    its ``rnn_state``)."""
     import torch
 
-    states = [t for layer in cache.layers for field in ("conv_states", "recurrent_states")
+    states = [t for layer in getattr(cache, "layers", []) for field in ("conv_states", "recurrent_states")
               for t in (getattr(layer, field, None) or {}).values()] + list(getattr(cache, "linear_cache", []))
+    states += [t for layer in getattr(cache, "rnn_state", {}).values() for t in layer]
     return sum(t.numel() * t.element_size() for t in states if isinstance(t, torch.Tensor))
 
 
@@ -45,7 +47,7 @@ def _generate(rank, tp, paths):
         states = {k: v for k, v in cache.layout.items() if "_states_" in k}
         generation = [g for g in model.graphs() if g.cache_length]
         decode = next(g for g in generation if not g.spec.fresh_cache)
-        prompt = next(g for g in generation if g.spec.fresh_cache)  # a forward of many tokens
+        prompt = next(g for g in generation if g.spec.shape[1] > 1)  # a forward of many tokens
         ours = sum(t.numel() * t.element_size() for k, t in cache.tensors.items() if k in states)
         out[name] = {
             "tokens": torch.equal(got.sequences, expected.sequences),
@@ -90,12 +92,13 @@ def _paths(tmp_path, **configs) -> dict:
 
 def test_generate_state_space_and_linear_attention_models(tmp_path):
     """Mamba (every layer a selective scan), Bamba (Mamba-2 layers and attention), Qwen3.5 (gated delta nets
-    and attention, as in Qwen3-Next) and MiniMax (lightning attention and attention, its cache a class of its own)
-    at TP=2."""
+    and attention, as in Qwen3-Next), MiniMax (lightning attention and attention, its cache a class of its own) and
+    xLSTM (mLSTM blocks, their states in a cache of its own) at TP=2."""
     # Bamba of one group (B and C whole on every rank), at a width where the solver splits its mixer by heads
     # MiniMax's first layer linear (its cache's length then read past it), the prompt's scan in blocks of 3 tokens
     paths = _paths(tmp_path, mamba={}, bamba=dict(hidden_size=128, mamba_d_state=16, mamba_d_head=32), qwen3_5_text={},
-                   minimax=dict(block_size=3, layer_types=["linear_attention", "full_attention"]))
+                   minimax=dict(block_size=3, layer_types=["linear_attention", "full_attention"]),
+                   xlstm=dict(num_blocks=1, num_hidden_layers=1))
     results = run_ranks(2, _generate, paths)
     assert results[0]["sampled"] == results[1]["sampled"]
     for out in results:
@@ -103,13 +106,18 @@ def test_generate_state_space_and_linear_attention_models(tmp_path):
         for name in paths:
             row = out[name]
             assert row["tokens"], (name, row)
-            assert row["graphs"] == [(False, True), (True, False)], (name, row)  # the prompt's, then one token's
+            # the prompt's, then one token's (xLSTM runs the same code whether its states start or continue)
+            fresh = name != "xlstm"
+            assert row["graphs"] == sorted([(False, True), (fresh, False)]), (name, row)
             # a token communicates what the prompt's forward does
             assert row["decode collectives"] == row["prompt collectives"], (name, row)
             assert row["states"] >= (1 if name == "minimax" else 2), (name, row)
             assert row["decode collectives"][1] == 0, (name, row)
         # MiniMax's lightning-attention state (K^T V per head) by heads: half of it on each rank
         assert out["minimax"]["state share"] == 0.5 and out["minimax"]["split states"] == 1, out["minimax"]
+        # xLSTM's mLSTM by heads: half the heads' matrix memory, normalizer and stabilizer (one block: a second
+        # adds half a minute to the suite, its forward's plan alone taking 7 s to find)
+        assert out["xlstm"]["state share"] == 0.5 and out["xlstm"]["split states"] == 3, out["xlstm"]
         # Qwen3.5's gated delta net by heads: half of its convolution's channels (of q, k and v each) and half
         # the heads' recurrent states
         assert out["qwen3_5_text"]["state share"] == 0.5 and out["qwen3_5_text"]["split states"] == 2, \

@@ -84,7 +84,7 @@ def meta_cache(model, batch: int, length: int):
     if missing:  # (e.g. DeepSeek-V4's compressed attention: transformers generates with a dynamic cache)
         raise CacheNotCarried(f"{type(model).__name__} has layers of type {missing}, for which transformers has no "
                               "static cache layer")
-    cache = in_own_class(model, StaticCache(config=model.config, max_cache_len=length))  # (MiniMax's: own_caches.py)
+    cache = in_own_class(model, StaticCache(config=model.config, max_cache_len=length), batch)  # (own_caches.py)
     # a sliding-window (or chunked) layer keeps every token, as a full-attention layer does: the window is
     # the mask's (transformers builds it from the config for that layer type, over the positions of the whole
     # cache), so the keys a query attends are those of transformers' rolling cache, and no graph depends on

@@ -134,7 +134,8 @@ class Solver:
             elif n.op == "placeholder" and n.name in captured.state:  # KV cache: placed like a parameter
                 self.param_nodes[n] = state_name(captured.state[n.name])
         self.ctx = RuleContext(tp=tp, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ, layout=self.layout,
-                               experts=frozenset(n for n, name in self.param_nodes.items() if name in experts))
+                               experts=frozenset(n for n, name in self.param_nodes.items() if name in experts),
+                               states=frozenset(n for n in self.param_nodes if n.name in captured.state))
         self.depthwise = depthwise_weights(self.param_nodes)
         # whole experts per rank: every stacked expert weight holds its experts, however small (the expert rows
         # rules need the whole block on the same experts)
@@ -242,6 +243,7 @@ class Solver:
         if any(p is not None and p.is_expert_rows for p in in_pl.values()):  # only rows-aware strategies
             rule = expert_rows.strategies
         self.ctx.placed = plan.placements.get  # this branch's placements, for rules that look ahead
+        self.ctx.undecided = frozenset(undecided)
         strategies = rule(node, in_pl, self.ctx) if rule else []
         if not getattr(rule, "handles_blocks", False):  # a rule unaware of blocked shards must not get one
             strategies = [s for s in strategies if not requires_block(s)]

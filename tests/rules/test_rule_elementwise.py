@@ -74,3 +74,34 @@ def test_whole_segments_pass_through_an_op_of_their_own_shards_only():
     gm = capture(lambda x, y: x * y, (2, 5, 24), (2, 5, 24))
     x, y = inputs_of(gm)
     assert strategies(node(gm, operator.mul), {x: xbc})[0].inputs == {x: xbc, y: xbc}
+
+
+def _mlstm_step(x, c, w, o):
+    """xLSTM's decode step in miniature: the state ``c`` [batch, heads, d, d] cast before any activation is
+    computed, then scaled per head by a column-parallel gate, written back, and read by a row-parallel output."""
+    c_old = c.to(torch.float32)
+    gate = torch.nn.functional.linear(x, w).view(2, 4, 8, 1)
+    new = gate * c_old
+    c.copy_(new)
+    return torch.nn.functional.linear(new.sum(-1).flatten(1), o)
+
+
+def test_a_state_read_first_by_a_cast_is_split_as_its_readers_need():
+    """The cast sees nothing to line the state up with: each split but the batch's is offered, and the plan takes
+    the heads the gate is split by (left whole, every rank kept the whole state, writing its heads' part)."""
+    from rule_graphs import captured_graph
+
+    from fxparallel.plan.layout import ShardLayout
+    from fxparallel.plan.solver import solve
+
+    gm = capture(_mlstm_step, (2, 16), (2, 4, 8, 8), (32, 16), (16, 32), params=(2, 3))
+    captured = captured_graph(gm, params={2: "w.weight", 3: "o.weight"}, inputs={0: "x"})
+    state = inputs_of(gm)[1].name
+    captured.inputs[state] = captured.state[state] = "past_0_recurrent_states_0"
+    plan = solve(captured, 2, layout=ShardLayout(2), trains=False)
+    assert plan.params["past_key_values.0.recurrent_states_0"] == S(1), plan.params
+    assert plan.reasons["past_key_values.0.recurrent_states_0"] == "a cache state split as its readers need"
+    assert plan.params["w.weight"] == S(0) and plan.params["o.weight"] == S(1) and not plan.fallbacks
+    cast = node(gm, "to")
+    offered = [s.output for s in strategies(cast, {})]
+    assert offered == [R]  # a plain tensor (not a cache state) read by a cast: whole, as before

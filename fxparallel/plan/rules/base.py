@@ -78,9 +78,11 @@ class RuleContext:
     tokens: int = 1  # batch x sequence of the example used at capture
     layout: Optional[ShardLayout] = None  # uneven splits (whole heads, columns, rows); None: even only
     experts: frozenset = frozenset()  # placeholders of the expert-stacked parameters, with expert parallelism
+    states: frozenset = frozenset()  # placeholders of a generation graph's cache tensors (keys, values, states)
     # the placements decided so far on the solver's branch (None before the walk): a weight's first reader may
     # look at the activation the weight will meet further on (a depthwise conv weight, squeezed first)
     placed: Optional[Callable[[fx.Node], Optional[Placement]]] = None
+    undecided: frozenset = frozenset()  # the node's parameter (and cache) inputs whose placement is still open
 
     def placement_of(self, node) -> Optional[Placement]:
         """The placement decided for ``node`` upstream on this branch, or None (not yet placed)."""

@@ -8,12 +8,14 @@ full size along the sharded dimension is sliced locally (free); one that
 broadcasts there (size 1 or missing) is used whole. A shard with whole segments (``plan/placement.py``)
 passes only where every other operand holds the same shard, broadcasts, or needs no gradient (Falcon-H1's
 muP multipliers of the fused projection, sliced alike). Dropout has its own rule (``dropout.py``):
-its mask is part of a logical one. Which ops are pointwise: ``op_traits.POINTWISE``.
+its mask is part of a logical one. Which ops are pointwise: ``op_traits.POINTWISE``. A cast that is the first
+reader of a weight or of a generation graph's cache state may split it ahead of the activations it meets
+(``weight_ahead.py``, ``_state_splits``).
 """
 from __future__ import annotations
 
 from ..op_traits import POINTWISE, SAME_VALUES, op_name
-from ..placement import R
+from ..placement import R, S
 from .base import Strategy, register, requires_grad, tensor_inputs
 from .weight_ahead import split_met_ahead
 
@@ -50,11 +52,24 @@ def pointwise_strategies(node, placements, ctx, inputs=None):
         ahead = split_met_ahead(node, inputs[0], ctx)  # a weight cast before it meets its activation's shards
         if ahead is not None:
             strategies.append(Strategy({inputs[0]: ahead}, ahead, note="sharded like the activation it meets"))
+        strategies += _state_splits(inputs[0], ctx)
     strategies.append(Strategy({x: R for x in inputs}, R))
     return strategies
 
 
 register(*sorted(POINTWISE), blocks=True, whole=True)(pointwise_strategies)
+
+
+def _state_splits(state, ctx) -> list:
+    """A recurrent state not yet placed, read first by a cast (xLSTM's ``c_state.to(torch.float32)``): each split
+    of it but the batch's. The cast has nothing to line it up with, and the activations it meets are computed
+    after it; offered, the split the rest of the graph reads (its heads, mostly) costs no communication, while
+    leaving it whole keeps TP copies of the state."""
+    value = ctx.fake(state)
+    if state not in ctx.states or state not in ctx.undecided or value is None:
+        return []
+    return [Strategy({state: S(d)}, S(d), note="a cache state split as its readers need")
+            for d in range(1, value.dim()) if ctx.can_split(value.shape[d])]
 
 
 def _min_max(node, placements, ctx):
