@@ -307,6 +307,7 @@ class _Toy(torch.nn.Module):
         self.variant = variant
         self.embed, self.positions = torch.nn.Embedding(16, 8), torch.nn.Embedding(16, 8)
         self.head = torch.nn.Linear(8, 16)
+        self.router, self.experts = torch.nn.Linear(8, 4), torch.nn.Parameter(torch.randn(4, 8, 8))
 
     def forward(self, input_ids, position_ids, labels):
         h = self.embed(input_ids)
@@ -317,6 +318,11 @@ class _Toy(torch.nn.Module):
             h = h.cumsum(1)
         if self.variant == "eager scores":
             h = torch.matmul(h, h.transpose(1, 2)).softmax(-1) @ h
+        if self.variant == "batched scores":
+            h = torch.bmm(h, h.transpose(1, 2)).softmax(-1) @ h
+        if self.variant == "routed experts":  # transformers' batched_mm experts: a matrix per row, by routed ids
+            rows, ids = h.reshape(-1, 8), self.router(h).argmax(-1).reshape(-1)
+            h = torch.bmm(self.experts[ids].float(), rows.unsqueeze(-1)).squeeze(-1).reshape(h.shape)
         return F.cross_entropy(self.head(h).view(-1, 16), labels.view(-1))
 
 
@@ -326,12 +332,19 @@ class _Toy(torch.nn.Module):
     ("bidirectional", "attention scaled_dot_product_attention is not causal"),
     ("cumsum", r"cumsum \(cumsum\) may mix tokens along the sequence"),
     ("eager scores", r"matmul \(matmul\) multiplies two activations"),
+    ("batched scores", r"bmm \(bmm\) multiplies two activations"),
+    ("routed experts", None),  # each row by its own expert's matrix: token by token
 ])
 def test_sequence_mixing_outside_causal_sdpa_is_refused(variant, message):
     from fxparallel.errors import ContextParallelError
     from fxparallel.rewrite.context_parallel_checks import check_graph
 
     gm = torch.fx.symbolic_trace(_Toy(variant))
+    ids = torch.randint(0, 16, (2, 6))
+    torch.fx.passes.shape_prop.ShapeProp(gm).propagate(ids, torch.arange(6).expand(2, 6), ids)
+    for node in gm.graph.nodes:  # the shapes Dynamo's capture records
+        if "tensor_meta" in node.meta:
+            node.meta["example_value"] = torch.empty(node.meta["tensor_meta"].shape, device="meta")
     captured = types.SimpleNamespace(gm=gm, inputs={n: n for n in ("input_ids", "position_ids", "labels")})
     if message is None:
         check_graph(captured, "toy")

@@ -377,10 +377,11 @@ def _data_parallel(rank, world, path, ckpt):
     from fxparallel.runtime import (StepBatches, apply_data_parallel, init_mesh, load_checkpoint, save_checkpoint,
                                     train_step)
 
-    def setup(tp, dp, ep):
-        mesh = init_mesh(tp=tp, dp=dp, cp=1)
+    def setup(tp, dp, ep, cp=1):
+        mesh = init_mesh(tp=tp, dp=dp, cp=cp)
         model = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32,
-                                                           expert_parallel=ep), mesh)
+                                                           expert_parallel=ep,
+                                                           cp_group=mesh.cp_mesh if cp > 1 else None), mesh)
         return mesh, model, _optimizer(model.parameters())
 
     mesh, model, opt = setup(2, 2, True)
@@ -409,6 +410,18 @@ def _data_parallel(rank, world, path, ckpt):
         mesh, model, opt = setup(tp, dp, True)
         load_checkpoint(ckpt + "-split", model, opt, mesh)
         out[f"whole again at dp={dp} x tp={tp}"] = _differences(model, opt, mesh, saved, moments)
+    # whole experts with context parallelism (tp=2 x cp=2: each tp group routes its chunks' rows): resumed from
+    # the checkpoint, the last steps as one process takes them
+    mesh, model, opt = setup(2, 1, True, cp=2)
+    load_checkpoint(ckpt, model, opt, mesh)
+    data = StepBatches(_rows(), GLOBAL_BATCH, mesh.dp_rank, mesh.dp)
+    out["cp"] = {"experts": str(model.plan.param("model.layers.0.mlp.experts.gate_up_proj").placement),
+                 "history": [(m.loss, m.grad_norm) for m in (train_step(model, opt, data.batch(step), mesh,
+                                                                          max_norm=MAX_NORM)
+                                                               for step in range(SAVE_AT, STEPS))]}
+    params = full_values(model, mesh)
+    if rank == 0:
+        out["cp"]["params"] = _numpy(params)
     return out
 
 
@@ -448,3 +461,8 @@ def test_expert_parallel_with_fsdp_trains_like_one_process_and_checkpoints_load_
         for key in ("split form", "whole again at dp=2 x tp=2", "whole again at dp=1 x tp=4"):
             assert r[key]["params"] == r[key]["exp_avg"] == r[key]["exp_avg_sq"] == 0, (key, r[key])
         assert r["whole again at dp=1 x tp=4"]["experts"] == "S(0)"
+        # tp=2 x cp=2, whole experts: the steps after the checkpoint as one process's
+        assert r["cp"]["experts"] == "S(0)", r["cp"]
+        for (loss, norm), (ref_loss, ref_norm) in zip(r["cp"]["history"], ref["history"][SAVE_AT:], strict=True):
+            assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5, (r["cp"]["history"], ref["history"])
+    assert max_diff(ranks[0]["cp"]["params"], ref["params"]) < 3e-5

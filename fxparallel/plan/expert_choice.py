@@ -51,9 +51,10 @@ def experts_kernel(model) -> Optional[str]:
     return getattr(config, "_experts_implementation", None) or getattr(model.config, "_experts_implementation", None)
 
 
-def check_expert_parallel(meta, tp: int, cp) -> None:
-    """``expert_parallel=True`` needs stacked experts, at least one per rank, and no context parallelism (before
-    any capture). (Sequence parallelism keeps the MoE blocks' rows whole, so it composes.)"""
+def check_expert_parallel(meta, tp: int) -> None:
+    """``expert_parallel=True`` needs stacked experts and at least one per rank (before any capture). (Sequence
+    parallelism keeps the MoE blocks' rows whole, and context parallelism gives each tp group its chunks' rows,
+    routed as on one device: both compose.)"""
     kind = getattr(meta.config, "model_type", type(meta).__name__)
     counts = set(expert_parameters(meta).values())
     if not counts:
@@ -63,9 +64,6 @@ def check_expert_parallel(meta, tp: int, cp) -> None:
     if min(counts) < tp:
         raise ShardingError(f"expert_parallel=True: the {kind} model has {min(counts)} experts in a layer, fewer "
                             f"than the tp size {tp}: a rank would hold none")
-    if cp is not None:
-        raise NotImplementedError("expert_parallel=True together with context parallelism (cp_group) is not "
-                                  "supported yet: use one of them")
 
 
 def _expert_width(meta, experts: dict) -> int:
@@ -85,7 +83,7 @@ def saved_whole_experts(meta, fixed: Optional[dict]) -> Optional[bool]:
     return any(p.is_shard and p.dim == 0 for p in placed)
 
 
-def choose_experts(meta, tp: int, requested: Optional[bool], cp=None,
+def choose_experts(meta, tp: int, requested: Optional[bool],
                    saved_whole: Optional[bool] = None) -> ExpertChoice:
     """How the experts of ``meta`` (the meta model, its experts kernel chosen for the device) are split over
     ``tp`` ranks: ``requested`` True / False as the user asked (True checked here, before any capture), None
@@ -93,7 +91,7 @@ def choose_experts(meta, tp: int, requested: Optional[bool], cp=None,
     experts = expert_parameters(meta)
     if not experts or tp == 1:
         if requested:
-            check_expert_parallel(meta, tp, cp)
+            check_expert_parallel(meta, tp)
         return ExpertChoice(bool(requested))
     if saved_whole is not None:
         if requested is not None and requested != saved_whole:
@@ -103,11 +101,9 @@ def choose_experts(meta, tp: int, requested: Optional[bool], cp=None,
         return ExpertChoice(saved_whole, "as the saved plan places them")
     if requested is not None:
         if requested:
-            check_expert_parallel(meta, tp, cp)
+            check_expert_parallel(meta, tp)
         return ExpertChoice(requested, f"expert_parallel={requested}")
     count, kernel = min(experts.values()), experts_kernel(meta)
-    if cp is not None:
-        return ExpertChoice(False, "chosen: whole experts do not compose with context parallelism yet")
     if count < tp:
         return ExpertChoice(False, f"chosen: a layer has {count} experts, fewer than the {tp} ranks")
     if kernel == "batched_mm":

@@ -58,6 +58,29 @@ def _op_name(node: fx.Node) -> str:
     return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
 
 
+_BATCHED = frozenset({"bmm", "baddbmm"})  # products that pair their operands' rows along dim 0, and only so
+_KEEPS_ROWS = frozenset({"to", "contiguous", "float", "type_as"})  # (casts: a view could move the rows' dim)
+
+
+def _rows_of_stacked_weights(graph: fx.Graph, tokens: set) -> set:
+    """Matrices picked per row from a stack of weights by ids computed from the tokens, and their views and casts:
+    transformers' batched_mm experts, ``gate_up_proj[expert_ids]`` ([experts, a, b] indexed by a 1-d id per routed
+    row). They depend on the tokens through the ids only, one matrix per row, so a batched product with the rows
+    multiplies each row by its own matrix: token by token, not two activations mixed (MoE blocks run under context
+    parallelism)."""
+    found = set()
+    for node in graph.nodes:
+        if _op_name(node) == "getitem" and len(node.args) == 2:
+            stack, ids = node.args
+            if isinstance(stack, fx.Node) and isinstance(ids, fx.Node) and stack not in tokens and ids in tokens \
+                    and getattr(stack.meta.get("example_value"), "ndim", 0) >= 3 \
+                    and getattr(ids.meta.get("example_value"), "ndim", 0) == 1:
+                found.add(node)
+        elif _op_name(node) in _KEEPS_ROWS and node.args and node.args[0] in found:
+            found.add(node)
+    return found
+
+
 def check_graph(captured, kind: str) -> None:
     """Refuse a captured graph that context parallelism would compute wrongly."""
     graph = captured.gm.graph
@@ -83,6 +106,7 @@ def check_graph(captured, kind: str) -> None:
                                        "ALiBi or a padding mask); only plain causal attention is supported")
         if mask is None and not node_arg(node, 5, "is_causal", False):
             raise ContextParallelError(f"{kind}: attention {node.name} is not causal")
+    per_row = _rows_of_stacked_weights(graph, tokens)
     for node in graph.nodes:
         name = _op_name(node)
         if node not in tokens or node.op not in ("call_function", "call_method"):
@@ -90,7 +114,8 @@ def check_graph(captured, kind: str) -> None:
         if name in SEQUENCE_MIXING:
             raise ContextParallelError(f"{kind}: {name} ({node.name}) may mix tokens along the sequence, which a "
                                        "context-parallel chunk cannot compute")
-        if name in ACTIVATION_PRODUCTS and sum(i in tokens for i in node.all_input_nodes) >= 2:
+        operands = [i for i in node.all_input_nodes if i in tokens and not (name in _BATCHED and i in per_row)]
+        if name in ACTIVATION_PRODUCTS and len(operands) >= 2:
             raise ContextParallelError(f"{kind}: {name} ({node.name}) multiplies two activations (attention outside "
                                        "scaled_dot_product_attention?); context parallelism cannot split it")
     labels = by_argument.get("labels")
