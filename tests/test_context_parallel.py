@@ -323,6 +323,11 @@ class _Toy(torch.nn.Module):
         if self.variant == "routed experts":  # transformers' batched_mm experts: a matrix per row, by routed ids
             rows, ids = h.reshape(-1, 8), self.router(h).argmax(-1).reshape(-1)
             h = torch.bmm(self.experts[ids].float(), rows.unsqueeze(-1)).squeeze(-1).reshape(h.shape)
+        if self.variant == "grouped experts":  # grouped_mm's: rows sorted by expert, offsets from the counts
+            rows, ids = h.reshape(-1, 8), self.router(h).argmax(-1).reshape(-1)
+            ids, order = torch.sort(ids)
+            offsets = torch.cumsum(torch.histc(ids.float(), bins=4, min=0, max=3), dim=0)
+            h = (rows[order] * offsets[ids].unsqueeze(-1)).reshape(h.shape)
         return F.cross_entropy(self.head(h).view(-1, 16), labels.view(-1))
 
 
@@ -334,6 +339,7 @@ class _Toy(torch.nn.Module):
     ("eager scores", r"matmul \(matmul\) multiplies two activations"),
     ("batched scores", r"bmm \(bmm\) multiplies two activations"),
     ("routed experts", None),  # each row by its own expert's matrix: token by token
+    ("grouped experts", None),  # a cumulative sum over the experts' counts, not the sequence
 ])
 def test_sequence_mixing_outside_causal_sdpa_is_refused(variant, message):
     from fxparallel.errors import ContextParallelError
@@ -343,7 +349,7 @@ def test_sequence_mixing_outside_causal_sdpa_is_refused(variant, message):
     ids = torch.randint(0, 16, (2, 6))
     torch.fx.passes.shape_prop.ShapeProp(gm).propagate(ids, torch.arange(6).expand(2, 6), ids)
     for node in gm.graph.nodes:  # the shapes Dynamo's capture records
-        if "tensor_meta" in node.meta:
+        if hasattr(node.meta.get("tensor_meta"), "shape"):
             node.meta["example_value"] = torch.empty(node.meta["tensor_meta"].shape, device="meta")
     captured = types.SimpleNamespace(gm=gm, inputs={n: n for n in ("input_ids", "position_ids", "labels")})
     if message is None:

@@ -81,6 +81,18 @@ def _rows_of_stacked_weights(graph: fx.Graph, tokens: set) -> set:
     return found
 
 
+def _histograms(graph: fx.Graph) -> set:
+    """Counts per bin (``histc``, ``bincount``) and their casts: a cumulative sum over them runs along the bins, not
+    the sequence (transformers' grouped_mm experts: ``cumsum`` of the tokens per expert gives each expert's offset
+    among this chunk's rows)."""
+    found = set()
+    for node in graph.nodes:
+        name = _op_name(node)
+        if name in ("histc", "bincount") or (name in _KEEPS_ROWS and node.args and node.args[0] in found):
+            found.add(node)
+    return found
+
+
 def check_graph(captured, kind: str) -> None:
     """Refuse a captured graph that context parallelism would compute wrongly."""
     graph = captured.gm.graph
@@ -106,12 +118,12 @@ def check_graph(captured, kind: str) -> None:
                                        "ALiBi or a padding mask); only plain causal attention is supported")
         if mask is None and not node_arg(node, 5, "is_causal", False):
             raise ContextParallelError(f"{kind}: attention {node.name} is not causal")
-    per_row = _rows_of_stacked_weights(graph, tokens)
+    per_row, histograms = _rows_of_stacked_weights(graph, tokens), _histograms(graph)
     for node in graph.nodes:
         name = _op_name(node)
         if node not in tokens or node.op not in ("call_function", "call_method"):
             continue
-        if name in SEQUENCE_MIXING:
+        if name in SEQUENCE_MIXING and not (node.args and node.args[0] in histograms):
             raise ContextParallelError(f"{kind}: {name} ({node.name}) may mix tokens along the sequence, which a "
                                        "context-parallel chunk cannot compute")
         operands = [i for i in node.all_input_nodes if i in tokens and not (name in _BATCHED and i in per_row)]
