@@ -33,7 +33,8 @@ from .hf_methods import HuggingFaceMethods, refuse_arguments, refuse_inherited
 from .inputs import ARGUMENTS, check_arguments, options_code
 from .items_in_batch import check_items_in_batch, loss_over_items
 from .model_facts import ModelFacts
-from .router_outputs import expert_counts_asked, loss_without_aux, router_logits_asked, split_router_logits
+from .router_outputs import (expert_counts_asked, loss_without_aux, router_logits_asked, split_router_logits,
+                             whole_sequence_counts)
 from .shard_parameter import ShardParameter
 from .uncalled_modules import parent_of
 from .ops import collectives, context_parallel_attention
@@ -363,7 +364,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                                      vocab_range=vocab_range, aux_loss=aux_loss,
                                      router_logits=split_router_logits(results.get("router_logits"),
                                                                        graph.output_placements.get("router_logits")),
-                                     tokens_per_expert=results.get("tokens_per_expert"),
+                                     tokens_per_expert=whole_sequence_counts(results.get("tokens_per_expert"),
+                                                                             self.cp_group),
                                      **{CACHE_FIELD: cache})
         return out if return_dict is not False else self._as_tuple(out, labels, gather_logits)
 

@@ -37,10 +37,20 @@ def expert_counts_asked(model, argument) -> bool:
     if not model.moe_layers:
         raise ArgumentError(f"output_tokens_per_expert=True: {model.config.model_type} has no experts modules "
                             f"(transformers' stacked experts) to count tokens for")
-    if model.cp_group is not None:
-        raise ArgumentError("output_tokens_per_expert=True is not supported with context parallelism (each cp rank "
-                            "routes its own chunks of the tokens)")
     return True
+
+
+def whole_sequence_counts(counts: Optional[torch.Tensor], cp_group) -> Optional[torch.Tensor]:
+    """Under context parallelism each cp rank routes its own chunks of the sequences: their counts summed over the cp
+    ranks (one all-reduce of [MoE layers, experts] integers, only when asked) are the whole sequences', as one device
+    counts them."""
+    if counts is None or cp_group is None:
+        return counts
+    import torch.distributed as dist
+
+    counts = counts.clone()
+    dist.all_reduce(counts, group=cp_group.process_group)
+    return counts
 
 
 def loss_without_aux(loss: Optional[torch.Tensor], aux_loss: Optional[torch.Tensor], coefficient: float):

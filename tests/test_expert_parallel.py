@@ -375,7 +375,7 @@ def _data_parallel(rank, world, path, ckpt):
     import fxparallel
     from checks import full_values
     from fxparallel.runtime import (StepBatches, apply_data_parallel, init_mesh, load_checkpoint, save_checkpoint,
-                                    train_step)
+                                    split_for_context_parallel, train_step)
 
     def setup(tp, dp, ep, cp=1):
         mesh = init_mesh(tp=tp, dp=dp, cp=cp)
@@ -391,6 +391,9 @@ def _data_parallel(rank, world, path, ckpt):
         if step == SAVE_AT:
             saved, moments = full_values(model, mesh), _moments(model, opt, mesh)
             save_checkpoint(ckpt, model, opt, mesh, SAVE_AT)
+            with torch.no_grad():  # every rank routes the whole rows of the next global batch
+                counts = model(input_ids=data.global_batch_at(SAVE_AT)["input_ids"],
+                               output_tokens_per_expert=True).tokens_per_expert
         m = train_step(model, opt, data.batch(step), mesh, max_norm=MAX_NORM)
         out["history"].append((m.loss, m.grad_norm))
     params = full_values(model, mesh)
@@ -415,7 +418,12 @@ def _data_parallel(rank, world, path, ckpt):
     mesh, model, opt = setup(2, 1, True, cp=2)
     load_checkpoint(ckpt, model, opt, mesh)
     data = StepBatches(_rows(), GLOBAL_BATCH, mesh.dp_rank, mesh.dp)
-    out["cp"] = {"experts": str(model.plan.param("model.layers.0.mlp.experts.gate_up_proj").placement),
+    with torch.no_grad():  # the cp ranks' chunks of those rows: their counts summed over cp are the rows'
+        chunks = split_for_context_parallel({"input_ids": data.global_batch_at(SAVE_AT)["input_ids"]},
+                                            mesh.cp_rank, mesh.cp)
+        cp_counts = model(**chunks, output_tokens_per_expert=True).tokens_per_expert
+    out["cp"] = {"counts": torch.equal(cp_counts, counts) and int(counts.sum()),
+                 "experts": str(model.plan.param("model.layers.0.mlp.experts.gate_up_proj").placement),
                  "history": [(m.loss, m.grad_norm) for m in (train_step(model, opt, data.batch(step), mesh,
                                                                           max_norm=MAX_NORM)
                                                                for step in range(SAVE_AT, STEPS))]}
@@ -463,6 +471,7 @@ def test_expert_parallel_with_fsdp_trains_like_one_process_and_checkpoints_load_
         assert r["whole again at dp=1 x tp=4"]["experts"] == "S(0)"
         # tp=2 x cp=2, whole experts: the steps after the checkpoint as one process's
         assert r["cp"]["experts"] == "S(0)", r["cp"]
+        assert r["cp"]["counts"] == 2 * 2 * GLOBAL_BATCH * SEQ, r["cp"]  # layers x top-2 x tokens, all counted
         for (loss, norm), (ref_loss, ref_norm) in zip(r["cp"]["history"], ref["history"][SAVE_AT:], strict=True):
             assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5, (r["cp"]["history"], ref["history"])
     assert max_diff(ranks[0]["cp"]["params"], ref["params"]) < 3e-5
