@@ -60,6 +60,15 @@ def _generate(rank, tp, paths):
             "state share": ours / _state_bytes(expected.past_key_values),
             "split states": sum(1 for full, local, _ in states.values() if full != local),
         }
+        if name == "xlstm":  # its states continue by the same code: a cache continued by a chunk of tokens
+            from transformers.models.xlstm.modeling_xlstm import xLSTMCache
+
+            fresh, theirs = model.new_cache(128), xLSTMCache(ref.config, 2, dtype=torch.float32)
+            full_mask = torch.ones(2, 128, dtype=torch.long)
+            out["xlstm chunks"] = max(
+                (model(input_ids=chunk, attention_mask=full_mask, past_key_values=fresh, use_cache=True,
+                       gather_logits=True).logits - ref(input_ids=chunk, cache=theirs, use_cache=True).logits)
+                .abs().max().item() for chunk in (ids, ids.flip(1)))  # (the prompt's graph serves both)
         if name == "mamba":  # a hand-written loop: the prompt in the cache's first forward, then one token a call
             fresh = model.new_cache(128)
             full_mask = torch.cat([mask, mask.new_ones(2, 128 - 7)], dim=1)
@@ -118,6 +127,7 @@ def test_generate_state_space_and_linear_attention_models(tmp_path):
         # xLSTM's mLSTM by heads: half the heads' matrix memory, normalizer and stabilizer (one block: a second
         # adds half a minute to the suite, its forward's plan alone taking 7 s to find)
         assert out["xlstm"]["state share"] == 0.5 and out["xlstm"]["split states"] == 3, out["xlstm"]
+        assert out["xlstm chunks"] < 1e-5, out["xlstm chunks"]  # 7 tokens, then 7 more on the written cache
         # Qwen3.5's gated delta net by heads: half of its convolution's channels (of q, k and v each) and half
         # the heads' recurrent states
         assert out["qwen3_5_text"]["state share"] == 0.5 and out["qwen3_5_text"]["split states"] == 2, \
