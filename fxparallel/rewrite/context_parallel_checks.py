@@ -63,7 +63,7 @@ _KEEPS_ROWS = frozenset({"to", "contiguous", "float", "type_as"})  # (casts: a v
 
 
 def _rows_of_stacked_weights(graph: fx.Graph, tokens: set) -> set:
-    """Matrices picked per row from a stack of weights by ids computed from the tokens, and their views and casts:
+    """Matrices picked per row from a stack of weights by ids computed from the tokens, and their casts:
     transformers' batched_mm experts, ``gate_up_proj[expert_ids]`` ([experts, a, b] indexed by a 1-d id per routed
     row). They depend on the tokens through the ids only, one matrix per row, so a batched product with the rows
     multiplies each row by its own matrix: token by token, not two activations mixed (MoE blocks run under context
