@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, on a machine with one CUDA device:
 #   bash benchmarks/gpu_session.sh [OUT_DIR [STAGE ...]]   (default: $OUT, else benchmarks/results/gpu; all stages,
-#   about 20 minutes: a lent machine's call runs 10 at most, so name the stages for one call)
+#   about 25 minutes: a lent machine's call runs 10 at most, so name the stages for one call)
 # Stages, in this order:
 #   tests                     the gpu-marked tests (tests/test_cuda.py: TP=1 over NCCL against transformers in
 #                             fp32/bf16/fp16, greedy generation eager / compiled / CUDA graphs, a compiled
@@ -14,6 +14,9 @@
 #                             graphs) on the small default Llama in fp32, then bf16 on a 160M-parameter one;
 #   generate-1b               the same in bf16 on a Llama-3.2-1B-shaped model (16 layers, hidden 2048, vocabulary
 #                             128256; random weights, built on the machine), batch 8 and 1, eager and CUDA graphs;
+#   decode-profile-1b         benchmarks/step_profile.py --device cuda on that model, batch 1 and 8: where a decode
+#                             step's time goes (kernels by kind, the GPU's idle time, the host's CUDA calls), eager
+#                             and with CUDA graphs, for both systems;
 #   compile                   benchmarks/compile.py (training step, eager against compiled, both systems);
 #   compare, activation-checkpointing
 #                             benchmarks/compare_tp_plan.py and benchmarks/activation_checkpointing.py (step time,
@@ -25,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-benchmarks/results/gpu}}
 shift $(($# > 0 ? 1 : 0))
-wanted=" ${*:-tests generate-fp32 generate-bf16 generate-1b compile compare activation-checkpointing} "
+wanted=" ${*:-tests generate-fp32 generate-bf16 generate-1b decode-profile-1b compile compare activation-checkpointing} "
 mkdir -p "$out"
 
 session() {
@@ -42,6 +45,7 @@ session() {
   python3 -c "import importlib.util as u; print('test extras:', {m: u.find_spec(m) is not None for m in
 ('peft', 'accelerate', 'psutil', 'trl', 'datasets')})"
 
+  local shape_1b=hidden=2048,layers=16,heads=32,kv_heads=8,intermediate=8192,vocab=128256
   local failed=() run1=(python3 -m torch.distributed.run --nproc_per_node=1)
   stage() {  # stage NAME SECONDS COMMAND...
     local name=$1 limit=$2 start=$SECONDS rc
@@ -61,7 +65,12 @@ session() {
     --shape hidden=1024,layers=8,heads=16,kv_heads=8,intermediate=2816,vocab=32000 --out "$out/generate_tp1_bf16.json"
   stage generate-1b 240 "${run1[@]}" benchmarks/generate.py --device cuda --repeats 7 --dtype bfloat16 --batches 8,1 \
     --systems fxparallel,fxparallel-cudagraphs,transformers,transformers-cudagraphs \
-    --shape hidden=2048,layers=16,heads=32,kv_heads=8,intermediate=8192,vocab=128256 --out "$out/generate_tp1_1b.json"
+    --shape "$shape_1b" --out "$out/generate_tp1_1b.json"
+  for b in 1 8; do
+    stage decode-profile-1b 200 "${run1[@]}" benchmarks/step_profile.py --device cuda --dtype bfloat16 --batch $b \
+      --systems fxparallel,fxparallel-cudagraphs,transformers,transformers-cudagraphs --shape "$shape_1b" \
+      --out "$out/decode_profile_1b_b$b.json"
+  done
   stage compile 100 "${run1[@]}" benchmarks/compile.py --device cuda --repeats 10 --out "$out/compile_tp1.json"
   stage compare 40 "${run1[@]}" benchmarks/compare_tp_plan.py --steps 10 --json "$out/compare_tp1.json"
   stage activation-checkpointing 65 "${run1[@]}" benchmarks/activation_checkpointing.py --device cuda \

@@ -23,6 +23,11 @@ framework's dispatch). Rank 0 prints the table and writes the JSON;
     python benchmarks/step_profile.py --plot DECODE.json TRAIN.json --png docs/benchmarks_step_profile.png
 
 draws them (matplotlib).
+
+``--device cuda`` (one process per GPU, NCCL; ``--dtype``, ``--systems`` any of ``benchmarks/generate.py``'s for a
+decode step, e.g. its CUDA-graph ones) profiles the GPU too: a step's kernel time by kind (matrix products,
+attention, the other kernels), the time the GPU has no kernel or copy running ("GPU idle": the host's share of the
+step), and the CUDA runtime calls the host made (kernel launches, graph launches, synchronizing calls).
 """
 from __future__ import annotations
 
@@ -52,6 +57,16 @@ KINDS = {  # kind: substrings of the op names it takes (the first kind that matc
     "matrix products": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
     "attention": ("scaled_dot_product", "aten::_efficient_attention", "aten::_flash_attention"),
 }
+GPU_KINDS = {  # kind: substrings of the kernel names it takes (cuBLAS / CUTLASS products, fused attention)
+    "GPU matrix products": ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "splitKreduce"),
+    "GPU attention": ("flash", "fmha", "attention", "attn"),
+}
+RUNTIME_CALLS = {  # what the host asked of the CUDA runtime: count per step of the calls named
+    "kernel launches": ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"),
+    "graph launches": ("cudaGraphLaunch",),
+    "synchronizing calls": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                            "cudaMemcpy", "cudaStreamWaitEvent"),
+}
 
 
 TOP_OTHER_OPS = 8  # "other ops" also listed by name: this many of the largest
@@ -61,18 +76,46 @@ def kind_of(op: str) -> str:
     return next((kind for kind, names in KINDS.items() if any(n in op for n in names)), "other ops")
 
 
-def profile(run, ops: bool) -> dict:
+def gpu_profile(prof) -> dict:
+    """From a profile with CUDA activity: kernel seconds by ``GPU_KINDS``, "GPU busy" (the union of the kernels'
+    and copies' intervals) and the runtime calls by ``RUNTIME_CALLS`` (counts / 1e3, as "collective calls")."""
+    from torch.autograd import DeviceType
+
+    out = dict.fromkeys(list(GPU_KINDS) + ["GPU other kernels"], 0.0)
+    intervals = []
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        intervals.append((event.time_range.start, event.time_range.end))
+        kind = next((k for k, names in GPU_KINDS.items() if any(n in event.name for n in names)),
+                    "GPU other kernels")
+        out[kind] += event.time_range.elapsed_us() / 1e6
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    out["GPU busy"] = busy / 1e6
+    counts = {e.key: e.count for e in prof.key_averages()}
+    for kind, names in RUNTIME_CALLS.items():
+        out[kind] = sum(counts.get(n, 0) for n in names) / 1e3
+    return out
+
+
+def profile(run, ops: bool, cuda: bool = False) -> dict:
     """"collectives" and "wall" seconds of ``run()``, and with ``ops`` the profiler's self seconds by kind (the
-    profiler's overhead then in every figure)."""
+    profiler's overhead then in every figure); with ``cuda`` too, the GPU's (``gpu_profile``)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     dist.barrier()
     counter = CommCounter()
-    recording = torch_profile(activities=[ProfilerActivity.CPU]) if ops else contextlib.nullcontext()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    recording = torch_profile(activities=activities) if ops else contextlib.nullcontext()
     with recording as prof, counter:
         start_s = time.perf_counter()
         run()
+        if cuda:
+            torch.cuda.synchronize()
         wall = time.perf_counter() - start_s
     out = {}
     if ops:
@@ -83,6 +126,8 @@ def profile(run, ops: bool) -> dict:
             if kind == "other ops":
                 out["op " + event.key] = event.self_cpu_time_total / 1e6
         del out["collective ops"]  # inside the collectives' wall time
+        if cuda:
+            out.update(gpu_profile(prof))
     out["collectives"] = counter.seconds()
     out["collective calls"] = counter.count() / 1e3  # per_step's ms scale turns it back into a count per step
     out["wall"] = wall
@@ -92,8 +137,10 @@ def profile(run, ops: bool) -> dict:
 def per_step(long: dict, short: dict | None, steps: int) -> dict:
     """ms per step: ``long`` minus ``short`` (None: nothing) over ``steps``."""
     step = {k: (long[k] - (short or {}).get(k, 0.0)) / steps * 1e3 for k in long}
-    kinds = [k for k in step if k not in ("wall", "collective calls") and not k.startswith("op ")]
+    kinds = [k for k in step if k in list(KINDS) + ["other ops", "collectives"]]
     step["python and framework"] = step["wall"] - sum(step[k] for k in kinds)
+    if "GPU busy" in step:
+        step["GPU idle"] = step["wall"] - step["GPU busy"]
     other = sorted((k for k in step if k.startswith("op ")), key=step.get, reverse=True)
     for name in other[TOP_OTHER_OPS:]:  # the other ops: the largest by name
         del step[name]
@@ -104,9 +151,11 @@ def decode_steps(system, args, shape):
     """One decode step's profile, measured and profiled: generate(new_tokens) - generate(1)."""
     ids, mask = generate.prompts(args.batch, args.prompt, shape["vocab"])
     with torch.no_grad():
-        system.generate(ids, mask, args.new_tokens)  # warm-up: capture, caches
+        for n in (args.new_tokens, 1):  # warm-up: capture, caches (and compilation, CUDA graphs)
+            system.generate(ids.to(args.device), mask.to(args.device), n)
         for ops in (False, True):
-            long, short = (profile(lambda n=n: system.generate(ids, mask, n), ops) for n in (args.new_tokens, 1))
+            long, short = (profile(lambda n=n: system.generate(ids.to(args.device), mask.to(args.device), n), ops,
+                                   args.device == "cuda") for n in (args.new_tokens, 1))
             yield ops, per_step(long, short, args.new_tokens - 1)
 
 
@@ -172,6 +221,10 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=32, help="decode: tokens generated")
     p.add_argument("--seq", type=int, default=256, help="train: sequence length")
     p.add_argument("--steps", type=int, default=3, help="train: steps measured")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--systems", default="", help="decode: benchmarks/generate.py's names, comma-separated "
+                   "(default: fxparallel,transformers)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.plot:
@@ -181,11 +234,15 @@ def main(argv=None):
     directory = generate.parse_args([]).checkpoint_dir  # generate.py's, one folder per shape
     if args.shape:
         directory = generate.shape_directory(directory, shape)
-    rank, world, path = start(None, directory, lambda d: generate.build_checkpoint(d, shape))
+    rank, world, path = start(None, directory, lambda d: generate.build_checkpoint(d, shape), device=args.device)
     steps, system_classes = STEPS[args.step]
+    if args.step != "decode" and (args.systems or args.device == "cuda"):
+        raise SystemExit("--systems, --device cuda: a decode step's only (the training step is profiled on CPU)")
+    if args.systems:
+        system_classes = [generate.SYSTEMS[name.strip()] for name in args.systems.split(",")]
     results = {}
     for system in (cls() for cls in system_classes):
-        system.build(path, world, torch.float32, torch.device("cpu"))
+        system.build(path, world, getattr(torch, args.dtype), args.device)
         for ops, step in steps(system, args, shape):
             results[system.name + (" (profiled)" if ops else "")] = everyone(step)  # every rank's
         system.model = system.optimizer = None
@@ -203,7 +260,9 @@ def main(argv=None):
             sizes = ({"prompt": args.prompt, "new_tokens": args.new_tokens} if args.step == "decode" else
                      {"seq": args.seq, "steps": args.steps})
             meta = {"step": args.step, "shape": shape, "tp": world, "batch": args.batch, **sizes,
-                    **cpu_run_meta(load_start)}
+                    **cpu_run_meta(load_start), "dtype": args.dtype}
+            if args.device == "cuda":
+                meta["device"] = torch.cuda.get_device_name()
             with open(args.out, "w") as f:
                 json.dump({"meta": meta, "results": results}, f, indent=1)
     dist.destroy_process_group()
