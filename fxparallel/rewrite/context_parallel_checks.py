@@ -59,7 +59,16 @@ def _op_name(node: fx.Node) -> str:
 
 
 _BATCHED = frozenset({"bmm", "baddbmm"})  # products that pair their operands' rows along dim 0, and only so
-_KEEPS_ROWS = frozenset({"to", "contiguous", "float", "type_as"})  # (casts: a view could move the rows' dim)
+_CASTS = frozenset({"to", "contiguous", "float", "type_as"})
+
+
+def _with_casts(graph: fx.Graph, is_seed) -> set:
+    """The nodes ``is_seed`` picks and the casts of them (a view could move the dim that matters: not followed)."""
+    found = set()
+    for node in graph.nodes:
+        if is_seed(node) or (_op_name(node) in _CASTS and node.args and node.args[0] in found):
+            found.add(node)
+    return found
 
 
 def _rows_of_stacked_weights(graph: fx.Graph, tokens: set) -> set:
@@ -68,29 +77,22 @@ def _rows_of_stacked_weights(graph: fx.Graph, tokens: set) -> set:
     row). They depend on the tokens through the ids only, one matrix per row, so a batched product with the rows
     multiplies each row by its own matrix: token by token, not two activations mixed (MoE blocks run under context
     parallelism)."""
-    found = set()
-    for node in graph.nodes:
-        if _op_name(node) == "getitem" and len(node.args) == 2:
-            stack, ids = node.args
-            if isinstance(stack, fx.Node) and isinstance(ids, fx.Node) and stack not in tokens and ids in tokens \
-                    and getattr(stack.meta.get("example_value"), "ndim", 0) >= 3 \
-                    and getattr(ids.meta.get("example_value"), "ndim", 0) == 1:
-                found.add(node)
-        elif _op_name(node) in _KEEPS_ROWS and node.args and node.args[0] in found:
-            found.add(node)
-    return found
+    def picked_per_row(node) -> bool:
+        if _op_name(node) != "getitem" or len(node.args) != 2:
+            return False
+        stack, ids = node.args
+        return isinstance(stack, fx.Node) and isinstance(ids, fx.Node) and stack not in tokens and ids in tokens \
+            and getattr(stack.meta.get("example_value"), "ndim", 0) >= 3 \
+            and getattr(ids.meta.get("example_value"), "ndim", 0) == 1
+
+    return _with_casts(graph, picked_per_row)
 
 
 def _histograms(graph: fx.Graph) -> set:
     """Counts per bin (``histc``, ``bincount``) and their casts: a cumulative sum over them runs along the bins, not
     the sequence (transformers' grouped_mm experts: ``cumsum`` of the tokens per expert gives each expert's offset
     among this chunk's rows)."""
-    found = set()
-    for node in graph.nodes:
-        name = _op_name(node)
-        if name in ("histc", "bincount") or (name in _KEEPS_ROWS and node.args and node.args[0] in found):
-            found.add(node)
-    return found
+    return _with_casts(graph, lambda node: _op_name(node) in ("histc", "bincount"))
 
 
 def check_graph(captured, kind: str) -> None:
