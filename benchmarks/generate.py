@@ -156,6 +156,21 @@ class FxParallelCudaGraphs(FxParallelCompiled):
     mode = "reduce-overhead"
 
 
+class FxParallelCudaGraphsSync(FxParallelCudaGraphs):
+    """fxparallel with CUDA graphs, the host reading each step's stopping check before it queues the next step
+    (``RUN_AHEAD_DEVICES`` emptied for its calls): what running ahead gains."""
+    name, label = "fxparallel-cudagraphs-sync", "fxparallel generate, CUDA graphs, no run-ahead"
+
+    def generate(self, ids, mask, new_tokens):
+        from fxparallel.generation import loop
+
+        kept, loop.RUN_AHEAD_DEVICES = loop.RUN_AHEAD_DEVICES, ()
+        try:
+            return super().generate(ids, mask, new_tokens)
+        finally:
+            loop.RUN_AHEAD_DEVICES = kept
+
+
 class TransformersTP(Generator):
     name, label = "transformers", 'transformers tp_plan="auto"'
 
@@ -202,8 +217,9 @@ class TransformersTPCudaGraphs(TransformersTPCompiled):
     mode = "reduce-overhead"
 
 
-SYSTEMS = {cls.name: cls for cls in (FxParallel, FxParallelCompiled, FxParallelCudaGraphs, TransformersTP,
-                                     TransformersTPStatic, TransformersTPCompiled, TransformersTPCudaGraphs)}
+SYSTEMS = {cls.name: cls for cls in (FxParallel, FxParallelCompiled, FxParallelCudaGraphs, FxParallelCudaGraphsSync,
+                                     TransformersTP, TransformersTPStatic, TransformersTPCompiled,
+                                     TransformersTPCudaGraphs)}
 CUDA_SYSTEMS = ("fxparallel,fxparallel-compiled,fxparallel-cudagraphs,transformers,transformers-static,"
                 "transformers-compiled,transformers-cudagraphs")
 REFERENCE = "transformers"  # every other system's ratios are against it

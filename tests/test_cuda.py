@@ -88,6 +88,16 @@ def test_cuda_generate_matches_transformers(checkpoints, nccl):
         scored = model.generate(**kwargs, compile_config=config, return_dict_in_generate=True, output_scores=True)
         assert torch.equal(scored.sequences, expected) and len(scored.scores) == 20, mode
         assert all(torch.equal(s.argmax(-1), expected[:, 7 + i]) for i, s in enumerate(scored.scores)), mode
+    # every row stopped by EOS before max_new_tokens: on CUDA each decode step is queued before the host reads
+    # whether the last one stopped every row, and the step after the last is dropped
+    stop = dict(kwargs, eos_token_id=[int(expected[0, 7 + 4]), int(expected[1, 7 + 6]), int(expected[2, 7 + 8])])
+    expected_stop = ref.generate(**stop)
+    assert expected_stop.shape[1] < 7 + 20, expected_stop.shape
+    assert torch.equal(model.generate(**stop), expected_stop)
+    cuda_graphs = CompileConfig(fullgraph=True, dynamic=False, mode="reduce-overhead")
+    for _ in range(2):
+        assert torch.equal(model.generate(**stop, compile_config=cuda_graphs), expected_stop)
+        assert torch.equal(model.generate(**kwargs, compile_config=cuda_graphs), expected)
 
 
 def test_cuda_compiled_training_step_matches_eager(checkpoints, nccl):

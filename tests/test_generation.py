@@ -60,6 +60,31 @@ def _llama(rank, tp, path):
     expected_eos = ref.generate(input_ids=ids[1:, 1:], attention_mask=mask[1:, 1:], **stop)
     out["eos without a pad token equal"] = (torch.equal(tokens, expected_eos), tokens.tolist(), stop["eos_token_id"])
     out["graphs after two"] = len(model.graphs())
+    # run ahead (on a GPU: each decode step queued before the host reads whether the last one stopped every row),
+    # forced on the CPU here: the same tokens (stopped by EOS; at max_length, streamed on rank 0 only), one step
+    # more than the tokens when EOS stops every row (that step dropped), none at max_length
+    import fxparallel.generation.loop as loop
+
+    prompt = ids.shape[1] - 1  # both rows stop by EOS, after 4 and at most 6 tokens
+    by_eos_kwargs = dict(input_ids=ids[1:, 1:], attention_mask=mask[1:, 1:], max_new_tokens=10, do_sample=False,
+                         pad_token_id=0, eos_token_id=[int(plain[0, prompt + 3]), int(plain[1, prompt + 5])])
+    expected_by_eos = ref.generate(**by_eos_kwargs)
+    steps, real_step = [], loop._step
+    loop._step = lambda *a: steps.append(1) or real_step(*a)
+    try:
+        counts = []
+        for devices in (("cuda",), ("cuda", "cpu")):
+            loop.RUN_AHEAD_DEVICES, streamer, done = devices, _Collect(), len(steps)
+            by_eos = model.generate(**by_eos_kwargs)
+            to_max = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                    pad_token_id=0, streamer=streamer if rank == 0 else None)
+            streamed = rank != 0 or torch.equal(torch.cat(streamer.chunks, dim=1), to_max)
+            counts.append(len(steps) - done)
+            out[f"run ahead {devices}"] = (torch.equal(by_eos, expected_by_eos), torch.equal(to_max, expected),
+                                             streamed)
+    finally:
+        loop._step, loop.RUN_AHEAD_DEVICES = real_step, ("cuda",)
+    out["run ahead steps"] = counts, expected_by_eos.shape[1] - prompt, expected.shape[1] - ids.shape[1]
     # the cache: 1/TP of the single-device cache; decode graph: 2L+1 all-reduces, no gather
     result = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
                             return_dict_in_generate=True)
@@ -183,6 +208,9 @@ def test_generate_llama(checkpoints):
         assert equal and tokens[0][-3:] == [eos] * 3, (eos, tokens)  # row 0 stopped: padded with the EOS id
         assert out["sampled in top k"] and out["batch 1 then 3"]
         assert out["num_parameters"] == (True, True)
+        assert out["run ahead ('cuda',)"] == out["run ahead ('cuda', 'cpu')"] == (True, True, True), out
+        (plain, ahead), by_eos, to_max = out["run ahead steps"]
+        assert by_eos < 10 and plain == by_eos + to_max and ahead == plain + 1, out["run ahead steps"]
         assert out["graphs after one generate"] == 3  # training graph + prefill + decode
         assert out["graphs after two"] == 3, "other prompt lengths and batch sizes must reuse the graphs"
         assert out["graphs at the end"] == 3

@@ -312,24 +312,78 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the loop: a step and a selection per token -------------------------------------------------------------
+RUN_AHEAD_DEVICES = ("cuda",)  # where a step is queued before the host reads whether the last one stopped
+
+
 def _decode(model, decoding: _Decoding) -> None:
     """The prompt's step (prefill), then one step per token, each followed by the selection of the next token,
-    until the stopping criteria have stopped every row."""
+    until the stopping criteria have stopped every row. Where ``_runs_ahead``, the host queues each decode step
+    before it reads whether the previous one stopped every row (``_StopFlag``), so that on a GPU the host's work
+    for a step overlaps the GPU's for the one before instead of waiting for it; a step queued after the last is
+    dropped (nothing of it is kept or returned)."""
     if decoding.streamer is not None:
         decoding.streamer.put(decoding.sequences.cpu())
     step_ids, step_positions = decoding.sequences, decoding.positions
+    ahead = _runs_ahead(model, decoding)
+    flag = _StopFlag(model.device_ if ahead else None)
     with torch.no_grad():
+        local, start = _step(model, decoding, step_ids, step_positions)  # the prefill
+        chosen = _appended(decoding, _select(model, decoding, local, start))
+        decoded = 0
         while True:
-            local, start = _step(model, decoding, step_ids, step_positions)
-            chosen = _appended(decoding, _select(model, decoding, local, start))
-            if not bool(decoding.unfinished.any()):
+            # not ahead of the first decode step (its capture may find the cache cannot be carried), nor past
+            # max_length (the stopping criteria always stop there: no room in the cache for another step)
+            ahead_now = ahead and decoded > 0 and decoding.sequences.shape[1] < decoding.config.max_length
+            flag.start(decoding.unfinished)
+            if not ahead_now and not flag.read():
                 break
             step_ids = chosen[:, None]
             # the slot the next step writes: the chosen token's
             decoding.full_mask[:, decoding.sequences.shape[1] - 1] = 1
             step_positions = step_positions[:, -1:] + 1
+            local, start = _step(model, decoding, step_ids, step_positions)
+            picked = _select(model, decoding, local, start)
+            if ahead_now and not flag.read():  # every row had stopped: this step is the one after the last
+                break
+            chosen = _appended(decoding, picked)
+            decoded += 1
     if decoding.streamer is not None:
         decoding.streamer.end()
+
+
+def _runs_ahead(model, decoding: _Decoding) -> bool:
+    """Whether a decode step may be queued before the host knows the previous one stopped every row: on a device
+    that runs asynchronously, with a cache, where a step after the last leaves no trace: greedy without logits
+    processors (no random draw, no processor's state), and nothing of the steps returned but the sequences (not
+    the cache, which the dropped step writes past the end, nor scores). The same on every rank (the config is
+    agreed), so every rank runs the same collectives."""
+    config = decoding.config
+    return (model.device_.type in RUN_AHEAD_DEVICES and decoding.cache is not None and not config.do_sample
+            and not len(decoding.processors) and not config.return_dict_in_generate)
+
+
+class _StopFlag:
+    """Whether any row is unfinished, read on the host: started after a step's selection, read at once or after
+    the next step is queued. On CUDA the read waits for the step that computed it only (a non-blocking copy
+    into pinned memory, and its event), not for the steps queued after it."""
+
+    def __init__(self, device: Optional[torch.device]):
+        cuda = device is not None and device.type == "cuda"
+        self._host = torch.empty((), dtype=torch.bool, device="cpu", pin_memory=True) if cuda else None
+        self._event = torch.cuda.Event() if cuda else None
+        self._value = None
+
+    def start(self, unfinished: torch.Tensor) -> None:
+        self._value = unfinished.any()
+        if self._host is not None:
+            self._host.copy_(self._value, non_blocking=True)
+            self._event.record()
+
+    def read(self) -> bool:
+        if self._host is None:
+            return bool(self._value)
+        self._event.synchronize()
+        return bool(self._host)
 
 
 def _step(model, decoding: _Decoding, step_ids: torch.Tensor, step_positions: torch.Tensor):
