@@ -13,7 +13,8 @@
 #   generate-fp32, -bf16      benchmarks/generate.py on CUDA at TP=1: every system (static cache, compile, CUDA
 #                             graphs) on the small default Llama in fp32, then bf16 on a 160M-parameter one;
 #   generate-1b               the same in bf16 on a Llama-3.2-1B-shaped model (16 layers, hidden 2048, vocabulary
-#                             128256; random weights, built on the machine), batch 8 and 1, eager and CUDA graphs;
+#                             128256; random weights, built on the machine), batch 8 and 1, eager and CUDA graphs
+#                             (fxparallel's also without its run-ahead of the stopping check);
 #   decode-profile-1b         benchmarks/step_profile.py --device cuda on that model, batch 1 and 8: where a decode
 #                             step's time goes (kernels by kind, the GPU's idle time, the host's CUDA calls), eager
 #                             and with CUDA graphs, for both systems;
@@ -63,8 +64,8 @@ session() {
   stage generate-bf16 140 "${run1[@]}" benchmarks/generate.py --device cuda --repeats 3 --dtype bfloat16 \
     --systems fxparallel,fxparallel-cudagraphs,transformers,transformers-cudagraphs \
     --shape hidden=1024,layers=8,heads=16,kv_heads=8,intermediate=2816,vocab=32000 --out "$out/generate_tp1_bf16.json"
-  stage generate-1b 240 "${run1[@]}" benchmarks/generate.py --device cuda --repeats 7 --dtype bfloat16 --batches 8,1 \
-    --systems fxparallel,fxparallel-cudagraphs,transformers,transformers-cudagraphs \
+  stage generate-1b 300 "${run1[@]}" benchmarks/generate.py --device cuda --repeats 7 --dtype bfloat16 --batches 8,1 \
+    --systems fxparallel,fxparallel-cudagraphs,fxparallel-cudagraphs-sync,transformers,transformers-cudagraphs \
     --shape "$shape_1b" --out "$out/generate_tp1_1b.json"
   for b in 1 8; do
     stage decode-profile-1b 200 "${run1[@]}" benchmarks/step_profile.py --device cuda --dtype bfloat16 --batch $b \
