@@ -69,7 +69,12 @@ def _llama(rank, tp, path):
     by_eos_kwargs = dict(input_ids=ids[1:, 1:], attention_mask=mask[1:, 1:], max_new_tokens=10, do_sample=False,
                          pad_token_id=0, eos_token_id=[int(plain[0, prompt + 3]), int(plain[1, prompt + 5])])
     expected_by_eos = ref.generate(**by_eos_kwargs)
-    steps, real_step = [], loop._step
+    sampling = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=20, temperature=0.7,
+                    repetition_penalty=1.3, pad_token_id=0)
+    torch.manual_seed(7)
+    first = model.generate(**sampling)  # every row's third new token made its EOS: all stop within 3 steps
+    sampling["eos_token_id"] = sorted({int(t) for t in first[:, ids.shape[1] + 2]})
+    steps, real_step, sampled = [], loop._step, {}
     loop._step = lambda *a: steps.append(1) or real_step(*a)
     try:
         counts = []
@@ -82,9 +87,16 @@ def _llama(rank, tp, path):
             counts.append(len(steps) - done)
             out[f"run ahead {devices}"] = (torch.equal(by_eos, expected_by_eos), torch.equal(to_max, expected),
                                              streamed)
+            # sampling with stateless processors (a repetition penalty, top-k, temperature), stopped by EOS: the
+            # dropped step's draw comes from the call's own generator, so the tokens are those of the plain loop
+            torch.manual_seed(7)
+            before = len(steps)
+            sampled[devices] = model.generate(**sampling), len(steps) - before
     finally:
         loop._step, loop.RUN_AHEAD_DEVICES = real_step, ("cuda",)
     out["run ahead steps"] = counts, expected_by_eos.shape[1] - prompt, expected.shape[1] - ids.shape[1]
+    (plain, plain_steps), (ahead, ahead_steps) = sampled[("cuda",)], sampled[("cuda", "cpu")]
+    out["run ahead sampling"] = (torch.equal(plain, ahead), plain.shape[1] - ids.shape[1], plain_steps, ahead_steps)
     # the cache: 1/TP of the single-device cache; decode graph: 2L+1 all-reduces, no gather
     result = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
                             return_dict_in_generate=True)
@@ -211,6 +223,9 @@ def test_generate_llama(checkpoints):
         assert out["run ahead ('cuda',)"] == out["run ahead ('cuda', 'cpu')"] == (True, True, True), out
         (plain, ahead), by_eos, to_max = out["run ahead steps"]
         assert by_eos < 10 and plain == by_eos + to_max and ahead == plain + 1, out["run ahead steps"]
+        # the same tokens, stopped early, and the sampling call ran ahead by one dropped step too
+        equal, new, plain_steps, ahead_steps = out["run ahead sampling"]
+        assert equal and new <= 3 and plain_steps == new and ahead_steps == new + 1, out["run ahead sampling"]
         assert out["graphs after one generate"] == 3  # training graph + prefill + decode
         assert out["graphs after two"] == 3, "other prompt lengths and batch sizes must reuse the graphs"
         assert out["graphs at the end"] == 3

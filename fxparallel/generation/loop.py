@@ -351,15 +351,30 @@ def _decode(model, decoding: _Decoding) -> None:
         decoding.streamer.end()
 
 
+# transformers' processors and warpers that keep no state between calls (their scores a function of the
+# sequences and the scores alone), so that calling them on a step that is dropped leaves no trace; the bias of
+# SequenceBias / NoBadWords is prepared once, at the first call (the prompt's step, never a dropped one)
+PURE_PROCESSORS = (
+    "RepetitionPenaltyLogitsProcessor", "NoRepeatNGramLogitsProcessor", "MinLengthLogitsProcessor",
+    "MinNewTokensLengthLogitsProcessor", "NoBadWordsLogitsProcessor", "SequenceBiasLogitsProcessor",
+    "SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor", "ForcedBOSTokenLogitsProcessor",
+    "ForcedEOSTokenLogitsProcessor", "InfNanRemoveLogitsProcessor", "ExponentialDecayLengthPenalty",
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
+    "EpsilonLogitsWarper", "EtaLogitsWarper")
+
+
 def _runs_ahead(model, decoding: _Decoding) -> bool:
     """Whether a decode step may be queued before the host knows the previous one stopped every row: on a device
-    that runs asynchronously, with a cache, where a step after the last leaves no trace: greedy without logits
-    processors (no random draw, no processor's state), and nothing of the steps returned but the sequences (not
-    the cache, which the dropped step writes past the end, nor scores). The same on every rank (the config is
-    agreed), so every rank runs the same collectives."""
-    config = decoding.config
-    return (model.device_.type in RUN_AHEAD_DEVICES and decoding.cache is not None and not config.do_sample
-            and not len(decoding.processors) and not config.return_dict_in_generate)
+    that runs asynchronously, with a cache, where a step after the last leaves no trace: its processors are
+    transformers' stateless ones (``PURE_PROCESSORS``; a sampling draw comes from this call's own generator,
+    discarded at its end), and nothing of the steps is returned but the sequences (not the cache, which the
+    dropped step writes past the end, nor scores). The same on every rank (the config is agreed, the processors
+    made from it), so every rank runs the same collectives."""
+    from transformers.generation import logits_process
+
+    pure = tuple(getattr(logits_process, name) for name in PURE_PROCESSORS)
+    return (model.device_.type in RUN_AHEAD_DEVICES and decoding.cache is not None
+            and not decoding.config.return_dict_in_generate and all(type(p) in pure for p in decoding.processors))
 
 
 class _StopFlag:
