@@ -1,6 +1,6 @@
 """Host syncs of a training step (a GPU waits for its queue at each; FSDP2's run-ahead stops): train_step makes
 one, the forward's argument check, which also reads the global label count that refuses an empty batch; its
-metrics are read from the device only when asked.
+metrics are read from the device only when asked. A decode step of ``generate`` reads only its stopping check.
 Counted by wrapping every way a tensor reaches the host (item, tolist, numpy, cpu, int/float/bool of a tensor,
 torch.cuda.synchronize), one per source line that reads; torch.optim's reads of its step counters are left out
 (they live on the CPU beside GPU parameters: no sync)."""
@@ -72,11 +72,23 @@ def _steps(rank, world, path):
     empty = raised(lambda: train_step(model, opt, {"input_ids": ids, "labels": torch.full_like(ids, -100)}, mesh),
                    ValueError)
     unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
-    return per_step, read, values, (empty, unchanged)
+    # generate: a decode step's one read is the stopping check (on CUDA read one step late, from a copy)
+    decoding = {}
+    for new_tokens in (4, 8):
+        counts = []
+        with counting_host_syncs(counts):
+            model.generate(input_ids=ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        decoding[new_tokens] = counts
+    return per_step, read, values, (empty, unchanged), decoding
 
 
 def test_one_host_sync_per_training_step(checkpoints):
-    for per_step, read, values, (empty, unchanged) in run_ranks(2, _steps, checkpoints["llama"]):
+    for per_step, read, values, (empty, unchanged), decoding in run_ranks(2, _steps, checkpoints["llama"]):
+        short, long = decoding[4], decoding[8]
+        extra = long[len(short):]  # the same reads, then one per further token
+        assert [w.split(":")[0] for w, _ in long[:len(short)]] == [w.split(":")[0] for w, _ in short], decoding
+        assert len(extra) == 4 and {(w.split(":")[0], name) for w, name in extra} == {("loop.py", "__bool__")}, \
+            decoding
         assert "the global batch has no label tokens" in empty and unchanged, (empty, unchanged)
         # the forward's argument check: one exchange, read on the host, the step's global label count riding on it
         assert all([w.split(":")[0] for w, _ in c] == ["inputs.py"] for c in per_step), per_step
