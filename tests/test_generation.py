@@ -92,6 +92,22 @@ def _llama(rank, tp, path):
             torch.manual_seed(7)
             before = len(steps)
             sampled[devices] = model.generate(**sampling), len(steps) - before
+        # not ahead where a dropped step would show: the cache returned, or a processor of the caller's (its state
+        # unknown: here it counts its calls, one per token)
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        class Counting(LogitsProcessor):
+            calls = 0
+
+            def __call__(self, input_ids, scores):
+                Counting.calls += 1
+                return scores
+
+        before = len(steps)
+        returned = model.generate(**by_eos_kwargs, return_dict_in_generate=True)
+        counted = model.generate(**by_eos_kwargs, logits_processor=LogitsProcessorList([Counting()]))
+        out["not ahead"] = (torch.equal(returned.sequences, expected_by_eos), torch.equal(counted, expected_by_eos),
+                            len(steps) - before, Counting.calls, returned.past_key_values.get_seq_length())
     finally:
         loop._step, loop.RUN_AHEAD_DEVICES = real_step, ("cuda",)
     out["run ahead steps"] = counts, expected_by_eos.shape[1] - prompt, expected.shape[1] - ids.shape[1]
@@ -224,6 +240,9 @@ def test_generate_llama(checkpoints):
         (plain, ahead), by_eos, to_max = out["run ahead steps"]
         assert by_eos < 10 and plain == by_eos + to_max and ahead == plain + 1, out["run ahead steps"]
         # the same tokens, stopped early, and the sampling call ran ahead by one dropped step too
+        returned_equal, counted_equal, not_ahead_steps, calls, cached = out["not ahead"]
+        assert returned_equal and counted_equal and not_ahead_steps == 2 * by_eos and calls == by_eos, out["not ahead"]
+        assert cached == 6 + by_eos - 1, out["not ahead"]  # the prompt and every token but the last: none dropped
         equal, new, plain_steps, ahead_steps = out["run ahead sampling"]
         assert equal and new <= 3 and plain_steps == new and ahead_steps == new + 1, out["run ahead sampling"]
         assert out["graphs after one generate"] == 3  # training graph + prefill + decode
