@@ -149,13 +149,13 @@ def per_step(long: dict, short: dict | None, steps: int) -> dict:
 
 def decode_steps(system, args, shape):
     """One decode step's profile, measured and profiled: generate(new_tokens) - generate(1)."""
-    ids, mask = generate.prompts(args.batch, args.prompt, shape["vocab"])
+    ids, mask = (t.to(args.device) for t in generate.prompts(args.batch, args.prompt, shape["vocab"]))
     with torch.no_grad():
         for n in (args.new_tokens, 1):  # warm-up: capture, caches (and compilation, CUDA graphs)
-            system.generate(ids.to(args.device), mask.to(args.device), n)
+            system.generate(ids, mask, n)
         for ops in (False, True):
-            long, short = (profile(lambda n=n: system.generate(ids.to(args.device), mask.to(args.device), n), ops,
-                                   args.device == "cuda") for n in (args.new_tokens, 1))
+            long, short = (profile(lambda n=n: system.generate(ids, mask, n), ops, args.device == "cuda")
+                           for n in (args.new_tokens, 1))
             yield ops, per_step(long, short, args.new_tokens - 1)
 
 

@@ -1,8 +1,9 @@
 """Run a function on N real gloo ranks (new processes) and collect results or errors.
 
-Ranks are forked from multiprocessing's fork server, which imports torch, transformers and fxparallel once
-for the session (``PRELOAD``): each rank is a new process, as isolated as a spawned one, without the ~6 s of
-CPU each spawned interpreter spends on those imports. A rank runs with the calling process's environment at the
+Ranks are forked from multiprocessing's fork server, which imports torch, transformers, fxparallel and the test
+helpers once for the session and captures a tiny model (``PRELOAD``, ``warm_capture.py``): each rank is a new
+process, as isolated as a spawned one, without the ~6 s of CPU each spawned interpreter spends on those imports
+nor the ~3 s of Dynamo's first capture. A rank runs with the calling process's environment at the
 call. ``fresh=True`` spawns a new interpreter instead, for a call whose libraries must be imported under that
 environment (huggingface_hub reads its cache and endpoint variables on import).
 
@@ -21,8 +22,24 @@ import traceback
 import torch.multiprocessing as mp
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "transformers", "transformers.models.llama.modeling_llama",
-           "fxparallel", "fxparallel.module", "checks", "models"]
+           "fxparallel", "fxparallel.module", "checks", "models", "warm_capture"]
 mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+
+
+def _start_fork_server() -> None:
+    """Start the fork server with this folder on its PYTHONPATH: Python 3.11's fork server does not take the
+    parent's sys.path (it is passed but not applied before the preload), so the helpers above would not load."""
+    from multiprocessing import forkserver
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)), before]))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def free_port() -> int:
@@ -63,6 +80,8 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0, group_timeout:
     rank left waiting in a collective fails; ``fresh``: spawn new interpreters (module docstring); ``backend``:
     the group's (``"cuda:gloo"``: ranks sharing one GPU, CUDA tensors only)."""
     ctx = mp.get_context("spawn" if fresh else "forkserver")
+    if not fresh:
+        _start_fork_server()
     queue, done = ctx.Queue(), ctx.Event()
     port = free_port()
     environment = None if fresh else dict(os.environ)
