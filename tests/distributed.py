@@ -3,7 +3,7 @@
 Ranks are forked from multiprocessing's fork server, which imports torch, transformers, fxparallel and the test
 helpers once for the session and captures a tiny model (``PRELOAD``, ``warm_capture.py``): each rank is a new
 process, as isolated as a spawned one, without the ~6 s of CPU each spawned interpreter spends on those imports
-nor the ~3 s of Dynamo's first capture. A rank runs with the calling process's environment at the
+nor the 1-3 s of Dynamo's first capture. A rank runs with the calling process's environment at the
 call. ``fresh=True`` spawns a new interpreter instead, for a call whose libraries must be imported under that
 environment (huggingface_hub reads its cache and endpoint variables on import).
 

@@ -1,5 +1,5 @@
 """Imported by the fork server (``distributed.PRELOAD``): one capture of a tiny model, so that every rank forked
-from it starts with Dynamo's first-use work done (its lazy imports and tables: about 3 s of CPU on this machine)
+from it starts with Dynamo's first-use work done (its lazy imports and tables: 1-3 s of CPU on this machine)
 rather than paying it again in each rank's first ``parallelize``."""
 import torch
 import torch._dynamo

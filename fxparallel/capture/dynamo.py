@@ -217,7 +217,7 @@ def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGra
                  if cache is None and (unpadded or "attention_mask" not in input_names) else contextlib.nullcontext())
         # fake_tensor_cache_enabled=False: with symbolic sizes, FakeTensorMode's op cache costs more than it saves
         # here (building an entry, and rebuilding outputs from one, re-derive their symbolic shapes): measured,
-        # captures take 20-40 % less time without it, never more (docs/benchmarks.md, "Start-up")
+        # captures take 20-40 % less time without it, never more (docs/benchmarks.md, "Planning speed")
         with torch._dynamo.config.patch(ignore_logging_functions=_logging_functions(),
                                         fake_tensor_cache_enabled=False), plain:
             compiled(**{k: v for k, v in example.items() if k not in state})
