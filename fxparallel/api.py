@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .capture import adapters, build_meta_model, capture
 from .capture.derive import without_labels
 from .capture.expert_counts import experts_modules
-from .capture.router_logits import takes_router_logits
+from .capture.router_logits import load_balancing_of, takes_router_logits
 from .capture.repeat_layers import capture_layers_once
 from .capture.spec import EXAMPLE_BATCH, EXAMPLE_SEQ, GraphSpec
 from .capture.generation_inputs import inputs_beyond_tokens
@@ -392,6 +392,7 @@ def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
         takes_router_logits=takes_router_logits(meta),
         hf_loss_type=getattr(meta, "loss_type", None), hf_class_name=type(meta).__name__,
         router_aux_loss_coef=float(getattr(meta, "router_aux_loss_coef", 0.0) or 0.0),
+        load_balancing=load_balancing_of(meta) if takes_router_logits(meta) else None,
         moe_layers=len(experts_modules(meta)), recurrent_cache=keeps_states(meta.config),
         inputs_beyond_tokens=inputs_beyond_tokens(meta),
         generation_config=_generation_config(source, meta.config), embedding_modules=embedding_modules(meta),

@@ -20,6 +20,9 @@ class ModelFacts:
     # the model's forward has output_router_logits (a mixture of experts), and the load-balancing loss's weight
     takes_router_logits: bool = False
     router_aux_loss_coef: float = 0.0
+    # (transformers' load_balancing_loss_func of the model's module, num_experts, top_k): the term recomputed over
+    # the whole sequences under context parallelism (router_outputs.py); None: the model has no such function
+    load_balancing: Optional[tuple] = None
     # transformers' cache for it keeps linear-attention / state-space states (generation: GraphSpec.fresh_cache)
     recurrent_cache: bool = False
     # why transformers' generate feeds the model more than tokens, mask and positions (XLNet's permutation mask):

@@ -34,7 +34,7 @@ from .inputs import ARGUMENTS, check_arguments, options_code
 from .items_in_batch import check_items_in_batch, loss_over_items
 from .model_facts import ModelFacts
 from .router_outputs import (expert_counts_asked, loss_without_aux, router_logits_asked, split_router_logits,
-                             whole_sequence_counts)
+                             whole_sequence_balancing, whole_sequence_counts)
 from .shard_parameter import ShardParameter
 from .uncalled_modules import parent_of
 from .ops import collectives, context_parallel_attention
@@ -94,6 +94,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         # load_state_dict of complete tensors (transformers' state dict, Trainer's resume): this rank's shards;
         # counted, and the count compared across the tp ranks at each call (inputs.py: a load on some ranks only)
         self._weights_loaded = 0
+        self._balancing_checked = False  # the load-balancing function checked against the graph (router_outputs.py)
         self.register_load_state_dict_pre_hook(shard_full_values)
         # optimizers over its parameters: no whole-tensor optimizer or whole-shape state on the shards
         # (optimizer_checks.py), optimizer.state_dict() to DCP as full-shape state (dcp_optimizer.py)
@@ -339,6 +340,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         self._graph_set.last = graph
         run = graph.forward if compile_config is None else self._graph_set.compiled(graph, compile_config)
         results = dict(zip(graph.outputs, run(self, **graph.read(args))))
+        if router and self.cp_group is not None:  # the load-balancing term of the whole sequences
+            results = whole_sequence_balancing(self, results, input_ids.shape[0])
         if cache is not None:  # written: its recurrent states (if any) are continued from now on
             cache.started = True
         logits = results["logits"]

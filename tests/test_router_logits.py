@@ -4,7 +4,9 @@ every layer's ``router_logits`` and every gradient equal the single-device model
 the loss, term and router logits), whether the flag comes from the checkpoint's config, the argument, or the config
 changed after ``parallelize``; with Trainer's
 ``num_items_in_batch`` the term is added after the normalization, as transformers adds it; the tuple of
-``return_dict=False`` is transformers'; generate's tokens are unchanged; a dense model is refused by name. Stock
+``return_dict=False`` is transformers'; generate's tokens are unchanged; a dense model is refused by name. Under
+context parallelism (tp 1 x cp 2) the term is the whole sequences' and the loss and every gradient the single
+device's; a function other than the forward's term is refused. Stock
 TRL ``SFTTrainer``, which turns the loss on for every MoE model (its fused LM head then adds it), gives the
 single-device SFTTrainer's losses, grad norms, entropy, token accuracy and weights (whole experts per rank).
 ``output_tokens_per_expert=True`` counts the tokens routed to each expert of every MoE layer as the single-device
@@ -38,6 +40,9 @@ def router_checkpoints(tmp_path_factory):
         # a checkpoint saved with the flag on (fine-tuned with the load-balancing loss)
         "mixtral": save_checkpoint(tiny_config("mixtral", output_router_logits=True), str(root / "mixtral")),
         "qwen3_moe": save_checkpoint(tiny_config("qwen3_moe"), str(root / "qwen3_moe")),
+        # a term weighted enough to move the loss and gradients well past the tolerance
+        "qwen3_moe_weighted": save_checkpoint(tiny_config("qwen3_moe", router_aux_loss_coef=0.5),
+                                              str(root / "qwen3_moe_weighted")),
         "gpt_oss": save_checkpoint(tiny_config("gpt_oss"), str(root / "gpt_oss")),
         "deepseek_v3": save_checkpoint(tiny_config("deepseek_v3"), str(root / "deepseek_v3")),
         "llama": save_checkpoint(dense(), str(root / "llama")),
@@ -105,11 +110,56 @@ def _run(rank, tp, paths):
         model = fxparallel.parallelize(paths[name], group, dtype=torch.float32, expert_parallel=expert_parallel)
         results[f"counts {name}"] = _counts(model, reference(paths[name]), batch(model.config.vocab_size, 2, 16))
 
+    results["context parallel"] = _context_parallel(rank, paths["qwen3_moe_weighted"])
     dense = fxparallel.parallelize(paths["llama"], group, dtype=torch.float32)
     results["refused"] = raised(lambda: dense(input_ids=ids % 128, output_router_logits=True))
     results["counts refused"] = raised(lambda: dense(input_ids=ids % 128, output_tokens_per_expert=True))
     results["sft"] = _sft(rank, tp, paths["sft"])
     return results
+
+
+def _context_parallel(rank, path) -> dict:
+    """Qwen3-MoE over 2 cp ranks (tp 1), the term asked for: each rank's ``aux_loss`` is the whole sequences' (the
+    single device's), its ``router_logits`` are its own tokens' rows of the single device's, and the ranks' losses
+    weighted by their label tokens (as ``runtime.scaled_loss`` weights them), backpropagated and summed over the cp
+    ranks, give the single device's loss and every parameter's gradient."""
+    import torch
+    import torch.distributed as dist
+
+    import fxparallel
+    from checks import batch, raised
+    from fxparallel.ops.context_parallel_attention import global_positions
+    from fxparallel.runtime import init_mesh, split_for_context_parallel
+    from fxparallel.runtime.loss_normalization import label_tokens
+    from models import reference
+
+    mesh = init_mesh(tp=1, cp=2)
+    model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32, cp_group=mesh.cp_mesh)
+    ref = reference(path)
+    ids = batch(model.config.vocab_size, 2, 16)
+    local = split_for_context_parallel({"input_ids": ids}, mesh.cp_rank, mesh.cp)
+    out = model(**local, output_router_logits=True)
+    expected = ref(input_ids=ids, labels=ids, output_router_logits=True)
+    mine = label_tokens(local["labels"], shifted=True)
+    total = mine.clone()
+    dist.all_reduce(total, group=mesh.cp_mesh.get_group())
+    weighted = (out.loss * mine / total).detach()
+    (out.loss * mine / total).backward()
+    expected.loss.backward()
+    dist.all_reduce(weighted, group=mesh.cp_mesh.get_group())
+    grads = dict(model.local_named_parameters())
+    for p in grads.values():
+        dist.all_reduce(p.grad, group=mesh.cp_mesh.get_group())
+    function, experts, top_k = model.load_balancing  # a function other than the one the forward computes: refused
+    model.load_balancing, model._balancing_checked = (lambda *a: 2 * function(*a), experts, top_k), False
+    other = raised(lambda: model(**local, output_router_logits=True))
+    positions = global_positions(ids.shape[1] // 2, mesh.cp_rank, mesh.cp)
+    rows = [r.view(2, 16, -1)[:, positions].reshape(32 // 2, -1) for r in expected.router_logits]
+    return {"aux": (out.aux_loss - expected.aux_loss).abs().item(), "loss": (weighted - expected.loss).abs().item(),
+            "term": (expected.aux_loss * ref.config.router_aux_loss_coef).item(),
+            "router": max((a - b).abs().max().item() for a, b in zip(out.router_logits, rows)),
+            "grad": max((grads[n].grad - p.grad).abs().max().item() for n, p in ref.named_parameters()),
+            "grads": len(grads), "other": other}
 
 
 def _counts(model, ref, ids) -> dict:
@@ -168,6 +218,9 @@ def test_router_logits_and_load_balancing_loss(router_checkpoints):
             got = r[f"counts {name}"]
             assert got["ours"] == got["theirs"] and len(got["ours"]) == layers and got["loss"] == 0, (name, got)
             assert sum(got["ours"][0]) == 2 * 16 * 2, got  # every token's top-2 choices
+        cp = r["context parallel"]
+        assert max(cp["aux"], cp["loss"], cp["router"], cp["grad"]) < 1e-5 and cp["term"] > 0.1, cp
+        assert cp["grads"] == 25 and "computes a load-balancing loss other than its module's" in cp["other"], cp
         assert "output_tokens_per_expert=True: llama has no experts modules" in r["counts refused"], r["counts refused"]
         sp = r["sequence_parallel"]
         assert max(sp["loss"], sp["aux"], sp["router"]) < 1e-5 and sp["layers"] == (2, 2), sp
