@@ -69,6 +69,7 @@ from .callers import functions_on_stack
 from .dtensor_parameters import CLIPPING, dtensor_views, refresh_views, use_dtensor_parameters, views_for_clipping
 from .errors import ArgumentError, ShardingError
 from .inputs import ARGUMENTS
+from .trainer_counts import flops_share
 from .trainer_data_parallel import no_gradient_sync
 
 # forward arguments the graphs do not take: what to do instead
@@ -233,7 +234,8 @@ class HuggingFaceMethods:
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False,
                        local: bool = False) -> int:
         """The whole model's parameter count, as transformers counts it (tied weights once; without the
-        ``nn.Embedding`` tables if ``exclude_embeddings``); ``local``: the elements this rank holds."""
+        ``nn.Embedding`` tables if ``exclude_embeddings``); ``local``: the elements this rank holds. Asked by
+        ``Trainer.floating_point_ops``: this rank's share of the count (trainer_counts.py)."""
         excluded = set(self.embedding_weights) if exclude_embeddings else set()
         if local:
             return sum(p.numel() for name, p in self.local_named_parameters()
@@ -246,7 +248,7 @@ class HuggingFaceMethods:
             for size in p.shape:
                 count *= size
             total += count
-        return total
+        return flops_share(total, self.tp_group.rank, self.tp_group.size)
 
     def get_memory_footprint(self, return_buffers: bool = True) -> int:
         """Bytes this rank holds: its parameter shards (and buffers, unless ``return_buffers=False``)."""

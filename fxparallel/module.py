@@ -36,6 +36,7 @@ from .model_facts import ModelFacts
 from .router_outputs import (expert_counts_asked, loss_without_aux, router_logits_asked, split_router_logits,
                              whole_sequence_balancing, whole_sequence_counts)
 from .shard_parameter import ShardParameter
+from .trainer_counts import follow_trainer_tokens
 from .uncalled_modules import parent_of
 from .ops import collectives, context_parallel_attention
 from .ops.local_graph import LocalGraph
@@ -284,6 +285,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         # (shift_labels, TRL's, is read from the keywords: a parameter named like a label would make Trainer take it
         # for one of the model's label names, which every evaluation batch must then hold)
         shift_labels = unsupported.pop("shift_labels", None)
+        if self.training and self.tp_group.size > 1:  # Trainer's token count, once per tp group (trainer_counts.py)
+            follow_trainer_tokens(self.tp_group.size)
         if fused_lm_head or shift_labels is not None:
             return fused_head.forward_of(self)(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,

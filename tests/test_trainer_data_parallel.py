@@ -174,11 +174,13 @@ def _sft_lora(rank, mesh, root):
 
 def test_trainer_over_dp_and_tp(checkpoints, tmp_path):
     results = run_ranks(4, _dp_tp, checkpoints["llama"], str(tmp_path))
-    ref_losses, ref_norms = results[0]["trainer_ref"]
+    ref_losses, ref_norms, ref_counters = results[0]["trainer_ref"]
     assert max(ref_norms) > 0.5  # the clipping acted
     for r in results:
-        losses, norms = r["trainer"]
+        losses, norms, counters = r["trainer"]
         assert len(losses) == 4 == len(ref_losses)
+        # Trainer's tokens seen and total flos, summed over the dp x tp processes: the single process's
+        assert counters == ref_counters and ref_counters[0] > 0, (counters, ref_counters)
         for ours, theirs in zip(losses + norms, ref_losses + ref_norms):
             assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (losses, ref_losses, norms, ref_norms)
         assert r["weights"] < 1e-5, r["weights"]

@@ -40,7 +40,8 @@ from distributed import run_ranks
 def _trainer_run(model, out_dir, save_to=None, optim="adamw_torch", use_cpu=True, batch=2, rows=16,
                  sampling="random", **arguments):
     """Train ``model`` with stock Trainer for 4 optimizer steps of 2 micro-batches of ``batch`` rows (then
-    ``save_model(save_to)``); returns (losses, grad norms). ``arguments``: more TrainingArguments. ``use_cpu=False``: on the GPU (tests/test_cuda.py);
+    ``save_model(save_to)``); returns (losses, grad norms, Trainer's counters: the tokens seen at each logged step
+    and the total flos). ``arguments``: more TrainingArguments. ``use_cpu=False``: on the GPU (tests/test_cuda.py);
     ``sampling="sequential"``: the same rows make each global batch however data parallelism splits it."""
     import torch
     from transformers import Trainer, TrainingArguments
@@ -56,13 +57,14 @@ def _trainer_run(model, out_dir, save_to=None, optim="adamw_torch", use_cpu=True
                              max_steps=4, learning_rate=5e-2, lr_scheduler_type="linear", warmup_steps=1,
                              max_grad_norm=0.5, gradient_checkpointing=True, logging_steps=1, report_to=[],
                              use_cpu=use_cpu, save_strategy="no", seed=7, dataloader_num_workers=0, optim=optim,
-                             train_sampling_strategy=sampling, **arguments)
+                             train_sampling_strategy=sampling, include_num_input_tokens_seen="all", **arguments)
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     if save_to is not None:
         trainer.save_model(save_to)
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return [h["loss"] for h in logs], [float(h["grad_norm"]) for h in logs]
+    counters = [h["num_input_tokens_seen"] for h in logs] + [trainer.state.total_flos]
+    return [h["loss"] for h in logs], [float(h["grad_norm"]) for h in logs], counters
 
 
 def _trainer_eval(model, out_dir, rows=6, batch=2):
@@ -818,9 +820,11 @@ def _cases(rank, world, path, root):
 
 
 def _check_trainer(run: dict) -> None:
-    losses, norms = run["trainer"]
-    ref_losses, ref_norms = run["trainer_ref"]
+    losses, norms, counters = run["trainer"]
+    ref_losses, ref_norms, ref_counters = run["trainer_ref"]
     assert len(losses) == 4 and len(ref_losses) == 4
+    # Trainer's tokens seen at each step and total flos: the single device's (each tp group's batch counted once)
+    assert counters == ref_counters and ref_counters[0] > 0, (counters, ref_counters)
     for ours, theirs in zip(losses + norms, ref_losses + ref_norms):
         assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (losses, ref_losses, norms, ref_norms)
     assert max(ref_norms) > 0.5  # the clipping acted
