@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .capture import adapters, build_meta_model, capture
+from .capture.dynamo import one_token_prompts
 from .capture.derive import without_labels
 from .capture.expert_counts import experts_modules
 from .capture.router_logits import load_balancing_of, takes_router_logits
@@ -394,6 +395,7 @@ def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
         router_aux_loss_coef=float(getattr(meta, "router_aux_loss_coef", 0.0) or 0.0),
         load_balancing=load_balancing_of(meta) if takes_router_logits(meta) else None,
         moe_layers=len(experts_modules(meta)), recurrent_cache=keeps_states(meta.config),
+        one_token_prompts=one_token_prompts(meta),
         inputs_beyond_tokens=inputs_beyond_tokens(meta),
         generation_config=_generation_config(source, meta.config), embedding_modules=embedding_modules(meta),
         embedding_weights=tuple(f"{path}.weight" for path, m in meta.named_modules()

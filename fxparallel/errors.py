@@ -27,6 +27,12 @@ class CacheNotCarried(CaptureError):
         return type(self), (self.why,)
 
 
+class PromptLengthFixed(CaptureError):
+    """A forward of several tokens with a cache, whose code fixes the number of tokens (a Python loop or scan over
+    them: Mamba's, xLSTM's), would need a graph per prompt length; the model then takes them one at a time
+    (``module.py``)."""
+
+
 class CheckpointError(FxParallelError):
     """The checkpoint is missing, incomplete or inconsistent with the config."""
 

@@ -23,6 +23,8 @@ class GraphSet:
         self.cache_refused = None  # the CacheNotCarried its capture raised: raised again, not captured again
         # generation without a cache: right-padded to a fixed length (the code fixes it), or grown (None: not known)
         self.recompute_padded = None
+        # forwards of several tokens with a cache run one token at a time (their code fixes the count: module.py)
+        self.prompt_by_token = False
 
     def __iter__(self):
         return iter(list(self._graphs))

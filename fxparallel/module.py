@@ -27,7 +27,7 @@ from .dcp_state import describe_state_dict
 from .full_state_loading import shard_full_values
 from .adapter_methods import AdapterMethods
 from .capture.spec import GraphSpec
-from .errors import ArgumentError, CacheNotCarried, ShardingError
+from .errors import ArgumentError, CacheNotCarried, PromptLengthFixed, ShardingError
 from .graph_set import GraphSet
 from .hf_methods import HuggingFaceMethods, refuse_arguments, refuse_inherited
 from .inputs import ARGUMENTS, check_arguments, options_code
@@ -185,7 +185,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         return list(self._graph_set)
 
     def _graph_for(self, args: dict, cache=None, logits_to_keep: int = 0, unpadded: bool = False,
-                   router_logits: bool = False, expert_counts: bool = False) -> LocalGraph:
+                   router_logits: bool = False, expert_counts: bool = False, token_mask: bool = False) -> LocalGraph:
         """The graph for these arguments (and KV cache, logits kept, a mask without padding, MoE outputs),
         captured on first use of an argument set or a shape outside every graph's guards; a shape seen before costs
         a dictionary lookup."""
@@ -193,7 +193,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         spec = GraphSpec(tuple(n for n in ARGUMENTS if n in args), shapes["input_ids"],
                          labels_shifted=self.cp_group is not None, logits_to_keep=logits_to_keep, unpadded=unpadded,
                          cache_length=cache.length if cache is not None else None, router_logits=router_logits,
-                         expert_counts=expert_counts)
+                         expert_counts=expert_counts, token_mask=token_mask)
         if cache is not None and self.recurrent_cache and not cache.started:  # the recurrent states start here
             spec = dataclasses.replace(spec, fresh_cache=True)
         if cache is not None and self._graph_set.cache_refused is not None:
@@ -209,10 +209,40 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             for name, (full, _, _) in cache.layout.items():
                 shapes[name] = tuple(batch if s is None else s for s in full)
         graph = self._graph_set.find(spec, shapes)
+        if graph is None and cache is not None and spec.shape[1] > 1 and self.one_token_prompts and \
+                any(g.spec.identity == spec.identity for g in self._graph_set):
+            # the graph of another prompt length does not serve this one (its guards fix the length: Mamba's scan)
+            raise PromptLengthFixed(f"{self.config.model_type}: a graph for {spec.shape[1]} tokens with a cache")
         if graph is None:
             graph = self._graph_set.factory(spec) if cache is None else self._cache_graph(spec)
             self.add_graph(graph, shapes)
         return graph
+
+    def _tokens_one_at_a_time(self, args: dict, cache, logits_to_keep: int):
+        """A forward of several tokens with a cache whose code fixes their number (a graph per prompt length
+        otherwise: Mamba's scan, xLSTM's chunks; capture/dynamo.py, ``one_token_prompts``): the tokens one at a
+        time, as transformers' decode steps continue the states, each given its own column of the attention mask
+        (the prompt fills the cache from slot 0; a cache continued by several tokens, xLSTM's, reads no mask).
+        Two one-token graphs per cache length serve every prompt (the first token's on a fresh cache, the next
+        ones'). Returns (the last graph, the outputs: the logits of every token, or of the last
+        ``logits_to_keep``)."""
+        ids, mask = args["input_ids"], args.get("attention_mask")
+        logits = []
+        for p in range(ids.shape[1]):
+            fresh = self.recurrent_cache and not cache.started
+            step = {"input_ids": ids[:, p:p + 1]}
+            if "position_ids" in args:
+                step["position_ids"] = args["position_ids"][:, p:p + 1]
+            if mask is not None:  # the fresh cache's graph takes the token's column of the whole mask itself
+                step["attention_mask"] = mask if fresh else mask[:, p:p + 1]
+            graph = self._graph_for(step, cache, token_mask=mask is not None and not fresh)
+            if not cache.allocated:
+                cache.allocate(ids.shape[0], self.device_)
+            step.update(cache.tensors)
+            self._graph_set.last = graph
+            logits.append(graph.forward(self, **graph.read(step))[graph.outputs.index("logits")])
+            cache.started = True
+        return graph, {"logits": torch.cat(logits[-logits_to_keep:] if logits_to_keep else logits, dim=1)}
 
     def _cache_graph(self, spec: GraphSpec) -> LocalGraph:
         """A new graph with a cache; a cache it cannot carry is refused once and remembered (each generate then
@@ -335,14 +365,23 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                                 f"pad the batch to a multiple of {self.tp_group.size}")
         if self.cp_group is not None:
             args = context_parallel_attention.prepare_arguments(args, self.cp_group, self.plan.model_type)
-        graph = self._graph_for(args, cache, logits_to_keep, unpadded, router, counts)
-        if cache is not None:
-            if not cache.allocated:
-                cache.allocate(input_ids.shape[0], self.device_)
-            args.update(cache.tensors)
-        self._graph_set.last = graph
-        run = graph.forward if compile_config is None else self._graph_set.compiled(graph, compile_config)
-        results = dict(zip(graph.outputs, run(self, **graph.read(args))))
+        graph, results = None, None
+        if cache is not None and input_ids.shape[-1] > 1 and self._graph_set.prompt_by_token:
+            graph, results = self._tokens_one_at_a_time(args, cache, logits_to_keep)
+        else:
+            try:
+                graph = self._graph_for(args, cache, logits_to_keep, unpadded, router, counts)
+            except PromptLengthFixed:  # (every rank captures alike: all of them come here)
+                self._graph_set.prompt_by_token = True
+                graph, results = self._tokens_one_at_a_time(args, cache, logits_to_keep)
+        if results is None:
+            if cache is not None:
+                if not cache.allocated:
+                    cache.allocate(input_ids.shape[0], self.device_)
+                args.update(cache.tensors)
+            self._graph_set.last = graph
+            run = graph.forward if compile_config is None else self._graph_set.compiled(graph, compile_config)
+            results = dict(zip(graph.outputs, run(self, **graph.read(args))))
         if router and self.cp_group is not None:  # the load-balancing term of the whole sequences
             results = whole_sequence_balancing(self, results, input_ids.shape[0])
         if cache is not None:  # written: its recurrent states (if any) are continued from now on

@@ -2,7 +2,9 @@
 Mamba, a Mamba-2 hybrid (Bamba), a gated-delta-net hybrid (Qwen3.5), a lightning-attention hybrid whose cache
 is a class of its own (MiniMax), and xLSTM (mLSTM states only, in its own cache class). Greedy tokens equal
 single-device transformers' from a left-padded batch; two graphs per cache length (the prompt's, which starts the
-states, and one token's, which continues them); a decode step communicates what a forward does (no gather); each
+states, and one token's, which continues them), or where the model's code fixes the prompt's length (Mamba, xLSTM)
+the prompt token by token through one-token graphs; another prompt length adds no graph; a decode step
+communicates what a forward does (no gather); each
 rank keeps the states of the channels / heads it computes (1/TP of transformers' states where the forward
 splits the layer); output_scores and sampling as for attention models; a multi-token forward on a cache already
 written is refused by name."""
@@ -15,6 +17,10 @@ from checks import left_padded_prompts, raised
 from distributed import run_ranks
 
 NEW_TOKENS = 8
+# generated again at two more prompt lengths: the two whose prompts go token by token, and one whose prompt graph
+# serves any length (MiniMax's does not: its prompt scan in blocks is guarded to the prompt's number of blocks, and
+# its attention layers need the mask over the cache; docs/generation.md)
+MORE_LENGTHS = ("mamba", "xlstm", "qwen3_5_text")
 
 
 def _state_bytes(cache) -> int:
@@ -46,16 +52,32 @@ def _generate(rank, tp, paths):
         cache = got.past_key_values
         states = {k: v for k, v in cache.layout.items() if "_states_" in k}
         generation = [g for g in model.graphs() if g.cache_length]
-        decode = next(g for g in generation if not g.spec.fresh_cache)
-        prompt = next(g for g in generation if g.spec.shape[1] > 1)  # a forward of many tokens
+        decode = next(g for g in generation if not g.spec.fresh_cache and not g.spec.token_mask)
+        # a forward of many tokens, or where the model's code fixes their number, the prompt's token by token
+        prompt = next((g for g in generation if g.spec.shape[1] > 1), None) or \
+            next(g for g in generation if g.spec.token_mask)
         ours = sum(t.numel() * t.element_size() for k, t in cache.tensors.items() if k in states)
+        # two more prompt lengths: transformers' tokens, and no graph for the third (Mamba's prompt graph is guarded
+        # to its length: the second one runs token by token, as every later one)
+        lengths = []
+        for length, seed in ((10, 6), (12, 8)) if name in MORE_LENGTHS else ():
+            graphs = len(model.graphs())
+            more, more_mask = left_padded_prompts(shape=(2, length), seed=seed)
+            again = dict(kwargs, attention_mask=more_mask)
+            lengths.append((torch.equal(model.generate(input_ids=more, **again).sequences,
+                                        ref.generate(input_ids=more, **again).sequences), len(model.graphs()) - graphs))
+        generation = [g for g in model.graphs() if g.cache_length]
         out[name] = {
             "tokens": torch.equal(got.sequences, expected.sequences),
-            "graphs": sorted((g.spec.fresh_cache, g.spec.shape[1] == 1) for g in generation),
+            "more lengths": lengths,
+            "graphs": sorted((g.spec.fresh_cache, g.spec.shape[1] == 1, g.spec.token_mask) for g in generation),
             "decode collectives": (decode.code.count("collectives_all_reduce("),
                                    decode.code.count("collectives_all_gather(")),
             "prompt collectives": (prompt.code.count("collectives_all_reduce("),
                                    prompt.code.count("collectives_all_gather(")),
+            "token collectives": {  # a prompt's token's graphs (the first's on a fresh cache, the next ones')
+                (g.code.count("collectives_all_reduce("), g.code.count("collectives_all_gather("))
+                for g in generation if g.spec.shape[1] == 1 and g.spec.fresh_cache != g.spec.token_mask},
             "states": len(states),
             "state share": ours / _state_bytes(expected.past_key_values),
             "split states": sum(1 for full, local, _ in states.values() if full != local),
@@ -110,16 +132,26 @@ def test_generate_state_space_and_linear_attention_models(tmp_path):
                    xlstm=dict(num_blocks=1, num_hidden_layers=1))
     results = run_ranks(2, _generate, paths)
     assert results[0]["sampled"] == results[1]["sampled"]
+    by_token = {"mamba": [(True, False, False), (True, True, False), (False, True, True)],
+                "xlstm": [(False, True, True)]}
     for out in results:
         assert out["scores"] < 1e-4, out["scores"]
         for name in paths:
             row = out[name]
             assert row["tokens"], (name, row)
-            # the prompt's, then one token's (xLSTM runs the same code whether its states start or continue)
-            fresh = name != "xlstm"
-            assert row["graphs"] == sorted([(False, True), (fresh, False)]), (name, row)
+            if name in MORE_LENGTHS:
+                assert row["more lengths"] == [(True, 2 if name == "mamba" else 0), (True, 0)], (name, row)
+            # the prompt's, then one token's; where the model's code fixes the prompt's length (Mamba's scan guarded to
+            # its length, xLSTM's chunks: no graph for any other), prompts run one token at a time, each given its own
+            # mask column, the first on a fresh cache (Mamba's: xLSTM runs the same code whether its states start or
+            # continue)
+            expected = sorted([(False, True, False)] + by_token.get(name, [(True, False, False)]))
+            assert row["graphs"] == expected, (name, row)
             # a token communicates what the prompt's forward does
             assert row["decode collectives"] == row["prompt collectives"], (name, row)
+            # and so does a prompt's token, where prompts go token by token
+            assert row["token collectives"] <= {row["decode collectives"]}, (name, row)
+            assert bool(row["token collectives"]) == (name in by_token), (name, row)
             assert row["states"] >= (1 if name == "minimax" else 2), (name, row)
             assert row["decode collectives"][1] == 0, (name, row)
         # MiniMax's lightning-attention state (K^T V per head) by heads: half of it on each rank

@@ -15,7 +15,7 @@ import sympy
 import torch
 import torch._dynamo
 
-from ..errors import CacheNotCarried, CaptureError
+from ..errors import CacheNotCarried, CaptureError, PromptLengthFixed
 from .generation_inputs import decodes_without_mask
 from .static_cache import (argument_name, cache_argument, cache_tensors, meta_cache, set_fresh,
                            state_not_carried)
@@ -38,7 +38,7 @@ def _forward_fn(model, spec: GraphSpec, cache=None, unpadded: bool = False):
     # the model's is the prompt's, as transformers' first forward gets it (its recurrent layers take the mask's
     # last positions as the tokens'); the slots after the prompt are not written yet, so attention loses nothing
     prompt_mask = cache is not None and spec.fresh_cache
-    no_mask = cache is not None and not spec.fresh_cache and spec.shape[1] == 1 and \
+    no_mask = cache is not None and not spec.fresh_cache and not spec.token_mask and spec.shape[1] == 1 and \
         decodes_without_mask(model, cache, spec.shape[0], spec.cache_length)
 
     def run(**kwargs):
@@ -123,12 +123,31 @@ def capture(model, spec: GraphSpec, device: str = "meta") -> CapturedGraph:
             raise
     finally:
         guards_log.setLevel(level)
+    if fixed == 1 and spec.cache_length is not None and one_token_prompts(model, spec.shape[0], spec.cache_length):
+        raise PromptLengthFixed(f"{type(model).__name__}: its code fixes the number of tokens of a forward with a "
+                                f"cache ({spec.shape[1]} here); such forwards run one token at a time")
     # the model's code fixes a size (a cache's batch; a loop over the tokens, RWKV / RecurrentGemma / CPM-Ant, or
     # Mamba's scan at some prompt lengths):
     # Dynamo cannot keep it symbolic, so that size gets a graph of its own
     log.info("%s: its code fixes the %s; capturing for %d", type(model).__name__, ("batch", "sequence length")[fixed],
              spec.shape[fixed])
     return _capture(model, spec, device, tuple(d for d in (0, 1) if d != fixed))
+
+
+def one_token_prompts(model, batch: int = 2, cache_length: int = 16) -> bool:
+    """Can a forward of several tokens with a cache run one token at a time, each given its own column of the
+    attention mask (``GraphSpec.token_mask``)? Where the model's layers need no mask over the cache: its forward
+    takes none (xLSTM), or transformers' generate leaves it out of a decode step (Mamba: the mask only zeroes
+    padding tokens, its own)."""
+    import inspect
+
+    if "attention_mask" not in inspect.signature(type(model).forward).parameters:
+        return True
+    try:
+        cache = meta_cache(model, batch, cache_length)
+    except Exception:  # noqa: BLE001 - a cache it cannot have (CacheNotCarried, a layer type without one): no
+        return False
+    return decodes_without_mask(model, cache, batch, cache_length)
 
 
 def _fixed_dim(message: str, shape, cache_length):
@@ -165,8 +184,8 @@ def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGra
             example[name] = t
             state[name] = t
     for name in input_names:
-        if name == "attention_mask" and cache is not None:  # the mask spans the whole cache
-            t = torch.ones(shape[0], cache_length, dtype=torch.long, device=device)
+        if name == "attention_mask" and cache is not None:  # the mask spans the whole cache (or is the token's)
+            t = torch.ones(shape[0], 1 if spec.token_mask else cache_length, dtype=torch.long, device=device)
             if shape[0] > 1:
                 dynamic(t, 0)
             example[name] = t

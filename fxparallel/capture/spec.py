@@ -27,7 +27,10 @@ class GraphSpec:
     experts], capture/expert_counts.py).
     ``fresh_cache``: a generation graph whose cache has linear-attention or state-space layers, run on the
     cache's first forward (the prompt's): those layers start their states (transformers' code for a first
-    forward); without it they continue them (one token at a time)."""
+    forward); without it they continue them (one token at a time).
+    ``token_mask``: a one-token generation graph given the token's own column of the attention mask ([batch, 1],
+    not the cache's span), which the model applies to it: a prompt taken one token at a time, padding included, by
+    a model whose layers need no mask over the cache (Mamba: capture/dynamo.py, ``one_token_prompts``)."""
 
     arguments: tuple
     shape: tuple = (EXAMPLE_BATCH, EXAMPLE_SEQ)
@@ -38,6 +41,7 @@ class GraphSpec:
     router_logits: bool = False
     expert_counts: bool = False
     fresh_cache: bool = False
+    token_mask: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "arguments", tuple(self.arguments))
@@ -53,7 +57,7 @@ class GraphSpec:
         """What tells two graphs apart apart from the shapes their guards take: a call is served by a graph
         of the same identity whose guards hold for its shapes."""
         return (tuple(sorted(self.arguments)), self.labels_shifted, self.cache_length, self.logits_to_keep,
-                self.unpadded, self.router_logits, self.expert_counts, self.fresh_cache)
+                self.unpadded, self.router_logits, self.expert_counts, self.fresh_cache, self.token_mask)
 
     def at(self, shape) -> "GraphSpec":
         return dataclasses.replace(self, shape=tuple(shape))
@@ -66,7 +70,7 @@ class GraphSpec:
         return {"arguments": list(self.arguments), "shape": list(self.shape), "labels_shifted": self.labels_shifted,
                 "cache_length": self.cache_length, "logits_to_keep": self.logits_to_keep, "unpadded": self.unpadded,
                 "router_logits": self.router_logits, "expert_counts": self.expert_counts,
-                "fresh_cache": self.fresh_cache}
+                "fresh_cache": self.fresh_cache, "token_mask": self.token_mask}
 
     @classmethod
     def from_dict(cls, d: dict) -> "GraphSpec":
