@@ -76,7 +76,8 @@ def whole_sequence_balancing(model, results: dict, batch: int) -> dict:
         return results
     if not model._balancing_checked:
         own = function(tuple(local.detach().unbind(0)), experts, top_k, None)
-        wrong = torch.tensor(0 if torch.allclose(own.to(aux.dtype), aux.detach(), rtol=1e-3, atol=1e-6) else 1)
+        wrong = torch.tensor(0 if torch.allclose(own.to(aux.dtype), aux.detach(), rtol=1e-3, atol=1e-6) else 1,
+                             device=aux.device)
         dist.all_reduce(wrong, op=dist.ReduceOp.MAX, group=model.cp_group.process_group)
         if wrong.item():
             raise ArgumentError(
