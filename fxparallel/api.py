@@ -18,6 +18,7 @@ Timings of each stage are kept on the returned module (``model.timings``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import socket
@@ -293,6 +294,14 @@ class GraphFactory:
         self.plain: Optional["GraphFactory"] = None
         self.pending_experts: Optional[ExpertChoice] = None  # whole experts, settled at the training graph
 
+    @functools.cached_property
+    def one_token_prompts(self) -> bool:
+        """Can a forward of several tokens with a cache run one token at a time (capture/dynamo.py)? Asked of the
+        meta model only once a graph with a cache exists: the question (transformers' prepare_inputs_for_generation)
+        installs transformers' output hooks on it, and asked at parallelize, before the training graph's capture, it
+        changed the router logits that graph returns (tried: Mixtral's, off by 0.57)."""
+        return one_token_prompts(self.meta)
+
     def __call__(self, spec: GraphSpec) -> LocalGraph:
         planned = None
         usual = self.usual_shapes is not None and self.usual_shapes.holds_for(
@@ -395,7 +404,6 @@ def model_facts(meta, source, sequence_parallel: bool) -> ModelFacts:
         router_aux_loss_coef=float(getattr(meta, "router_aux_loss_coef", 0.0) or 0.0),
         load_balancing=load_balancing_of(meta) if takes_router_logits(meta) else None,
         moe_layers=len(experts_modules(meta)), recurrent_cache=keeps_states(meta.config),
-        one_token_prompts=one_token_prompts(meta),
         inputs_beyond_tokens=inputs_beyond_tokens(meta),
         generation_config=_generation_config(source, meta.config), embedding_modules=embedding_modules(meta),
         embedding_weights=tuple(f"{path}.weight" for path, m in meta.named_modules()

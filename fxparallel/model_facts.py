@@ -25,8 +25,6 @@ class ModelFacts:
     load_balancing: Optional[tuple] = None
     # transformers' cache for it keeps linear-attention / state-space states (generation: GraphSpec.fresh_cache)
     recurrent_cache: bool = False
-    # a forward of several tokens with a cache can run one token at a time (capture/dynamo.py, one_token_prompts)
-    one_token_prompts: bool = False
     # why transformers' generate feeds the model more than tokens, mask and positions (XLNet's permutation mask):
     # then no generate without a cache (generation/recompute.py); None: it feeds just those
     inputs_beyond_tokens: Optional[str] = None

@@ -209,8 +209,9 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             for name, (full, _, _) in cache.layout.items():
                 shapes[name] = tuple(batch if s is None else s for s in full)
         graph = self._graph_set.find(spec, shapes)
-        if graph is None and cache is not None and spec.shape[1] > 1 and self.one_token_prompts and \
-                any(g.spec.identity == spec.identity for g in self._graph_set):
+        if graph is None and cache is not None and spec.shape[1] > 1 and \
+                any(g.spec.identity == spec.identity for g in self._graph_set) and \
+                getattr(self._graph_set.factory, "one_token_prompts", False):
             # the graph of another prompt length does not serve this one (its guards fix the length: Mamba's scan)
             raise PromptLengthFixed(f"{self.config.model_type}: a graph for {spec.shape[1]} tokens with a cache")
         if graph is None:
