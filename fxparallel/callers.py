@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+TRAINER = "transformers.trainer"  # the module of transformers.Trainer, whose calls several answers look for
+
 
 def functions_on_stack(module: str, limit: Optional[int] = None) -> list:
     """The names of the functions of ``module`` (or, for a name ending in ".", of any module under it) running on

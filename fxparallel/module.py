@@ -210,24 +210,42 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                 shapes[name] = tuple(batch if s is None else s for s in full)
         graph = self._graph_set.find(spec, shapes)
         if graph is None and cache is not None and spec.shape[1] > 1 and \
-                any(g.spec.identity == spec.identity for g in self._graph_set) and \
-                getattr(self._graph_set.factory, "one_token_prompts", False):
-            # the graph of another prompt length does not serve this one (its guards fix the length: Mamba's scan)
+                any(g.spec.identity == spec.identity and g.spec.shape[0] == spec.shape[0] for g in self._graph_set) \
+                and (self.recurrent_cache or getattr(self._graph_set.factory, "one_token_prompts", False)):
+            # the graph of another prompt length (the batch's) does not serve this one (its guards fix the length:
+            # Mamba's scan, MiniMax's blocks)
             raise PromptLengthFixed(f"{self.config.model_type}: a graph for {spec.shape[1]} tokens with a cache")
         if graph is None:
             graph = self._graph_set.factory(spec) if cache is None else self._cache_graph(spec)
             self.add_graph(graph, shapes)
         return graph
 
-    def _tokens_one_at_a_time(self, args: dict, cache, logits_to_keep: int):
+    def _tokens_one_at_a_time(self, args: dict, cache, logits_to_keep: int, router: bool, counts: bool):
         """A forward of several tokens with a cache whose code fixes their number (a graph per prompt length
-        otherwise: Mamba's scan, xLSTM's chunks; capture/dynamo.py, ``one_token_prompts``): the tokens one at a
-        time, as transformers' decode steps continue the states, each given its own column of the attention mask
-        (the prompt fills the cache from slot 0; a cache continued by several tokens, xLSTM's, reads no mask).
-        Two one-token graphs per cache length serve every prompt (the first token's on a fresh cache, the next
-        ones'). Returns (the last graph, the outputs: the logits of every token, or of the last
-        ``logits_to_keep``)."""
+        otherwise: Mamba's scan, xLSTM's chunks, Jamba's and MiniMax's prompts): the tokens one at a time, as
+        transformers' decode steps continue the states. Two one-token graphs per cache length serve every prompt
+        (the first token's on a fresh cache, the next ones'); the prompt fills the cache from slot 0 (a cache
+        continued by several tokens, xLSTM's, reads no mask). A padding token's input must change no state, as
+        the prompt's forward zeroes it:
+
+        * layers that need no mask over the cache (Mamba, xLSTM; capture/dynamo.py, ``one_token_prompts``): each
+          token is given its own column of the attention mask (``GraphSpec.token_mask``), which the graph applies;
+        * attention beside the recurrent layers (Jamba, Zamba, MiniMax): each token runs the decode step's graph
+          with the whole mask, and a padding token's step leaves the recurrent states as they were (on a row
+          padded on the left, as the prompt's forward leaves them: zero). Padding must then lead each row.
+
+        Returns (the last graph, the outputs: the logits of every token, or of the last ``logits_to_keep``)."""
         ids, mask = args["input_ids"], args.get("attention_mask")
+        asked = [name for name, on in (("labels", "labels" in args), ("output_router_logits", router),
+                                       ("output_tokens_per_expert", counts)) if on]
+        if asked:
+            raise ArgumentError(
+                f"{', '.join(asked)} on a forward of {ids.shape[1]} tokens with a cache: the code of "
+                f"{self.config.model_type} fixes the number of tokens of such a forward, so the parallel model runs "
+                f"them one at a time and returns their logits only; call it without the cache (use_cache=False)")
+        by_column = mask is not None and self._graph_set.factory.one_token_prompts
+        padded = [] if mask is None or by_column else _padded_positions(mask[:, :ids.shape[1]],
+                                                                        self.config.model_type)
         logits = []
         for p in range(ids.shape[1]):
             fresh = self.recurrent_cache and not cache.started
@@ -235,15 +253,31 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             if "position_ids" in args:
                 step["position_ids"] = args["position_ids"][:, p:p + 1]
             if mask is not None:  # the fresh cache's graph takes the token's column of the whole mask itself
-                step["attention_mask"] = mask if fresh else mask[:, p:p + 1]
-            graph = self._graph_for(step, cache, token_mask=mask is not None and not fresh)
-            if not cache.allocated:
+                step["attention_mask"] = mask[:, p:p + 1] if by_column and not fresh else mask
+            graph = self._graph_for(step, cache, token_mask=by_column and not fresh)
+            if not cache.allocated:  # (its layout is known once a graph with a cache is)
                 cache.allocate(ids.shape[0], self.device_)
-            step.update(cache.tensors)
-            self._graph_set.last = graph
-            logits.append(graph.forward(self, **graph.read(step))[graph.outputs.index("logits")])
+            before = {n: t.clone() for n, (t, _) in cache.states().items()} if p in padded else None
+            logits.append(self._run_graph(graph, step, cache)["logits"])
             cache.started = True
+            if before is not None:  # the padding rows' states as they were
+                token = mask[:, p] != 0
+                for name, (tensor, dim) in cache.states().items():
+                    shape = [1] * tensor.dim()
+                    shape[dim] = -1
+                    tensor.copy_(torch.where(token.view(shape), tensor, before[name]))
         return graph, {"logits": torch.cat(logits[-logits_to_keep:] if logits_to_keep else logits, dim=1)}
+
+    def _run_graph(self, graph: LocalGraph, args: dict, cache, compile_config=None) -> dict:
+        """Run ``graph`` on ``args`` (and the cache's tensors, allocated for the batch on first use; ``args`` takes
+        them); returns its outputs by name."""
+        if cache is not None:
+            if not cache.allocated:
+                cache.allocate(args["input_ids"].shape[0], self.device_)
+            args.update(cache.tensors)
+        self._graph_set.last = graph
+        run = graph.forward if compile_config is None else self._graph_set.compiled(graph, compile_config)
+        return dict(zip(graph.outputs, run(self, **graph.read(args))))
 
     def _cache_graph(self, spec: GraphSpec) -> LocalGraph:
         """A new graph with a cache; a cache it cannot carry is refused once and remembered (each generate then
@@ -368,21 +402,15 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             args = context_parallel_attention.prepare_arguments(args, self.cp_group, self.plan.model_type)
         graph, results = None, None
         if cache is not None and input_ids.shape[-1] > 1 and self._graph_set.prompt_by_token:
-            graph, results = self._tokens_one_at_a_time(args, cache, logits_to_keep)
+            graph, results = self._tokens_one_at_a_time(args, cache, logits_to_keep, router, counts)
         else:
             try:
                 graph = self._graph_for(args, cache, logits_to_keep, unpadded, router, counts)
             except PromptLengthFixed:  # (every rank captures alike: all of them come here)
                 self._graph_set.prompt_by_token = True
-                graph, results = self._tokens_one_at_a_time(args, cache, logits_to_keep)
+                graph, results = self._tokens_one_at_a_time(args, cache, logits_to_keep, router, counts)
         if results is None:
-            if cache is not None:
-                if not cache.allocated:
-                    cache.allocate(input_ids.shape[0], self.device_)
-                args.update(cache.tensors)
-            self._graph_set.last = graph
-            run = graph.forward if compile_config is None else self._graph_set.compiled(graph, compile_config)
-            results = dict(zip(graph.outputs, run(self, **graph.read(args))))
+            results = self._run_graph(graph, args, cache, compile_config)
         if router and self.cp_group is not None:  # the load-balancing term of the whole sequences
             results = whole_sequence_balancing(self, results, input_ids.shape[0])
         if cache is not None:  # written: its recurrent states (if any) are continued from now on
@@ -512,3 +540,18 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
 
 
 refuse_inherited(ParallelCausalLM)
+
+
+def _padded_positions(prompt_mask: torch.Tensor, model_type: str) -> list:
+    """The prompt's positions where some row is padding (0 in ``prompt_mask``, [batch, tokens]), read once per
+    prompt; refused where a row's padding does not lead it (its tokens would be run as if the padding were not
+    there, where the prompt's forward lets the states decay across it)."""
+    present = prompt_mask != 0
+    if bool((present[:, :-1] & ~present[:, 1:]).any()):
+        rows = torch.nonzero((present[:, :-1] & ~present[:, 1:]).any(1)).flatten().tolist()
+        raise ArgumentError(
+            f"attention_mask: row(s) {rows} of the prompt have padding after a token; the parallel model runs the "
+            f"prompts of {model_type} (whose code fixes the number of tokens of a forward with a cache) one token at "
+            f"a time, which takes padding on the left only (tokenizer.padding_side = 'left', as for generation)")
+    return torch.nonzero((~present).any(0)).flatten().tolist()
+

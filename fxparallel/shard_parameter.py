@@ -30,6 +30,7 @@ import sys
 import torch
 from torch import nn
 
+from .callers import TRAINER
 from .errors import ArgumentError
 
 _GRAD = torch.Tensor.grad  # the tensor's own attributes (getset descriptors)
@@ -51,7 +52,7 @@ _GRAD_READERS = {
 }
 # the reader of ``.data`` refused (module docstring): Trainer's broadcast of the parameters that are not DTensors
 _DATA_READERS = {
-    ("transformers.trainer", frozenset({"_sync_replicated_trainable_parameters"})): (
+    (TRAINER, frozenset({"_sync_replicated_trainable_parameters"})): (
         "transformers.Trainer reached the parallel model's shard {name} (shape {shape}) as a plain parameter, to "
         "broadcast it from rank 0 over the other ranks, whose shards differ: TrainingArguments(torch_compile=True) "
         "hands Trainer torch.compile's wrapper, whose parameters are the registered shards, not the model's DTensor "

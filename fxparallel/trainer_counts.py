@@ -19,9 +19,8 @@ import weakref
 
 from transformers import TrainerCallback
 
-from .callers import frame_local, functions_on_stack
+from .callers import TRAINER, frame_local, functions_on_stack
 
-TRAINER = "transformers.trainer"
 _FOLLOWED = weakref.WeakSet()  # the Trainers whose token count a model already follows
 
 

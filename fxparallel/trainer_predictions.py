@@ -9,9 +9,7 @@ vocabulary (an argmax over it is wrong) beside an int accelerate cannot gather. 
 transformers' model returns."""
 from __future__ import annotations
 
-from .callers import frame_local, functions_on_stack
-
-TRAINER = "transformers.trainer"
+from .callers import TRAINER, frame_local, functions_on_stack
 
 
 def predicting(training: bool, labels, gather_logits) -> bool:

@@ -1,13 +1,13 @@
 """model.generate on models whose cache keeps recurrent states instead of (or beside) keys and values: pure
 Mamba, a Mamba-2 hybrid (Bamba), a gated-delta-net hybrid (Qwen3.5), a lightning-attention hybrid whose cache
-is a class of its own (MiniMax), and xLSTM (mLSTM states only, in its own cache class). Greedy tokens equal
-single-device transformers' from a left-padded batch; two graphs per cache length (the prompt's, which starts the
-states, and one token's, which continues them), or where the model's code fixes the prompt's length (Mamba, xLSTM)
-the prompt token by token through one-token graphs; another prompt length adds no graph; a decode step
-communicates what a forward does (no gather); each
-rank keeps the states of the channels / heads it computes (1/TP of transformers' states where the forward
-splits the layer); output_scores and sampling as for attention models; a multi-token forward on a cache already
-written is refused by name."""
+is a class of its own (MiniMax), a Mamba-attention MoE hybrid (Jamba), and xLSTM (mLSTM states only, in its own
+cache class). Greedy tokens equal single-device transformers' from a left-padded batch; two graphs per cache length
+(the prompt's, which starts the states, and one token's, which continues them), or where the model's code fixes the
+prompt's length (Mamba, MiniMax, Jamba, xLSTM) the prompt token by token through one-token graphs; another prompt
+length adds no graph; a decode step communicates what a forward does (no gather); each rank keeps the states of the
+channels / heads it computes (1/TP of transformers' states where the forward splits the layer); output_scores and
+sampling as for attention models; a multi-token forward on a cache already written, a prompt padded on the right
+and labels where the prompt goes token by token beside attention are refused by name."""
 from __future__ import annotations
 
 import os
@@ -17,10 +17,10 @@ from checks import left_padded_prompts, raised
 from distributed import run_ranks
 
 NEW_TOKENS = 8
-# generated again at two more prompt lengths: the two whose prompts go token by token, and one whose prompt graph
-# serves any length (MiniMax's does not: its prompt scan in blocks is guarded to the prompt's number of blocks, and
-# its attention layers need the mask over the cache; docs/generation.md)
-MORE_LENGTHS = ("mamba", "xlstm", "qwen3_5_text")
+# generated again at two more prompt lengths: those whose prompts go token by token (xLSTM from the first; Mamba,
+# MiniMax and Jamba from the second, their prompt graphs guarded to the prompt's length or number of blocks), and
+# one whose prompt graph serves any length (docs/generation.md)
+MORE_LENGTHS = ("mamba", "xlstm", "qwen3_5_text", "minimax", "jamba")
 
 
 def _state_bytes(cache) -> int:
@@ -53,9 +53,11 @@ def _generate(rank, tp, paths):
         states = {k: v for k, v in cache.layout.items() if "_states_" in k}
         generation = [g for g in model.graphs() if g.cache_length]
         decode = next(g for g in generation if not g.spec.fresh_cache and not g.spec.token_mask)
-        # a forward of many tokens, or where the model's code fixes their number, the prompt's token by token
+        # a forward of many tokens, or where the model's code fixes their number, the prompt's token by token (after
+        # the first, given its mask column or, beside attention, the decode step's graph)
         prompt = next((g for g in generation if g.spec.shape[1] > 1), None) or \
-            next(g for g in generation if g.spec.token_mask)
+            next((g for g in generation if g.spec.token_mask), None) or \
+            next(g for g in generation if g.spec.fresh_cache)
         ours = sum(t.numel() * t.element_size() for k, t in cache.tensors.items() if k in states)
         # two more prompt lengths: transformers' tokens, and no graph for the third (Mamba's prompt graph is guarded
         # to its length: the second one runs token by token, as every later one)
@@ -91,6 +93,25 @@ def _generate(rank, tp, paths):
                 (model(input_ids=chunk, attention_mask=full_mask, past_key_values=fresh, use_cache=True,
                        gather_logits=True).logits - ref(input_ids=chunk, cache=theirs, use_cache=True).logits)
                 .abs().max().item() for chunk in (ids, ids.flip(1)))  # (the prompt's graph serves both)
+        if name == "jamba":  # prompts token by token beside attention: padding on the left only, logits only
+            full_mask = torch.cat([mask, mask.new_ones(2, 128 - 7)], dim=1)
+            right = full_mask.clone()
+            right[0, :7] = torch.tensor([1, 1, 1, 1, 1, 0, 0])
+            out["jamba right padded"] = raised(
+                lambda: model(input_ids=ids, attention_mask=right, past_key_values=model.new_cache(128)))
+            out["jamba labels with a cache"] = raised(
+                lambda: model(input_ids=ids, attention_mask=full_mask, labels=ids,
+                              past_key_values=model.new_cache(128)))
+            # the prompt's logits at its tokens (not its padding) and the next token's, on a cache
+            fresh = model.new_cache(128)
+            step = model(input_ids=ids, attention_mask=full_mask, past_key_values=fresh, gather_logits=True)
+            theirs = ref(input_ids=ids, attention_mask=mask, use_cache=True)
+            token = theirs.logits[:, -1].argmax(-1, keepdim=True)
+            after = model(input_ids=token, attention_mask=full_mask, past_key_values=fresh, gather_logits=True)
+            their_after = ref(input_ids=token, attention_mask=torch.cat([mask, mask.new_ones(2, 1)], 1),
+                              past_key_values=theirs.past_key_values, use_cache=True)
+            out["jamba prompt logits"] = max((step.logits - theirs.logits)[mask.bool()].abs().max().item(),
+                                       (after.logits - their_after.logits).abs().max().item())
         if name == "mamba":  # a hand-written loop: the prompt in the cache's first forward, then one token a call
             fresh = model.new_cache(128)
             full_mask = torch.cat([mask, mask.new_ones(2, 128 - 7)], dim=1)
@@ -129,18 +150,22 @@ def test_generate_state_space_and_linear_attention_models(tmp_path):
     # MiniMax's first layer linear (its cache's length then read past it), the prompt's scan in blocks of 3 tokens
     paths = _paths(tmp_path, mamba={}, bamba=dict(hidden_size=128, mamba_d_state=16, mamba_d_head=32), qwen3_5_text={},
                    minimax=dict(block_size=3, layer_types=["linear_attention", "full_attention"]),
-                   xlstm=dict(num_blocks=1, num_hidden_layers=1))
+                   xlstm=dict(num_blocks=1, num_hidden_layers=1), jamba={})
     results = run_ranks(2, _generate, paths)
     assert results[0]["sampled"] == results[1]["sampled"]
     by_token = {"mamba": [(True, False, False), (True, True, False), (False, True, True)],
-                "xlstm": [(False, True, True)]}
+                "xlstm": [(False, True, True)],
+                **dict.fromkeys(("minimax", "jamba"), [(True, False, False), (True, True, False)])}
+    # the graphs the second prompt length adds: Mamba's, its prompt's first token's and the next ones'; MiniMax's and
+    # Jamba's, the first token's (the next ones' run the decode step's graph: their attention needs the whole mask)
+    added = {"mamba": 2, "minimax": 1, "jamba": 1}
     for out in results:
         assert out["scores"] < 1e-4, out["scores"]
         for name in paths:
             row = out[name]
             assert row["tokens"], (name, row)
             if name in MORE_LENGTHS:
-                assert row["more lengths"] == [(True, 2 if name == "mamba" else 0), (True, 0)], (name, row)
+                assert row["more lengths"] == [(True, added.get(name, 0)), (True, 0)], (name, row)
             # the prompt's, then one token's; where the model's code fixes the prompt's length (Mamba's scan guarded to
             # its length, xLSTM's chunks: no graph for any other), prompts run one token at a time, each given its own
             # mask column, the first on a fresh cache (Mamba's: xLSTM runs the same code whether its states start or
@@ -172,6 +197,11 @@ def test_generate_state_space_and_linear_attention_models(tmp_path):
         assert abs(out["bamba"]["state share"] - (2 * (128 + 32) * 4 + recurrent / 2) / (conv + recurrent)) < 1e-9, \
             out["bamba"]
         assert out["hand-written loop"], out
+        assert out["jamba prompt logits"] < 1e-5, out
+        assert out["jamba right padded"].startswith(
+            "ArgumentError: attention_mask: row(s) [0] of the prompt have padding after a token"), out
+        assert out["jamba labels with a cache"].startswith(
+            "ArgumentError: labels on a forward of 7 tokens with a cache"), out["jamba labels with a cache"]
         assert out["chunked continuation"].startswith(
             "ShardingError: a forward of 2 tokens on a cache already written, whose linear-attention / state-space "
             "layers keep recurrent states (mamba)"), out["chunked continuation"]

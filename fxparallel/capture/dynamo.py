@@ -17,7 +17,7 @@ import torch._dynamo
 
 from ..errors import CacheNotCarried, CaptureError, PromptLengthFixed
 from .generation_inputs import decodes_without_mask
-from .static_cache import (argument_name, cache_argument, cache_tensors, meta_cache, set_fresh,
+from .static_cache import (argument_name, cache_argument, cache_tensors, keeps_states, meta_cache, set_fresh,
                            state_not_carried)
 from .causal_mask import causal_without_mask
 from .dropout_sites import check_training_graph
@@ -123,7 +123,8 @@ def capture(model, spec: GraphSpec, device: str = "meta") -> CapturedGraph:
             raise
     finally:
         guards_log.setLevel(level)
-    if fixed == 1 and spec.cache_length is not None and one_token_prompts(model, spec.shape[0], spec.cache_length):
+    if fixed == 1 and spec.cache_length is not None and (
+            keeps_states(model.config) or one_token_prompts(model, spec.shape[0], spec.cache_length)):
         raise PromptLengthFixed(f"{type(model).__name__}: its code fixes the number of tokens of a forward with a "
                                 f"cache ({spec.shape[1]} here); such forwards run one token at a time")
     # the model's code fixes a size (a cache's batch; a loop over the tokens, RWKV / RecurrentGemma / CPM-Ant, or

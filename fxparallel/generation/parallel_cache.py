@@ -57,6 +57,14 @@ class ParallelCache:
     def allocated(self) -> bool:
         return bool(self.tensors)
 
+    def states(self) -> dict:
+        """The linear-attention / state-space layers' tensors (convolution and recurrent states, not keys and
+        values), by name, with the dim of their rows (the batch's; dim 0 where the layout fixes it)."""
+        from ..capture.static_cache import STATE_FIELDS
+
+        return {name: (tensor, next((d for d, s in enumerate(self.layout[name][1]) if s is None), 0))
+                for name, tensor in self.tensors.items() if any(f"_{field}_" in name for field in STATE_FIELDS)}
+
     def get_seq_length(self) -> int:
         """Tokens written so far (transformers' Cache method of the same name)."""
         lengths = [t for n, t in self.tensors.items() if n.endswith("cumulative_length")]
