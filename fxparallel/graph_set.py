@@ -11,6 +11,9 @@ import torch
 from .capture.spec import GraphSpec
 from .ops.local_graph import LocalGraph
 
+# the arguments whose dim 1 is the call's tokens (with a cache the attention mask spans the cache instead)
+_TOKEN_ARGUMENTS = ("input_ids", "position_ids", "labels")
+
 
 class GraphSet:
     def __init__(self, factory: Callable[[GraphSpec], LocalGraph]):
@@ -56,6 +59,23 @@ class GraphSet:
             if graph is not None:
                 self._by_shapes[key] = graph
         return graph
+
+    def fixes_prompt_length(self, spec: GraphSpec, shapes: dict) -> bool:
+        """Does a graph of ``spec``'s identity and batch hold for the prompt length it was captured at and for no
+        length next to it (its guards fix the length: a graph per length, Mamba's scan, Jamba's), rather than
+        for a range of lengths (MiniMax's prompt in blocks: a graph per number of blocks)? ``shapes``: the call's,
+        whose token dim is tried at the graph's length and the lengths next to it."""
+        def holds(graph, tokens: int) -> bool:
+            return graph.guards.holds_for({name: (shape[0], tokens) + tuple(shape[2:]) if name in _TOKEN_ARGUMENTS
+                                           else shape for name, shape in shapes.items()})
+
+        for graph in self._graphs:
+            if graph.spec.identity != spec.identity or graph.spec.shape[0] != spec.shape[0]:
+                continue
+            length = graph.spec.shape[1]
+            if holds(graph, length) and not holds(graph, length + 1) and not (length > 2 and holds(graph, length - 1)):
+                return True
+        return False
 
     def compiled(self, graph: LocalGraph, compile_config) -> Callable:
         """``graph``'s code under ``torch.compile`` with ``compile_config``'s options (compiled on its first call).

@@ -210,10 +210,10 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                 shapes[name] = tuple(batch if s is None else s for s in full)
         graph = self._graph_set.find(spec, shapes)
         if graph is None and cache is not None and spec.shape[1] > 1 and \
-                any(g.spec.identity == spec.identity and g.spec.shape[0] == spec.shape[0] for g in self._graph_set) \
-                and (self.recurrent_cache or getattr(self._graph_set.factory, "one_token_prompts", False)):
-            # the graph of another prompt length (the batch's) does not serve this one (its guards fix the length:
-            # Mamba's scan, MiniMax's blocks)
+                self._graph_set.fixes_prompt_length(spec, shapes) and \
+                (self.recurrent_cache or getattr(self._graph_set.factory, "one_token_prompts", False)):
+            # the graph of another prompt length does not serve this one, its guards fixing the length (Mamba's
+            # scan, Jamba's): this and every later prompt goes token by token rather than get a graph per length
             raise PromptLengthFixed(f"{self.config.model_type}: a graph for {spec.shape[1]} tokens with a cache")
         if graph is None:
             graph = self._graph_set.factory(spec) if cache is None else self._cache_graph(spec)

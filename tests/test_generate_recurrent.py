@@ -4,10 +4,11 @@ is a class of its own (MiniMax), a Mamba-attention MoE hybrid (Jamba), and xLSTM
 cache class). Greedy tokens equal single-device transformers' from a left-padded batch; two graphs per cache length
 (the prompt's, which starts the states, and one token's, which continues them), or where the model's code fixes the
 prompt's length (Mamba, MiniMax, Jamba, xLSTM) the prompt token by token through one-token graphs; another prompt
-length adds no graph; a decode step communicates what a forward does (no gather); each rank keeps the states of the
-channels / heads it computes (1/TP of transformers' states where the forward splits the layer); output_scores and
-sampling as for attention models; a multi-token forward on a cache already written, a prompt padded on the right
-and labels where the prompt goes token by token beside attention are refused by name."""
+length adds no graph; a decode step communicates what a forward does (no
+gather); each rank keeps the states of the channels / heads it computes (1/TP of transformers' states where the
+forward splits the layer); output_scores and sampling as for attention models; a multi-token forward on a cache
+already written, a prompt padded on the right and labels where the prompt goes token by token beside attention are
+refused by name."""
 from __future__ import annotations
 
 import os
@@ -18,8 +19,8 @@ from distributed import run_ranks
 
 NEW_TOKENS = 8
 # generated again at two more prompt lengths: those whose prompts go token by token (xLSTM from the first; Mamba,
-# MiniMax and Jamba from the second, their prompt graphs guarded to the prompt's length or number of blocks), and
-# one whose prompt graph serves any length (docs/generation.md)
+# MiniMax and Jamba from the second, their prompt graphs guarded to the prompt's length: MiniMax's to the size of
+# its last block), and one whose prompt graph serves any length (docs/generation.md)
 MORE_LENGTHS = ("mamba", "xlstm", "qwen3_5_text", "minimax", "jamba")
 
 
