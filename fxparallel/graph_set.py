@@ -62,9 +62,9 @@ class GraphSet:
 
     def fixes_prompt_length(self, spec: GraphSpec, shapes: dict) -> bool:
         """Does a graph of ``spec``'s identity and batch hold for the prompt length it was captured at and for no
-        length next to it (its guards fix the length: a graph per length, Mamba's scan, Jamba's), rather than
-        for a range of lengths (MiniMax's prompt in blocks: a graph per number of blocks)? ``shapes``: the call's,
-        whose token dim is tried at the graph's length and the lengths next to it."""
+        length next to it (its guards fix the length: a graph per length, Mamba's scan, Jamba's, MiniMax's last
+        block), rather than for a range of lengths (a scan over chunks padded to whole chunks)? ``shapes``: the
+        call's, whose token dim is tried at the graph's length and the lengths next to it."""
         def holds(graph, tokens: int) -> bool:
             return graph.guards.holds_for({name: (shape[0], tokens) + tuple(shape[2:]) if name in _TOKEN_ARGUMENTS
                                            else shape for name, shape in shapes.items()})

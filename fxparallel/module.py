@@ -554,4 +554,3 @@ def _padded_positions(prompt_mask: torch.Tensor, model_type: str) -> list:
             f"prompts of {model_type} (whose code fixes the number of tokens of a forward with a cache) one token at "
             f"a time, which takes padding on the left only (tokenizer.padding_side = 'left', as for generation)")
     return torch.nonzero((~present).any(0)).flatten().tolist()
-
