@@ -257,15 +257,15 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             graph = self._graph_for(step, cache, token_mask=by_column and not fresh)
             if not cache.allocated:  # (its layout is known once a graph with a cache is)
                 cache.allocate(ids.shape[0], self.device_)
-            before = {n: t.clone() for n, (t, _) in cache.states().items()} if p in padded else None
+            states = cache.states() if p in padded else {}
+            before = {name: tensor.clone() for name, (tensor, _) in states.items()}
             logits.append(self._run_graph(graph, step, cache)["logits"])
             cache.started = True
-            if before is not None:  # the padding rows' states as they were
-                token = mask[:, p] != 0
-                for name, (tensor, dim) in cache.states().items():
-                    shape = [1] * tensor.dim()
-                    shape[dim] = -1
-                    tensor.copy_(torch.where(token.view(shape), tensor, before[name]))
+            token = mask[:, p] != 0 if states else None
+            for name, (tensor, dim) in states.items():  # the padding rows' states as they were
+                shape = [1] * tensor.dim()
+                shape[dim] = -1
+                tensor.copy_(torch.where(token.view(shape), tensor, before[name]))
         return graph, {"logits": torch.cat(logits[-logits_to_keep:] if logits_to_keep else logits, dim=1)}
 
     def _run_graph(self, graph: LocalGraph, args: dict, cache, compile_config=None) -> dict:
@@ -547,8 +547,9 @@ def _padded_positions(prompt_mask: torch.Tensor, model_type: str) -> list:
     prompt; refused where a row's padding does not lead it (its tokens would be run as if the padding were not
     there, where the prompt's forward lets the states decay across it)."""
     present = prompt_mask != 0
-    if bool((present[:, :-1] & ~present[:, 1:]).any()):
-        rows = torch.nonzero((present[:, :-1] & ~present[:, 1:]).any(1)).flatten().tolist()
+    padding_after_token = (present[:, :-1] & ~present[:, 1:]).any(1)
+    if bool(padding_after_token.any()):
+        rows = torch.nonzero(padding_after_token).flatten().tolist()
         raise ArgumentError(
             f"attention_mask: row(s) {rows} of the prompt have padding after a token; the parallel model runs the "
             f"prompts of {model_type} (whose code fixes the number of tokens of a forward with a cache) one token at "
