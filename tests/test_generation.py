@@ -283,6 +283,7 @@ def _families(rank, tp, paths):
         tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
         out[name] = torch.equal(tokens, ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
                                                      do_sample=False, pad_token_id=0))
+        out[f"{name} cache"] = [g.cache_length for g in model.graphs() if g.cache_length]
         # a prompt that alone fills the positions or the window: no max_new_tokens can help (before: "lower
         # max_new_tokens to at most 0", or a negative number)
         long = torch.randint(3, 120, (2, 66), generator=torch.Generator().manual_seed(2))
@@ -307,7 +308,7 @@ WINDOWED = ("mistral", "gemma2", "gpt_oss")
 
 
 def test_generate_learned_positions_and_sliding_window(tmp_path):
-    """GPT-2 (learned positions, fused qkv), Mistral (every layer a sliding window), Gemma 2 and GPT-OSS (sliding
+    """GPT-2 (learned positions, fused qkv), TrOCR (learned positions from the cache's count), Mistral (every layer a sliding window), Gemma 2 and GPT-OSS (sliding
     and full layers alternating; GPT-OSS's attention sinks and experts) at TP=2. Past the window transformers' cache rolls (or drops the oldest tokens); the
     parallel model's keeps them all and attends the window through the mask: the same tokens, three windows past
     it, from a prompt shorter than the window (left-padded) and one longer, with no graph per step."""
@@ -326,9 +327,12 @@ def test_generate_learned_positions_and_sliding_window(tmp_path):
                                   str(tmp_path / "gemma2")),
         "gpt_oss": save_checkpoint(any_config("gpt_oss", sliding_window=WINDOW, vocab_size=128),
                                    str(tmp_path / "gpt_oss")),
+        # learned positions that start at the cache's count (test_positions_from_the_cache_count_...)
+        "trocr": save_checkpoint(any_config("trocr", vocab_size=128), str(tmp_path / "trocr")),
     }
     for out in run_ranks(2, _families, paths):
-        assert all(out[name] for name in ("gpt2",) + WINDOWED), out
+        assert all(out[name] for name in ("gpt2", "trocr") + WINDOWED), out
+        assert out["trocr cache"] == [128, 128], out  # its prefill and decode graphs, with the sharded cache
         assert "beyond the model's 64 learned positions" in out["too long"], out["too long"]
         for name in WINDOWED:
             assert out[f"{name} past the window"] and out[f"{name} prompt past the window"], out
@@ -364,25 +368,25 @@ def test_generate_past_a_sliding_window_with_heads_split_unevenly(tmp_path):
         assert out["tokens"] and out["kv heads per rank"] == [((16, 8, 8),)], out  # k_proj rows: whole heads, uneven
 
 
-def test_a_cache_graph_dynamo_cannot_capture_is_refused_a_cache():
-    """A model whose cache graph Dynamo cannot capture whole is refused a cache by name (RoFormer); its
-    generate recomputes instead (test_generate_without_cache.py). (Linear-attention and state-space caches,
-    refused before, are carried: test_generate_recurrent.py.)"""
+def test_positions_from_the_cache_count_are_captured_with_the_count_as_an_int():
+    """RoFormer builds its positions as ``arange(count, count + tokens)`` from the cache's count, a tensor in
+    transformers' static cache: Dynamo cannot know that range's length, so the cache graph is captured again with
+    the count read as an int (one ``item`` in the graph). Llama's decode graph, which needs no such read, keeps the
+    tensor (no ``item``). (Its tokens at TP=2: TrOCR in test_generate_learned_positions_and_sliding_window.)"""
     import os
     import sys
 
-    import pytest
     import torch
 
     from fxparallel.api import _for_device
     from fxparallel.capture import GraphSpec, build_meta_model, capture
-    from fxparallel.errors import CacheNotCarried
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from tiny_configs import tiny_config
 
-    # RoFormer reads its position offset from the cache's count as data: Dynamo cannot capture that whole
-    meta = build_meta_model(_for_device(tiny_config("roformer"), torch.device("cpu")), dtype=torch.float32)
-    with pytest.raises(CacheNotCarried, match=r"(?s)RoFormerForCausalLM could not be captured as one graph with a KV "
-                                              r"cache \(.*unbacked.*\): use_cache is not supported for this model"):
-        capture(meta, GraphSpec(("input_ids", "attention_mask"), (2, 9), cache_length=128))
+    reads = {}
+    for name in ("roformer", "llama"):
+        meta = build_meta_model(_for_device(tiny_config(name), torch.device("cpu")), dtype=torch.float32)
+        captured = capture(meta, GraphSpec(("input_ids", "attention_mask"), (2, 1), cache_length=32))
+        reads[name] = sum(node.target == "item" for node in captured.gm.graph.nodes)
+    assert reads == {"roformer": 1, "llama": 0}, reads

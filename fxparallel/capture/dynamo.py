@@ -116,7 +116,7 @@ def capture(model, spec: GraphSpec, device: str = "meta") -> CapturedGraph:
     # Dynamo logs a failed attempt's frames at error level: a retry below is what counts
     guards_log.setLevel(logging.CRITICAL)
     try:
-        return _capture(model, spec, device, (0, 1))
+        return _capture_reading_length(model, spec, device, (0, 1))
     except CaptureError as err:
         fixed = _fixed_dim(str(err), spec.shape, spec.cache_length)
         if fixed is None:
@@ -132,7 +132,24 @@ def capture(model, spec: GraphSpec, device: str = "meta") -> CapturedGraph:
     # Dynamo cannot keep it symbolic, so that size gets a graph of its own
     log.info("%s: its code fixes the %s; capturing for %d", type(model).__name__, ("batch", "sequence length")[fixed],
              spec.shape[fixed])
-    return _capture(model, spec, device, tuple(d for d in (0, 1) if d != fixed))
+    return _capture_reading_length(model, spec, device, tuple(d for d in (0, 1) if d != fixed))
+
+
+def _capture_reading_length(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGraph:
+    """``_capture``, and where a cache's capture fails on a size Dynamo cannot know from data, again with the
+    cache's length given as an int (``static_cache._length_read_as_int``: TrOCR, RoFormer and MVP build their
+    positions as ``torch.arange(length, length + tokens)``); where that fails too, the first refusal stands."""
+    try:
+        return _capture(model, spec, device, dynamic_dims)
+    except CacheNotCarried as err:
+        if "Pending unbacked symbols" not in str(err.__cause__):
+            raise
+        try:
+            captured = _capture(model, spec, device, dynamic_dims, length_as_int=True)
+        except CaptureError:
+            raise err from err.__cause__
+        log.debug("%s: captured with the cache's length read as an int", type(model).__name__)
+        return captured
 
 
 def one_token_prompts(model, batch: int = 2, cache_length: int = 16) -> bool:
@@ -168,7 +185,7 @@ def _fixed_dim(message: str, shape, cache_length):
 # gradient reduction, and the same graph (cached too) serves calls that train
 @torch.inference_mode(False)
 @torch.enable_grad()
-def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGraph:
+def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple, length_as_int: bool = False) -> CapturedGraph:
     input_names, shape, cache_length = spec.arguments, spec.shape, spec.cache_length
 
     def dynamic(t, dim):
@@ -177,7 +194,7 @@ def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple) -> CapturedGra
 
     example, state, cache = {}, {}, None
     if cache_length is not None:
-        cache = meta_cache(model, shape[0], cache_length)
+        cache = meta_cache(model, shape[0], cache_length, length_as_int)
         set_fresh(cache, spec.fresh_cache)
         for name, t in cache_tensors(cache).items():
             if shape[0] > 1 and t.dim() > 0:

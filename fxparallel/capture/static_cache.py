@@ -13,6 +13,7 @@ the layer, set per graph (``set_fresh``)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 
 import torch
@@ -68,8 +69,9 @@ def _plain_experts(model):
             c._experts_implementation = value
 
 
-def meta_cache(model, batch: int, length: int):
-    """A StaticCache for ``model`` (on meta) whose layers hold their tensors, for ``batch`` rows."""
+def meta_cache(model, batch: int, length: int, length_as_int: bool = False):
+    """A StaticCache for ``model`` (on meta) whose layers hold their tensors, for ``batch`` rows; with
+    ``length_as_int``, its layers give their length as an int (``_length_read_as_int``)."""
     from transformers import StaticCache
     from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING, get_layer_types_and_kwargs
 
@@ -117,7 +119,24 @@ def meta_cache(model, batch: int, length: int):
         length_so_far = getattr(layer, "cumulative_length", None)
         if isinstance(length_so_far, torch.Tensor):
             layer.cumulative_length = torch.zeros((), dtype=length_so_far.dtype, device="meta")
+            if length_as_int:
+                layer.__class__ = _length_read_as_int(type(layer))
     return cache
+
+
+@functools.lru_cache(maxsize=None)
+def _length_read_as_int(layer_class: type) -> type:
+    """``layer_class`` whose ``get_seq_length()`` is its count of tokens as a Python int (read from the tensor
+    that holds it: in the graph, a data-dependent int; when the graph runs, one host read) instead of that
+    tensor. For models whose code builds positions from it (TrOCR, RoFormer, MVP:
+    ``torch.arange(length, length + tokens)``): with a tensor, both ends are data-dependent and the number of
+    positions is unknown to Dynamo; with an int, it is ``tokens``. Only where the tensor fails (``dynamo.py``):
+    elsewhere a host read per forward would be wasted."""
+
+    def get_seq_length(self) -> int:
+        return int(self.cumulative_length.item()) if self.is_initialized else 0
+
+    return type(f"{layer_class.__name__}LengthAsInt", (layer_class,), {"get_seq_length": get_seq_length})
 
 
 def _keeping_every_token(layer, length: int):
