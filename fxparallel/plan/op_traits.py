@@ -58,6 +58,8 @@ SPELLINGS = {
     **{name: (name,) for name in (
         "to", "type", "type_as", "float", "half", "bfloat16", "double", "long", "int", "bool", "detach", "clone",
         "contiguous")},
+    # ---- new tensors of another's dtype and device (methods; rules/new_tensors.py) ----------------
+    **{name: (name,) for name in ("new_empty", "new_zeros", "new_ones")},
     # ---- in place (methods) ---------------------------------------------------------------------
     **{name: (name,) for name in (
         "add_", "sub_", "mul_", "div_", "neg_", "masked_fill_", "fill_", "zero_", "requires_grad_", "index_copy_",

@@ -35,7 +35,13 @@ def test_a_recurrent_state_is_written_whole_by_the_shard_of_the_new_state():
     assert [s.name for s in strategies(node(gm, "copy_"), {new: R})] == ["replicate"]
 
 
-def test_a_copy_into_a_computed_value_has_no_rule():
+def test_a_copy_into_a_computed_value_writes_it_as_it_is_placed():
+    """Never a strategy that would redistribute the value written (the write would land in a copy): its own
+    placement, the source brought to it (rules/new_tensors.py's MLA keys)."""
     gm = capture(lambda x, new: (x * 2).copy_(new), (2, 8, 4), (2, 8, 4))
     _, new = inputs_of(gm)
-    assert strategies(node(gm, "copy_"), {new: S(1)}) == []
+    computed = node(gm, "copy_").args[0]
+    for kept in (S(1), R):
+        found = strategies(node(gm, "copy_"), {new: S(2), computed: kept})
+        assert [(s.inputs, s.output) for s in found] == [({computed: kept, new: kept}, kept)]
+    assert strategies(node(gm, "copy_"), {new: S(1), computed: S(1, (4, 4))}) == []  # segmented: none, gathered

@@ -48,6 +48,7 @@ FAMILY_TESTS = {
     "linear": ["test_rule_linear.py"],
     "loss": ["test_rule_embedding_and_loss.py"],
     "multi_output": ["test_rule_multi_output.py"],
+    "new_tensors": ["test_rule_new_tensors.py"],
     "norms": ["test_rule_norms.py"],
     "partial": ["test_rule_partial.py", "test_op_traits.py"],
     "reductions": ["test_rule_reductions.py"],

@@ -2,6 +2,7 @@
 linear-attention / state-space layer's state written whole: ``state.copy_(new)`` (its convolution window and
 recurrent state: each rank keeps the channels or heads it computes, as the forward splits them; Mamba-2's
 convolution window keeps x's channels by heads and B's and C's whole where every rank computes them whole).
+A ``copy_`` into a value the graph computed (MLA's keys, filled through slices) writes it as it is placed.
 
 The cache is state the solver places like a parameter (``capture/static_cache.py``): written with the
 new keys / values of a sharded attention, it is sharded the same way (each rank caches its own
@@ -34,9 +35,14 @@ register("index_copy_")(_index_copy)
 
 def _state_copy(node, placements, ctx):
     state, new = node.args[0], arg(node, 1, "src")
-    if not isinstance(state, fx.Node) or state.op != "placeholder" or not isinstance(new, fx.Node):
-        return []  # only the cache's own tensors (graph inputs the solver places): a copy into a computed value
-        # would write a redistributed copy of it, not it
+    if not isinstance(state, fx.Node) or not isinstance(new, fx.Node):
+        return []
+    if state.op != "placeholder":  # a computed value (MLA's keys filled through slices, rules/new_tensors.py):
+        # written as it is placed, never redistributed (a redistributed copy would take the write, not it)
+        kept = placements[state]
+        if not (kept.is_replicate or kept.is_plain_shard):
+            return []
+        return [Strategy({state: kept, new: kept}, kept, note="written in place as it is placed", name="in place")]
     p = placements[new]
     strategies = []
     if p.is_shard and p.block is None:
