@@ -3,7 +3,7 @@ Mamba, a Mamba-2 hybrid (Bamba), a gated-delta-net hybrid (Qwen3.5), a lightning
 is a class of its own (MiniMax), a Mamba-attention MoE hybrid (Jamba), and xLSTM (mLSTM states only, in its own
 cache class). Greedy tokens equal single-device transformers' from a left-padded batch; two graphs per cache length
 (the prompt's, which starts the states, and one token's, which continues them), or where the model's code fixes the
-prompt's length (Mamba, MiniMax, Jamba, xLSTM) the prompt token by token through one-token graphs; another prompt
+prompt's length (Mamba, Jamba, xLSTM; MiniMax's as Jamba's) the prompt token by token through one-token graphs; another prompt
 length adds no graph; a decode step communicates what a forward does (no
 gather); each rank keeps the states of the channels / heads it computes (1/TP of transformers' states where the
 forward splits the layer); output_scores and sampling as for attention models; a multi-token forward on a cache
@@ -18,10 +18,11 @@ from checks import left_padded_prompts, raised
 from distributed import run_ranks
 
 NEW_TOKENS = 8
-# generated again at two more prompt lengths: those whose prompts go token by token (xLSTM from the first; Mamba,
-# MiniMax and Jamba from the second, their prompt graphs guarded to the prompt's length: MiniMax's to the size of
-# its last block), and one whose prompt graph serves any length (docs/generation.md)
-MORE_LENGTHS = ("mamba", "xlstm", "qwen3_5_text", "minimax", "jamba")
+# generated again at two more prompt lengths: Mamba's and Jamba's prompts, whose graphs are guarded to the prompt's
+# length, go token by token from the second (each token given its mask column, or beside attention the whole mask:
+# the two ways xLSTM's and MiniMax's prompts take too, from the first and the second), and one whose prompt graph
+# serves any length (docs/generation.md; which guards fix the length: tests/unit/test_graph_set.py)
+MORE_LENGTHS = ("mamba", "qwen3_5_text", "jamba")
 
 
 def _state_bytes(cache) -> int:
@@ -156,10 +157,10 @@ def test_generate_state_space_and_linear_attention_models(tmp_path):
     assert results[0]["sampled"] == results[1]["sampled"]
     by_token = {"mamba": [(True, False, False), (True, True, False), (False, True, True)],
                 "xlstm": [(False, True, True)],
-                **dict.fromkeys(("minimax", "jamba"), [(True, False, False), (True, True, False)])}
-    # the graphs the second prompt length adds: Mamba's, its prompt's first token's and the next ones'; MiniMax's and
-    # Jamba's, the first token's (the next ones' run the decode step's graph: their attention needs the whole mask)
-    added = {"mamba": 2, "minimax": 1, "jamba": 1}
+                "jamba": [(True, False, False), (True, True, False)]}
+    # the graphs the second prompt length adds: Mamba's, its prompt's first token's and the next ones'; Jamba's, the
+    # first token's (the next ones' run the decode step's graph: their attention needs the whole mask)
+    added = {"mamba": 2, "jamba": 1}
     for out in results:
         assert out["scores"] < 1e-4, out["scores"]
         for name in paths:

@@ -308,10 +308,11 @@ WINDOWED = ("mistral", "gemma2", "gpt_oss")
 
 
 def test_generate_learned_positions_and_sliding_window(tmp_path):
-    """GPT-2 (learned positions, fused qkv), TrOCR (learned positions from the cache's count), Mistral (every layer a sliding window), Gemma 2 and GPT-OSS (sliding
-    and full layers alternating; GPT-OSS's attention sinks and experts) at TP=2. Past the window transformers' cache rolls (or drops the oldest tokens); the
-    parallel model's keeps them all and attends the window through the mask: the same tokens, three windows past
-    it, from a prompt shorter than the window (left-padded) and one longer, with no graph per step."""
+    """GPT-2 (learned positions, fused qkv), TrOCR (learned positions from the cache's count), Mistral (every layer
+    a sliding window), Gemma 2 and GPT-OSS (sliding and full layers alternating; GPT-OSS's attention sinks and
+    experts) at TP=2. Past the window transformers' cache rolls (or drops the oldest tokens); the parallel model's
+    keeps them all and attends the window through the mask: the same tokens, three windows past it, from a prompt
+    shorter than the window (left-padded) and one longer, with no graph per step."""
     from transformers import GPT2Config
 
     from models import save_checkpoint, tiny_config
