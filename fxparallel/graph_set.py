@@ -4,13 +4,17 @@ all together when the module is cast to another dtype (the captured code bakes i
 from __future__ import annotations
 
 import copy
+import re
 from typing import Callable, Optional
 
 import torch
 
 from .capture.spec import GraphSpec
+from .errors import InputError
 from .ops.local_graph import LocalGraph
 
+# a cache's count of tokens read on the host (capture/static_cache.py, ``_length_read_as_int``)
+_COUNT_READ = re.compile(r"\bpast_\d+_cumulative_length\.item\(\)")
 # the arguments whose dim 1 is the call's tokens (with a cache the attention mask spans the cache instead)
 _TOKEN_ARGUMENTS = ("input_ids", "position_ids", "labels")
 
@@ -83,6 +87,12 @@ class GraphSet:
         for config, compiled_graph, code in self._compiled:
             if compiled_graph is graph and config == compile_config:
                 return code
+        if _COUNT_READ.search(graph.code):  # (capture/static_cache.py: the count read as an int)
+            raise InputError(
+                "generate: compile_config is not supported for this model: its decode step reads the cache's count "
+                "of tokens on the host (`.item()`: its positions start at `cache.get_seq_length()`, as in MVP, "
+                "RoFormer and TrOCR), so torch.compile would break the step into pieces around the read and compile "
+                "again for every count (and CUDA graphs could not hold it); generate without compile_config")
         code = torch.compile(graph.forward, **compile_config.to_dict())
         self._compiled.append((copy.deepcopy(compile_config), graph, code))  # (the caller's may change later)
         return code

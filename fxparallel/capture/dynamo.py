@@ -142,14 +142,31 @@ def _capture_reading_length(model, spec: GraphSpec, device, dynamic_dims: tuple)
     try:
         return _capture(model, spec, device, dynamic_dims)
     except CacheNotCarried as err:
-        if "Pending unbacked symbols" not in str(err.__cause__):
+        if not _size_unknown_from_data(err):
             raise
         try:
             captured = _capture(model, spec, device, dynamic_dims, length_as_int=True)
-        except CaptureError:
+        except CaptureError as again:
+            if _fixed_dim(str(again), spec.shape, spec.cache_length) is not None:
+                raise  # a size the model's code fixes: ``capture`` captures for it
+            log.debug("%s: captured again with the cache's length as an int, which failed too: %s",
+                      type(model).__name__, again)
             raise err from err.__cause__
         log.debug("%s: captured with the cache's length read as an int", type(model).__name__)
         return captured
+
+
+def _size_unknown_from_data(err: Exception) -> bool:
+    """Did the capture fail on a size computed from data Dynamo could not relate to the others
+    (``PendingUnbackedSymbolNotFound``, in the exception's chain or named in its message)?"""
+    from torch.fx.experimental.symbolic_shapes import PendingUnbackedSymbolNotFound
+
+    seen, steps = err, 0
+    while seen is not None and steps < 16:
+        if isinstance(seen, PendingUnbackedSymbolNotFound) or "Pending unbacked symbols" in str(seen):
+            return True
+        seen, steps = seen.__cause__ or seen.__context__, steps + 1
+    return False
 
 
 def one_token_prompts(model, batch: int = 2, cache_length: int = 16) -> bool:

@@ -103,22 +103,25 @@ def _refuse_write_into_a_copy(node: fx.Node, made_from: dict, graph: fx.Graph) -
             return
 
 
-def _storage_read_after(value: fx.Node, write: fx.Node, order: dict) -> bool:
-    """Is the tensor ``value`` is a view of (through ``op_traits.SHARES_STORAGE``), or any view of that tensor,
-    read after ``write``? (Kimi-Linear's MLA fills its keys through slices: ``keys[..., :d].copy_(k)``.)"""
+def _storage_family(value: fx.Node) -> set:
+    """The tensor ``value`` is a view of (through ``op_traits.SHARES_STORAGE``), and every view of that tensor."""
     root = value
     while op_name(root) in SHARES_STORAGE and root.args and isinstance(root.args[0], fx.Node):
         root = root.args[0]
-    family, seen = [root], {root}
+    family, members = [root], {root}
     while family:
         member = family.pop()
         for user in member.users:
-            if order[user] > order[write]:
-                return True
-            if user not in seen and op_name(user) in SHARES_STORAGE and user.args and user.args[0] is member:
-                seen.add(user)
+            if user not in members and op_name(user) in SHARES_STORAGE and user.args and user.args[0] is member:
+                members.add(user)
                 family.append(user)
-    return False
+    return members
+
+
+def _storage_read_after(value: fx.Node, write: fx.Node, order: dict) -> bool:
+    """Is the tensor ``value`` is a view of, or any view of that tensor, read after ``write``? (Kimi-Linear's MLA
+    fills its keys through slices: ``keys[..., :d].copy_(k)``.)"""
+    return any(order[user] > order[write] for member in _storage_family(value) for user in member.users)
 
 
 def _blockwise(graph, value: fx.Node, p: Placement, block: Optional[int], collective) -> list:
@@ -172,8 +175,10 @@ def insert_redistributions(graph: fx.Graph, gplan: GraphPlan, editor: GraphEdito
                 _write_back(graph, node, inp, cur, req, cache[key], group.handle, editor.layout, group.rank, gplan)
         if writes_data(node) and isinstance(node.args[0], fx.Node):
             written = next((v for (v, _), made in cache.items() if node.args[0] in (v, made)), node.args[0])
-            # copies made before the write are stale now, but the one written into
-            for key in [k for k in cache if k[0] is written and cache[k] is not node.args[0]]:
+            # copies made before the write are stale now, but the one written into: copies of the value written,
+            # and, for a write through a view (``buf[:, :1].copy_(x)``), of the tensor it views and of its other views
+            family = _storage_family(written)
+            for key in [k for k in cache if k[0] in family and cache[k] is not node.args[0]]:
                 del cache[key]
         if strategy.local is not None:
             users_before = {v: set(v.users) for v in node.all_input_nodes}

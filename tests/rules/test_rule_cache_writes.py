@@ -45,3 +45,15 @@ def test_a_copy_into_a_computed_value_writes_it_as_it_is_placed():
         found = strategies(node(gm, "copy_"), {new: S(2), computed: kept})
         assert [(s.inputs, s.output) for s in found] == [({computed: kept, new: kept}, kept)]
     assert strategies(node(gm, "copy_"), {new: S(1), computed: S(1, (4, 4))}) == []  # segmented: none, gathered
+
+
+def test_a_copy_into_a_computed_value_takes_a_broadcasting_source_whole():
+    """A source that broadcasts along the written value's split (a missing dim, or size 1 there) is read whole;
+    one that has the dim, by the same shard, aligned from the right."""
+    gm = capture(lambda x, row, col: ((x * 2).copy_(row), (x * 3).copy_(col)), (2, 8, 4), (4,), (2, 1, 4))
+    _, row, col = inputs_of(gm)
+    into_row, into_col = [n for n in gm.graph.nodes if n.target == "copy_"]
+    for write, source in ((into_row, row), (into_col, col)):
+        computed = write.args[0]
+        assert strategies(write, {computed: S(1)})[0].inputs == {computed: S(1), source: R}  # broadcast on dim 1
+        assert strategies(write, {computed: S(2)})[0].inputs == {computed: S(2), source: S(source.meta["example_value"].dim() - 1)}

@@ -26,7 +26,7 @@ def test_a_new_tensor_of_the_same_size_at_the_split_is_split_alike():
     found = strategies(same, {kv: S(1)})
     assert [s.output for s in found] == [S(1), R]
     assert found[0].inputs == {kv: None} and found[0].local.kind == "local_view_size"  # its size 4 -> 2 per rank
-    assert [s.output for s in strategies(other, {kv: S(1)})] == [R]  # 8 at dim 1, not the input's 4: whole
+    assert [s.output for s in strategies(other, {kv: S(1)})] == [R]  # 3 at dim 1, not the input's 4: whole
 
 
 def _mla_keys(x, kv_b, k_rot):
@@ -51,3 +51,27 @@ def test_mla_keys_filled_through_slices_stay_split_by_heads():
     assert keys.args[2] == HEADS // 2  # its size at the heads dim: this rank's heads
     writes = [n for n in graph.nodes if n.target == "copy_"]
     assert len(writes) == 2 and all(w.args[0].args[0] is keys for w in writes)  # into slices of it, not a copy
+
+
+def _read_then_filled(x, up, down):
+    h = F.linear(x, up)  # column-parallel (down is row-parallel): split on its last dim
+    out = F.linear(h, down)
+    buf = h.new_zeros(h.shape)  # split alike
+    before = buf.cumsum(-1)  # reads buf whole: a gathered copy
+    buf[:, :1].copy_(h[:, :1])  # written through a view of the shard
+    return out, before, buf.cumsum(-1)  # reads the written buf whole: gathered again, not the copy made before
+
+
+def test_a_copy_made_before_a_write_through_a_view_is_not_read_after_it():
+    gm = capture(_read_then_filled, (2, 3, 16), (64, 16), (16, 64), params=(1, 2))
+    plan = solve(captured_graph(gm, params={1: "up.weight", 2: "down.weight"}, inputs={0: "x"}), 2,
+                 layout=ShardLayout(2))
+    assert plan.params == {"up.weight": S(0), "down.weight": S(1)}, plan.params
+    assert plan.placements[node(gm, "new_zeros")] == S(2)
+    graph = gm.graph
+    insert_redistributions(graph, plan, GraphEditor(graph, fake_group(2), ShardLayout(2)))
+    first, second = [n for n in graph.nodes if n.target == "cumsum"]
+    write = next(n for n in graph.nodes if n.target == "copy_")
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    assert first.args[0].target is second.args[0].target is collectives.all_gather
+    assert first.args[0] is not second.args[0] and order[second.args[0]] > order[write]

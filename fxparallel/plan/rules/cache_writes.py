@@ -42,7 +42,8 @@ def _state_copy(node, placements, ctx):
         kept = placements[state]
         if not (kept.is_replicate or kept.is_plain_shard):
             return []
-        return [Strategy({state: kept, new: kept}, kept, note="written in place as it is placed", name="in place")]
+        return [Strategy({state: kept, new: _source_for(kept, state, new, ctx)}, kept,
+                         note="written in place as it is placed", name="in place")]
     p = placements[new]
     strategies = []
     if p.is_shard and p.block is None:
@@ -52,3 +53,12 @@ def _state_copy(node, placements, ctx):
 
 
 register("copy_", whole=True)(_state_copy)
+
+
+def _source_for(kept, state, new, ctx):
+    """What ``copy_`` needs of its source to write ``state``'s shard ``kept``: the same shard, or the source whole
+    where it broadcasts along that dim (it lacks it, or has size 1 there), aligned from the right."""
+    if kept.is_replicate:
+        return R
+    dim = kept.dim - (ctx.ndim(state) - ctx.ndim(new))
+    return R if dim < 0 or ctx.size(new, dim) == 1 else kept.with_dim(dim)

@@ -11,13 +11,21 @@ from .dim_maps import _same
 from .views import _view_size
 
 
+def _sizes(node) -> tuple:
+    """The sizes ``new_*`` spells out: ``x.new_empty(a, b)`` or ``x.new_empty((a, b))``."""
+    rest = node.args[1:] if len(node.args) > 1 else tuple(node.kwargs.get("size", ()))
+    return tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else tuple(rest)
+
+
 def _new_like(node, placements, ctx):
     x = node.args[0]
     p, out, given = placements[x], ctx.fake(node), ctx.fake(x)
+    sizes = _sizes(node)
     strategies = []
-    if p.is_plain_shard and out is not None and given is not None and out.dim() == given.dim() \
-            and isinstance(out.shape[p.dim], int) and _same(out.shape[p.dim], given.shape[p.dim]):
-        strategies.append(Strategy({x: None}, p, local=_view_size(p.dim, int(out.shape[p.dim])),
+    # the size at the split a literal (Dynamo writes static sizes so), which the rewrite makes this rank's
+    if p.is_plain_shard and out is not None and given is not None and out.dim() == given.dim() == len(sizes) \
+            and isinstance(sizes[p.dim], int) and _same(sizes[p.dim], given.shape[p.dim]):
+        strategies.append(Strategy({x: None}, p, local=_view_size(p.dim, sizes[p.dim]),
                                    note="a new tensor shaped like its input's shard"))
     strategies.append(Strategy({x: None}, R, note="a new tensor, whole"))
     return strategies
