@@ -11,23 +11,13 @@ import torch
 import torch.fx as fx
 
 from ..errors import ShardingError
-
-
-def _size_args(node: fx.Node):
-    """(list of sizes, rebuild function) for view/reshape/expand style size arguments."""
-    args = list(node.args)
-    rest = args[1:]
-    if not rest and "size" in node.kwargs:
-        return list(node.kwargs["size"]), lambda new: setattr(node, "kwargs", {**node.kwargs, "size": tuple(new)})
-    if len(rest) == 1 and isinstance(rest[0], (tuple, list)):
-        return list(rest[0]), lambda new: setattr(node, "args", (args[0], type(rest[0])(new)))
-    return rest, lambda new: setattr(node, "args", (args[0],) + tuple(new))
+from ..plan.size_arguments import spelled_out
 
 
 def _spelled_out_sizes(node, editor):
     """(sizes, rebuild) of a view/reshape, one entry per output dim even when the shape is one
     value computed in the graph."""
-    sizes, rebuild = _size_args(node)
+    sizes, rebuild = spelled_out(node)
     if len(sizes) == 1 and isinstance(sizes[0], fx.Node) and not isinstance(
         sizes[0].meta.get("example_value"), (int, torch.SymInt)
     ):

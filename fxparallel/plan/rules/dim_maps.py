@@ -12,6 +12,7 @@ import sympy
 import torch
 
 from ..op_traits import op_name
+from ..size_arguments import spelled_out
 from .base import norm_dim, size_hint as _hint, splits_in_proportion
 
 
@@ -153,7 +154,7 @@ def permutation(node, ndim) -> Optional[list]:
         perm[a], perm[b] = perm[b], perm[a]
         return perm
     if name == "permute":
-        dims = node.args[1:] if not isinstance(node.args[1], (tuple, list)) else node.args[1]
+        dims, _ = spelled_out(node, "dims")
         return [norm_dim(d, ndim) for d in dims]
     if name == "t":
         return list(reversed(range(ndim)))

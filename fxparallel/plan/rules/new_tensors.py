@@ -6,21 +6,16 @@ size there rewritten to the local one: MLA's keys (DeepSeek-V2/V3, Kimi-Linear, 
 from __future__ import annotations
 
 from ..placement import R
+from ..size_arguments import spelled_out
 from .base import Strategy, register
 from .dim_maps import _same
 from .views import _view_size
 
 
-def _sizes(node) -> tuple:
-    """The sizes ``new_*`` spells out: ``x.new_empty(a, b)`` or ``x.new_empty((a, b))``."""
-    rest = node.args[1:] if len(node.args) > 1 else tuple(node.kwargs.get("size", ()))
-    return tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else tuple(rest)
-
-
 def _new_like(node, placements, ctx):
     x = node.args[0]
     p, out, given = placements[x], ctx.fake(node), ctx.fake(x)
-    sizes = _sizes(node)
+    sizes, _ = spelled_out(node)
     strategies = []
     # the size at the split a literal (Dynamo writes static sizes so), which the rewrite makes this rank's
     if p.is_plain_shard and out is not None and given is not None and out.dim() == given.dim() == len(sizes) \
