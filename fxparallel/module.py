@@ -26,6 +26,7 @@ from .data_parallel_guard import RefusesDistributedDataParallel
 from .dcp_state import describe_state_dict
 from .full_state_loading import shard_full_values
 from .adapter_methods import AdapterMethods
+from .capture.own_caches import padding_runs_through_states
 from .capture.spec import GraphSpec
 from .errors import ArgumentError, CacheNotCarried, PromptLengthFixed, ShardingError
 from .graph_set import GraphSet
@@ -244,8 +245,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                 f"{self.config.model_type} fixes the number of tokens of such a forward, so the parallel model runs "
                 f"them one at a time and returns their logits only; call it without the cache (use_cache=False)")
         by_column = mask is not None and self._graph_set.factory.one_token_prompts
-        padded = [] if mask is None or by_column else _padded_positions(mask[:, :ids.shape[1]],
-                                                                        self.config.model_type)
+        padded = [] if mask is None or by_column or padding_runs_through_states(self.config.model_type) else \
+            _padded_positions(mask[:, :ids.shape[1]], self.config.model_type)
         logits = []
         for p in range(ids.shape[1]):
             fresh = self.recurrent_cache and not cache.started

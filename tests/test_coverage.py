@@ -299,7 +299,35 @@ def _data_dependent(group, tp, paths):
         results[name] = {k: errors[k] for k in ("loss", "logits", "grad", "other length")}
         results[name]["graphs"] = len(model.graphs())
         results[name]["fallbacks"] = model.plan.to_dict()["fallbacks"]
+        if name == "recurrent_gemma":
+            results[name]["generate"] = _generate_with_module_states(model, single)
     return results
+
+
+def _generate_with_module_states(model, single):
+    """RecurrentGemma's generate from a left-padded batch: tokens and scores against transformers', its graphs
+    (the prompt token by token: its code fixes a prompt's length), the collectives of a step, and the share of
+    transformers' states (attributes of its modules) this rank keeps in the cache."""
+    import torch
+
+    from checks import left_padded_prompts
+    from test_generate_recurrent import _state_bytes
+
+    ids, mask = left_padded_prompts()
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_scores=True)
+    got, expected = model.generate(**kwargs), single.generate(**kwargs)
+    layout = got.past_key_values.layout
+    states = {k: v for k, v in layout.items() if "_states_" in k}
+    ours = sum(t.numel() * t.element_size() for k, t in got.past_key_values.tensors.items() if k in states)
+    generation = [g for g in model.graphs() if g.cache_length]
+    return {"tokens": torch.equal(got.sequences, expected.sequences),
+            "scores": max((a - b).abs().max().item() for a, b in zip(got.scores, expected.scores)),
+            "graphs": sorted((g.spec.fresh_cache, g.spec.shape[1], g.spec.token_mask) for g in generation),
+            "collectives": {(g.code.count("collectives_all_reduce("), g.code.count("collectives_all_gather("))
+                            for g in generation},
+            "state share": ours / _state_bytes(expected.past_key_values, single),
+            "split states": sum(1 for full, local, _ in states.values() if full != local)}
 
 
 @pytest.mark.timeout(1800)  # (when run alone, it sets the fixture up)
@@ -310,7 +338,7 @@ def test_data_dependent_and_length_fixed_graphs(on_ranks):
     (each write keeps the shard: rules/indexing.py); XLM checks ``lengths.max().item()`` and scales its
     replicated hidden states in place where a copy_to_tp stands (the write gets a copy); RWKV loops over the
     tokens with its recurrent state (a graph per length), its feed-forward sharded through ``torch.relu``.
-    All match one device."""
+    All match one device. RecurrentGemma also generates transformers' tokens, its states in the sharded cache."""
     assert len(on_ranks["data-dependent"]) == 2
     for results in on_ranks["data-dependent"]:
         for name, r in results.items():
@@ -319,3 +347,12 @@ def test_data_dependent_and_length_fixed_graphs(on_ranks):
                 assert r[key] < 1e-5, (name, key, r)
         assert results["cpmant"]["graphs"] == 3, results["cpmant"]  # length 9 with labels, 9 and 7 without
         assert results["rwkv"]["fallbacks"] == [], results["rwkv"]["fallbacks"]  # (torch.relu: elementwise)
+        # RecurrentGemma generates with the sharded cache: its recurrent block's states (attributes of its modules in
+        # transformers, the cache's here: capture/own_caches.py) split by channels, half on each rank; the prompt
+        # token by token through two one-token graphs (a fresh cache's, the next ones'), its padding run through
+        # the states as transformers' prompt forward runs it; a step communicates what the forward does
+        rg = results["recurrent_gemma"]["generate"]
+        assert rg["tokens"] and rg["scores"] < 1e-9, rg
+        assert rg["graphs"] == [(False, 1, False), (True, 1, False)], rg
+        assert rg["collectives"] == {(2 * 2 + 1, 0)}, rg  # per layer the block's and the MLP's; the embedding's
+        assert rg["state share"] == 0.5 and rg["split states"] == 2, rg

@@ -25,14 +25,15 @@ NEW_TOKENS = 8
 MORE_LENGTHS = ("mamba", "qwen3_5_text", "jamba")
 
 
-def _state_bytes(cache) -> int:
+def _state_bytes(cache, model) -> int:
     """Bytes of transformers' cache's convolution and recurrent states (MiniMax's: its ``linear_cache``; xLSTM's:
-    its ``rnn_state``)."""
+    its ``rnn_state``; RecurrentGemma's: attributes of ``model``'s modules, tests/test_coverage.py)."""
     import torch
 
     states = [t for layer in getattr(cache, "layers", []) for field in ("conv_states", "recurrent_states")
               for t in (getattr(layer, field, None) or {}).values()] + list(getattr(cache, "linear_cache", []))
     states += [t for layer in getattr(cache, "rnn_state", {}).values() for t in layer]
+    states += [getattr(m, name, None) for m in model.modules() for name in ("conv1d_state", "recurrent_states")]
     return sum(t.numel() * t.element_size() for t in states if isinstance(t, torch.Tensor))
 
 
@@ -83,7 +84,7 @@ def _generate(rank, tp, paths):
                 (g.code.count("collectives_all_reduce("), g.code.count("collectives_all_gather("))
                 for g in generation if g.spec.shape[1] == 1 and g.spec.fresh_cache != g.spec.token_mask},
             "states": len(states),
-            "state share": ours / _state_bytes(expected.past_key_values),
+            "state share": ours / _state_bytes(expected.past_key_values, ref),
             "split states": sum(1 for full, local, _ in states.values() if full != local),
         }
         if name == "xlstm":  # its states continue by the same code: a cache continued by a chunk of tokens

@@ -13,6 +13,7 @@ from torch import nn
 
 from .dropout_sites import dropout_rates
 from .names import check_model_names
+from .own_caches import states_in_cache
 
 
 @contextlib.contextmanager
@@ -64,5 +65,6 @@ def build_meta_model(config, *, dtype: torch.dtype, trust_remote_code: bool = Fa
             values[full] = buf
             module._buffers[name] = buf.to("meta")
     model.fxparallel_buffers = values
+    states_in_cache(model)  # (own_caches.py: RecurrentGemma's module states)
     model.fxparallel_dropout = dropout_rates(model)  # capture/dropout_sites.py: captured in training mode if any
     return model.eval()

@@ -13,8 +13,18 @@ C [batch, heads, qk_head_dim, v_head_dim], the normalizer n [batch, heads, qk_he
 [batch, heads, 1]), read as ``cache.rnn_state[layer]`` and copied into in place. Here they are a layer's
 recurrent states 0, 1, 2 (allocated as transformers' own cache allocates them), and ``rnn_state`` reads them
 from the layers, so the graph's inputs are the layers' tensors as for any other model. The model runs the same
-code whether the states start or continue (they start at zero)."""
+code whether the states start or continue (they start at zero).
+
+RecurrentGemma takes transformers' cache, whose recurrent layers are linear-attention ones (one state), but its
+recurrent blocks keep their states as attributes of their modules (``conv1d_state``, ``rg_lru.recurrent_states``),
+replaced at each forward, which a graph can neither read as an input nor write. On the meta model each such block
+is a subclass (``states_in_cache``) whose forward puts the layer's states into those attributes first (None where
+the layer's states start: the block then starts them at zero, as transformers' first forward does) and copies the
+attributes into the layer's states in place after, as the other linear-attention layers are written."""
 from __future__ import annotations
+
+import functools
+import re
 
 
 def _minimax(model, cache, batch: int):
@@ -66,6 +76,54 @@ def _xlstm(model, cache, batch: int):
                     for i, layer in enumerate(self.layers)}
 
     return StaticxLSTMCache()
+
+
+def padding_runs_through_states(model_type: str) -> bool:
+    """Whether the prompt's forward of ``model_type`` runs padding tokens through its recurrent states as it runs
+    any token: RecurrentGemma's does (its convolution state takes them, and its scan restarts at each row's first
+    token, position 0), where the other recurrent models' forwards zero them first. Run one token at a time
+    (``module._tokens_one_at_a_time``), a padding token's step is then run as any other's."""
+    return model_type == "recurrent_gemma"
+
+
+def states_in_cache(model) -> None:
+    """The meta ``model``'s blocks that keep their states as module attributes read and write them in the cache's
+    layers instead (RecurrentGemma; see the module docstring). Called once, as the meta model is built."""
+    if model.config.get_text_config(decoder=True).model_type != "recurrent_gemma":
+        return
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRecurrentBlock
+
+    for name, module in model.named_modules():
+        if type(module) is RecurrentGemmaRecurrentBlock:  # (its __init__ takes its layer's index, keeps none)
+            module.__class__ = _recurrent_block_states_in_cache()
+            module.layer_idx = int(re.search(r"layers\.(\d+)\.", name).group(1))
+
+
+@functools.lru_cache(maxsize=None)
+def _recurrent_block_states_in_cache() -> type:
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRecurrentBlock
+
+    class RecurrentBlockStatesInCache(RecurrentGemmaRecurrentBlock):
+        def forward(self, input_states, position_ids, attention_mask, use_cache=True, cache=None, **kwargs):
+            layer = cache.layers[self.layer_idx] if use_cache and cache is not None else None
+            if not isinstance(layer, LinearAttentionCacheLayerMixin):
+                return super().forward(input_states, position_ids, attention_mask, use_cache=use_cache, cache=cache,
+                                       **kwargs)
+            continuing = layer.has_previous_state[0]
+            self.conv1d_state = layer.conv_states[0] if continuing else None
+            self.rg_lru.recurrent_states = layer.recurrent_states[0] if continuing else None
+            out = super().forward(input_states, position_ids, attention_mask, use_cache=use_cache, cache=cache,
+                                  **kwargs)
+            if not layer.is_conv_states_initialized[0]:  # the fill on meta: allocated as the block's states are
+                layer.lazy_initialization(conv_states=self.conv1d_state, recurrent_states=self.rg_lru.recurrent_states)
+            layer.conv_states[0].copy_(self.conv1d_state)
+            layer.recurrent_states[0].copy_(self.rg_lru.recurrent_states)
+            layer.has_previous_state[0] = True
+            self.conv1d_state = self.rg_lru.recurrent_states = None
+            return out
+
+    return RecurrentBlockStatesInCache
 
 
 _OWN = {"minimax": _minimax, "xlstm": _xlstm}  # model_type -> the static cache in the model's own class
