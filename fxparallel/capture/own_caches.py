@@ -94,9 +94,10 @@ def states_in_cache(model) -> None:
     from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRecurrentBlock
 
     for name, module in model.named_modules():
-        if type(module) is RecurrentGemmaRecurrentBlock:  # (its __init__ takes its layer's index, keeps none)
+        index = re.search(r"layers\.(\d+)\.", name)  # (its __init__ takes its layer's index, keeps none)
+        if type(module) is RecurrentGemmaRecurrentBlock and index is not None:  # (else: generated recomputing)
             module.__class__ = _recurrent_block_states_in_cache()
-            module.layer_idx = int(re.search(r"layers\.(\d+)\.", name).group(1))
+            module.layer_idx = int(index.group(1))
 
 
 @functools.lru_cache(maxsize=None)
