@@ -290,6 +290,11 @@ def _families(rank, tp, paths):
             out["trocr compiled"] = raised(lambda: model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
                 compile_config=CompileConfig(backend="eager", fullgraph=True, dynamic=False)))
+        if name == "dory":  # its recurrent layer's loops past the first write copies of its cache layer
+            cache = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False,
+                                   pad_token_id=0, return_dict_in_generate=True).past_key_values
+            out["dory layers"] = sorted({(int(k.split("_")[1]), full != local)
+                                         for k, (full, local, _) in cache.layout.items() if k.endswith("_keys")})
         # a prompt that alone fills the positions or the window: no max_new_tokens can help (before: "lower
         # max_new_tokens to at most 0", or a negative number)
         long = torch.randint(3, 120, (2, 66), generator=torch.Generator().manual_seed(2))
@@ -314,7 +319,8 @@ WINDOWED = ("mistral", "gemma2", "gpt_oss")
 
 
 def test_generate_learned_positions_and_sliding_window(tmp_path):
-    """GPT-2 (learned positions, fused qkv), TrOCR (learned positions from the cache's count), Mistral (every layer
+    """GPT-2 (learned positions, fused qkv), TrOCR (learned positions from the cache's count), Dory (a layer run in
+    loops, each with a cache layer of its own: capture/own_caches.py), Mistral (every layer
     a sliding window), Gemma 2 and GPT-OSS (sliding and full layers alternating; GPT-OSS's attention sinks and
     experts) at TP=2. Past the window transformers' cache rolls (or drops the oldest tokens); the parallel model's
     keeps them all and attends the window through the mask: the same tokens, three windows past it, from a prompt
@@ -336,10 +342,14 @@ def test_generate_learned_positions_and_sliding_window(tmp_path):
                                    str(tmp_path / "gpt_oss")),
         # learned positions that start at the cache's count (test_positions_from_the_cache_count_...)
         "trocr": save_checkpoint(any_config("trocr", vocab_size=128), str(tmp_path / "trocr")),
+        # an input layer, a recurrent layer run in two loops, an output layer
+        "dory": save_checkpoint(any_config("dory", vocab_size=128), str(tmp_path / "dory")),
     }
     for out in run_ranks(2, _families, paths):
-        assert all(out[name] for name in ("gpt2", "trocr") + WINDOWED), out
-        assert out["trocr cache"] == [128, 128], out  # its prefill and decode graphs, with the sharded cache
+        assert all(out[name] for name in ("gpt2", "trocr", "dory") + WINDOWED), out
+        assert out["trocr cache"] == [128, 128] and out["dory cache"] == [128, 128], out  # with the sharded cache
+        # Dory's three layers and the second loop's copy of its recurrent layer's, each split by heads
+        assert out["dory layers"] == [(0, True), (1, True), (2, True), (3, True)], out["dory layers"]
         assert out["trocr compiled"].startswith(
             "InputError: generate: compile_config is not supported for this model: its decode step reads the "
             "cache's count of tokens on the host"), out["trocr compiled"]

@@ -127,7 +127,23 @@ def _recurrent_block_states_in_cache() -> type:
     return RecurrentBlockStatesInCache
 
 
-_OWN = {"minimax": _minimax, "xlstm": _xlstm}  # model_type -> the static cache in the model's own class
+def _dory(model, cache, batch: int):
+    """Dory runs its recurrent layers in several loops. With ``recurrent_kv_cache_mode="per_loop"`` (its default)
+    each loop past the first writes a copy of those layers' cache, which its forward appends to the cache on its
+    first call (a deep copy of written layers: a graph captured once cannot replay it); here the copies are made
+    before anything is written, so the forward finds them. (``"last_loop"`` reads the written part of the last
+    loop's layers, which a static cache cannot tell apart: the fill fails and generation recomputes.)"""
+    import copy
+
+    config = model.config.get_text_config(decoder=True)
+    if config.recurrent_kv_cache_mode == "per_loop":
+        start, count = config.n_input_layers, config.n_recurrent_layers
+        cache.layers += [copy.deepcopy(layer) for layer in cache.layers[start:start + count]
+                         * (config.n_recurrent_loops - 1)]
+    return cache
+
+
+_OWN = {"minimax": _minimax, "xlstm": _xlstm, "dory": _dory}  # model_type -> the static cache in the model's own class
 
 
 def in_own_class(model, cache, batch: int):
