@@ -1,6 +1,8 @@
-"""Models whose forward takes a cache class of their own (it refuses transformers' ``StaticCache``): the static
-cache handed to them in that class, its layers transformers' static ones, so the generation graphs carry it like
-any other (``static_cache.py``).
+"""Models whose cache transformers' ``StaticCache`` does not hold as it is: a forward that takes a cache class of
+its own (MiniMax, xLSTM: the static cache handed to it in that class, its layers transformers' static ones), one
+that adds layers to the cache as it runs (Dory: they are added before it is filled), and states kept as module
+attributes (RecurrentGemma: read from and written to the cache's layers instead). The generation graphs then carry
+their states like any other cache's (``static_cache.py``).
 
 MiniMax: ``MiniMaxCache`` (a DynamicCache) keeps each lightning-attention layer's state (the decayed sum of
 ``K^T V``, [batch, heads, head_dim, head_dim]) beside the attention layers' keys and values, read with
