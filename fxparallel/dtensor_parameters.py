@@ -176,7 +176,7 @@ def _move_gradient(view, dp, param) -> None:
     else:
         view.grad._local_tensor.add_(grad)
     if dp is not None:
-        dp.after_backward()
+        dp.after_backward(view)
 
 
 def like_view(view, local):

@@ -3,7 +3,8 @@
 Trainer leaves gradient reduction to a model sharded at load time. The parallel model's parameters are then
 DTensor views (``dtensor_parameters.py``) over the 2-D (dp, tp) mesh, ``Replicate()`` over dp: every dp rank keeps
 its whole tp shard, as DistributedDataParallel does, and ``DataParallelGradients`` averages their gradients over
-the dp ranks at the end of each backward, in one all-reduce per dtype, except inside ``model.no_sync()``: DDP's
+the dp ranks in each backward, bucket by bucket as the gradients are written (overlapped with the rest of the
+backward, as DDP's buckets are), except inside ``model.no_sync()``: DDP's
 name, which accelerate enters between the micro-batches of gradient accumulation, so there is one average per
 optimizer step. Trainer multiplies the loss by the dp size (its convention for a model that averages), so the
 average is the gradient of the global batch.
@@ -59,23 +60,51 @@ def view_mesh(model, who: str = "transformers.Trainer / accelerate"):
     return root[(dp_name, tp_name)]
 
 
+BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket size
+
+
 class DataParallelGradients:
-    """Averages the views' gradients over the data-parallel ranks once per backward, at its end (one all-reduce
-    per dtype), as DDP does; inside ``suspended()`` (``model.no_sync()``) gradients only accumulate, and the
-    next backward outside it averages the sum. Which views have a gradient travels with them, so a parameter
-    without one on every rank keeps none."""
+    """Averages the views' gradients over the data-parallel ranks once per backward, as DDP does, and overlapped
+    with it as DDP overlaps it: the views are put in buckets of about ``BUCKET_BYTES`` (one dtype each, in the
+    reverse of the parameters' order, roughly the order the backward produces their gradients), and a bucket's
+    all-reduce starts, asynchronously, as soon as its last gradient is written, while the backward goes on; buckets
+    start in their order only (a later one ready first waits for those before it), so every rank issues the same
+    collectives in the same order. At the end of the backward the buckets not started (a view without a gradient
+    in this backward) start, and all are waited for and written back. Inside ``suspended()`` (``model.no_sync()``)
+    gradients only accumulate, and the next backward outside it averages the sum. Which views have a gradient
+    travels with them, so a parameter without one on every rank keeps none."""
 
     def __init__(self, group, views):
         self.group, self.views = group, views
         self.size = dist.get_world_size(group)
         self.sync = True
         self.queued_in = None  # the backward (autograd graph task) whose end averages; one that failed never ends
+        self.buckets = _buckets(views)
+        self.bucket_of = {id(v): i for i, bucket in enumerate(self.buckets) for v in bucket}
+        self._start()
 
-    def after_backward(self) -> None:
+    def _start(self) -> None:
+        """A new backward's bookkeeping: no bucket started, each waiting for its views that take gradients."""
+        self.waiting = [sum(1 for v in bucket if v.requires_grad) for bucket in self.buckets]
+        self.written = set()  # ids of the views whose gradient this backward wrote
+        self.started = {}  # bucket index -> (work, flat buffer)
+        self.next = 0  # the first bucket not started
+
+    def after_backward(self, view=None) -> None:
+        """From the hook that moved ``view``'s gradient: queue the average at the end of this backward (once), and
+        start the buckets that are complete."""
+        if not self.sync:
+            return
         task = torch._C._current_graph_task_id()
-        if self.sync and task != self.queued_in:
+        if task != self.queued_in:
+            self._finish(write=False)  # (a backward that failed before its end: its started buckets dropped)
             self.queued_in = task
             torch.autograd.Variable._execution_engine.queue_callback(self.average)
+        if view is not None and id(view) not in self.written:
+            self.written.add(id(view))
+            self.waiting[self.bucket_of[id(view)]] -= 1
+            while self.next < len(self.buckets) and self.waiting[self.next] <= 0:
+                self._start_bucket(self.next)
 
     @contextlib.contextmanager
     def suspended(self):
@@ -85,29 +114,55 @@ class DataParallelGradients:
         finally:
             self.sync = before
 
+    def _start_bucket(self, i: int) -> None:
+        views = self.buckets[i]
+        local = [v._local_tensor for v in views]
+        parts = [v.grad._local_tensor.reshape(-1) if v.grad is not None and v.requires_grad else t.new_zeros(t.numel())
+                 for v, t in zip(views, local)]
+        held = torch.tensor([v.grad is not None and v.requires_grad for v in views], dtype=local[0].dtype,
+                            device=local[0].device)
+        flat = torch.cat(parts + [held])
+        self.started[i] = (dist.all_reduce(flat, group=self.group, async_op=True), flat)
+        self.next = i + 1
+
     def average(self) -> None:
+        """Start the buckets not started yet, wait for every bucket's all-reduce, and write the averages."""
+        while self.next < len(self.buckets):
+            self._start_bucket(self.next)
+        self._finish(write=True)
+
+    def _finish(self, write: bool) -> None:
         from .dtensor_parameters import like_view
 
-        by_dtype = {}
-        for view in self.views:
-            if view.requires_grad:
-                by_dtype.setdefault(view.dtype, []).append(view)
-        for dtype, views in by_dtype.items():
+        for i, (work, flat) in sorted(self.started.items()):
+            work.wait()
+            if not write:
+                continue
+            views = self.buckets[i]
             local = [v._local_tensor for v in views]
-            parts = [v.grad._local_tensor.reshape(-1) if v.grad is not None else t.new_zeros(t.numel())
-                     for v, t in zip(views, local)]
-            held = torch.tensor([v.grad is not None for v in views], dtype=dtype, device=local[0].device)
-            flat = torch.cat(parts + [held])
-            dist.all_reduce(flat, group=self.group)
             counts = flat[-len(views):].tolist()
             pieces = flat[:-len(views)].div_(self.size).split([t.numel() for t in local])
             for view, t, piece, count in zip(views, local, pieces, counts):
-                if count == 0:
+                if count == 0 or not view.requires_grad:
                     continue
                 if view.grad is None:
                     view.grad = like_view(view, piece.view_as(t).clone())
                 else:
                     view.grad._local_tensor.copy_(piece.view_as(t))
+        self._start()
+
+
+def _buckets(views) -> list:
+    """The views in buckets of one dtype and about ``BUCKET_BYTES`` each, from the last parameter to the first."""
+    buckets, open_ = [], {}  # dtype -> (bucket, bytes)
+    for view in reversed(views):
+        bucket, size = open_.get(view.dtype, (None, 0))
+        if bucket is None or size >= BUCKET_BYTES:
+            bucket, size = [], 0
+            buckets.append(bucket)
+        bucket.append(view)
+        open_[view.dtype] = (bucket, size + view._local_tensor.numel() * view._local_tensor.element_size())
+    return buckets
 
 
 def no_gradient_sync(model):

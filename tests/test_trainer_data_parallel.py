@@ -2,8 +2,8 @@
 ``fxparallel.runtime.init_mesh(tp=2, dp=2)``. Trainer reads the dp size from the model's
 ``config.distributed_config`` and splits the data over dp only; the parameters are DTensors over the (dp, tp) mesh,
 so that its clipping takes the true global norm; gradients are averaged over dp once per optimizer step
-(accelerate's ``no_sync`` between the micro-batches of gradient accumulation). Against the single-device Trainer on
-the same global batches: losses, clipped grad norms, every final weight; every rank of a tp position holds the same
+(accelerate's ``no_sync`` between the micro-batches of gradient accumulation), bucket by bucket within the
+backward. Against the single-device Trainer on the same global batches: losses, clipped grad norms, every final weight; every rank of a tp position holds the same
 shard and replicated weights are bit-identical on all four; ``save_model`` writes what transformers loads as the
 trained model, and so does ``dcp.save(model.state_dict())``; Trainer checkpoints (``fxparallel.TrainerCheckpoints``)
 resume to the uninterrupted run (test_trainer_stack's ``_resumed`` over the tp sub-mesh); TRL's SFTTrainer trains a
@@ -26,6 +26,7 @@ def _dp_tp(rank, world, path, root):
 
     import fxparallel
     from checks import raised
+    from fxparallel import trainer_data_parallel
     from fxparallel.accelerate_cpu import allow_tensor_parallel_on_cpu
     from fxparallel.runtime import init_mesh
 
@@ -38,13 +39,19 @@ def _dp_tp(rank, world, path, root):
     tp_outer = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))  # tp groups {0, 2} and {1, 3}
     out["tp_outer"] = raised(lambda: fxparallel.parallelize(path, tp_outer["tp"], dtype=torch.float32).tp_size)
 
+    # buckets of 16 KiB (DDP's 25 MiB would hold the whole tiny model): every case here averages bucket by bucket
+    trainer_data_parallel.BUCKET_BYTES = 16 * 1024
     model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32)
-    averages = []
+    averages, starts = [], []
     model.tp_size  # noqa: B018 -- Trainer's first read; here to count the averages that follow
     dp = model.__dict__["_dtensor_data_parallel"]
-    average = dp.average
-    dp.average = lambda: (averages.append(1), average())[1]
+    average, start_bucket = dp.average, dp._start_bucket
+    dp.average = lambda: (averages.append(len(starts)), average())[1]
+    dp._start_bucket = lambda i: (starts.append(i), start_bucket(i))[1]
     out["trainer"] = _trainer_run(model, f"{root}/dp{rank}", save_to=f"{root}/saved", rows=32, sampling="sequential")
+    # per optimizer step: the buckets started in order, every one before the backward's end (each within the
+    # backward, as its last gradient was written)
+    out["buckets"] = (len(dp.buckets), starts, averages)
     out["averages"] = len(averages)
     out["placements"] = sorted({str(p.placements) for _, p in model.named_parameters()})
     local = torch.cat([p.detach().flatten() for _, p in model.local_named_parameters()])
@@ -185,6 +192,9 @@ def test_trainer_over_dp_and_tp(checkpoints, tmp_path):
             assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (losses, ref_losses, norms, ref_norms)
         assert r["weights"] < 1e-5, r["weights"]
         assert r["averages"] == 4, r["averages"]  # once per optimizer step: not after the no_sync micro-batch
+        buckets, starts, averages = r["buckets"]
+        assert buckets > 3 and starts == list(range(buckets)) * 4, r["buckets"]
+        assert averages == [buckets * step for step in range(1, 5)], r["buckets"]  # none left for the end
         assert all(p.startswith("(Replicate(), ") for p in r["placements"]), r["placements"]
         assert r["same_shard_over_dp"] and r["replicated_identical"] and r["replicated_count"] == 5, r
         assert r["saved_equals_shards"] and r["dcp_equals_saved"], r
