@@ -6,7 +6,8 @@ without a cache: transformers' own one-token steps with RWKV's state differ from
 by 0.97 in the second token's logits of this tiny model) and Llama asked ``use_cache=False``, also parallelized
 with ``sequence_parallel`` (odd lengths padded to a multiple of tp); a second prompt length adds no graph.
 XLNet, whose generate feeds a permutation mask and an appended token, is refused by name, and so is CPM-Ant,
-whose code fixes the sequence length (the sequence is then padded) but whose logits read later positions. (A cache the graphs cannot carry, RecurrentGemma's module states, falls back alike: docs/coverage.md.)"""
+whose code fixes the sequence length (the sequence is then padded) but whose logits read later positions. (A cache
+the graphs cannot carry, DeepSeek-V4's compressed attention, falls back alike: docs/coverage.md.)"""
 from __future__ import annotations
 
 import os
