@@ -227,7 +227,8 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         transformers' decode steps continue the states. Two one-token graphs per cache length serve every prompt
         (the first token's on a fresh cache, the next ones'); the prompt fills the cache from slot 0 (a cache
         continued by several tokens, xLSTM's, reads no mask). A padding token's input must change no state, as
-        the prompt's forward zeroes it:
+        the prompt's forward zeroes it (except where that forward runs padding through the states as any token,
+        RecurrentGemma's: ``own_caches.padding_runs_through_states``; its steps then do too):
 
         * layers that need no mask over the cache (Mamba, xLSTM; capture/dynamo.py, ``one_token_prompts``): each
           token is given its own column of the attention mask (``GraphSpec.token_mask``), which the graph applies;
@@ -245,7 +246,10 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                 f"{self.config.model_type} fixes the number of tokens of such a forward, so the parallel model runs "
                 f"them one at a time and returns their logits only; call it without the cache (use_cache=False)")
         by_column = mask is not None and self._graph_set.factory.one_token_prompts
-        padded = [] if mask is None or by_column or padding_runs_through_states(self.config.model_type) else \
+        through = padding_runs_through_states(self.config.model_type)
+        if through and mask is not None:
+            _check_padding_through_states(mask[:, :ids.shape[1]], self.config)
+        padded = [] if mask is None or by_column or through else \
             _padded_positions(mask[:, :ids.shape[1]], self.config.model_type)
         logits = []
         for p in range(ids.shape[1]):
@@ -541,6 +545,24 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
 
 
 refuse_inherited(ParallelCausalLM)
+
+
+def _check_padding_through_states(prompt_mask: torch.Tensor, config) -> None:
+    """A padded prompt of a model whose prompt forward runs padding through its states (RecurrentGemma), run token
+    by token: a padding token's query attends no key, and what attention gives it then enters the states of the
+    recurrent blocks after that layer. SDPA gives such a row the same in the prompt's forward and in a step (checked
+    at TP=2 against transformers, tests/test_coverage.py); eager attention averages the values of every key the
+    forward holds, the prompt's later tokens included, which a step cannot know: refused by name (a host read of
+    the mask, once per prompt)."""
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != "sdpa" and bool((prompt_mask == 0).any()):
+        raise ArgumentError(
+            f"attention_mask: the prompt has padding, and {config.model_type} runs padding through its recurrent "
+            f"states with attn_implementation={implementation!r}: the parallel model runs its prompts one token at a time "
+            f"(its code fixes the number of tokens of a forward with a cache), where a padding token's attention "
+            f"cannot give what the prompt's forward gives it (an average over every token of the prompt, later ones "
+            f"included) and the recurrent blocks after it would take other states; use SDPA attention (transformers' "
+            f"default; the config's attn_implementation), or generate each prompt unpadded")
 
 
 def _padded_positions(prompt_mask: torch.Tensor, model_type: str) -> list:

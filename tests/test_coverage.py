@@ -53,7 +53,10 @@ def arch_checkpoints_extra(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("archs_extra")
     types = ("jetmoe", "cpmant", "recurrent_gemma", "xlm", "rwkv")
-    return {t: save_checkpoint(tiny_config(t), str(root / t)) for t in types}
+    # RecurrentGemma's recurrent block after its attention layer: what attention gives a padding token enters the
+    # block's states (its generate, below)
+    overrides = {"recurrent_gemma": dict(block_types=["attention", "recurrent"])}
+    return {t: save_checkpoint(tiny_config(t, **overrides.get(t, {})), str(root / t)) for t in types}
 
 
 @pytest.fixture(scope="module")
@@ -310,18 +313,25 @@ def _generate_with_module_states(model, single):
     transformers' states (attributes of its modules) this rank keeps in the cache."""
     import torch
 
-    from checks import left_padded_prompts
+    from checks import left_padded_prompts, raised
     from test_generate_recurrent import _state_bytes
 
     ids, mask = left_padded_prompts()
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True, output_scores=True)
+    for module in single.modules():  # transformers' states as loaded (the forwards above left theirs set)
+        if hasattr(module, "conv1d_state"):
+            module.conv1d_state = module.rg_lru.recurrent_states = None
     got, expected = model.generate(**kwargs), single.generate(**kwargs)
     layout = got.past_key_values.layout
     states = {k: v for k, v in layout.items() if "_states_" in k}
     ours = sum(t.numel() * t.element_size() for k, t in got.past_key_values.tensors.items() if k in states)
     generation = [g for g in model.graphs() if g.cache_length]
-    return {"tokens": torch.equal(got.sequences, expected.sequences),
+    # eager attention gives a padding token's query an average over every key of the prompt's forward: refused
+    model.config._attn_implementation = "eager"
+    eager = raised(lambda: model.generate(**kwargs))
+    model.config._attn_implementation = "sdpa"
+    return {"eager": eager, "tokens": torch.equal(got.sequences, expected.sequences),
             "scores": max((a - b).abs().max().item() for a, b in zip(got.scores, expected.scores)),
             "graphs": sorted((g.spec.fresh_cache, g.spec.shape[1], g.spec.token_mask) for g in generation),
             "collectives": {(g.code.count("collectives_all_reduce("), g.code.count("collectives_all_gather("))
@@ -350,9 +360,12 @@ def test_data_dependent_and_length_fixed_graphs(on_ranks):
         # RecurrentGemma generates with the sharded cache: its recurrent block's states (attributes of its modules in
         # transformers, the cache's here: capture/own_caches.py) split by channels, half on each rank; the prompt
         # token by token through two one-token graphs (a fresh cache's, the next ones'), its padding run through
-        # the states as transformers' prompt forward runs it; a step communicates what the forward does
+        # the attention layer and the states as transformers' prompt forward runs it (SDPA; eager refused); a step
+        # communicates what the forward does
         rg = results["recurrent_gemma"]["generate"]
         assert rg["tokens"] and rg["scores"] < 1e-9, rg
         assert rg["graphs"] == [(False, 1, False), (True, 1, False)], rg
         assert rg["collectives"] == {(2 * 2 + 1, 0)}, rg  # per layer the block's and the MLP's; the embedding's
         assert rg["state share"] == 0.5 and rg["split states"] == 2, rg
+        assert rg["eager"].startswith("ArgumentError: attention_mask: the prompt has padding, and recurrent_gemma runs "
+                                      "padding through its recurrent states with attn_implementation='eager'"), rg

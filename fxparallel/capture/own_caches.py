@@ -28,6 +28,8 @@ from __future__ import annotations
 import functools
 import re
 
+from ..errors import CacheNotCarried
+
 
 def _minimax(model, cache, batch: int):
     from transformers.models.minimax.modeling_minimax import MiniMaxCache
@@ -131,17 +133,22 @@ def _recurrent_block_states_in_cache() -> type:
 
 def _dory(model, cache, batch: int):
     """Dory runs its recurrent layers in several loops. With ``recurrent_kv_cache_mode="per_loop"`` (its default)
-    each loop past the first writes a copy of those layers' cache, which its forward appends to the cache on its
-    first call (a deep copy of written layers: a graph captured once cannot replay it); here the copies are made
-    before anything is written, so the forward finds them. (``"last_loop"`` reads the written part of the last
-    loop's layers, which a static cache cannot tell apart: the fill fails and generation recomputes.)"""
+    each loop past the first writes a copy of those layers' cache, which its forward appends to the cache (deep
+    copies) on the call that finds only the model's own layers there: cache code a graph captured once cannot
+    replay. Here the copies are made before the cache is filled, so the forward finds them. ``"last_loop"``: the
+    earlier loops read the keys and values the last loop wrote so far, a length a static cache does not keep apart
+    from its empty slots: refused (generation then recomputes)."""
     import copy
 
     config = model.config.get_text_config(decoder=True)
-    if config.recurrent_kv_cache_mode == "per_loop":
-        start, count = config.n_input_layers, config.n_recurrent_layers
-        cache.layers += [copy.deepcopy(layer) for layer in cache.layers[start:start + count]
-                         * (config.n_recurrent_loops - 1)]
+    mode = config.recurrent_kv_cache_mode
+    if mode != "per_loop":
+        raise CacheNotCarried(f"{type(model).__name__} with recurrent_kv_cache_mode={mode!r}: its earlier loops read "
+                              "the keys and values the last loop wrote so far, which a static cache does not keep apart "
+                              "from its empty slots")
+    start, count = config.n_input_layers, config.n_recurrent_layers
+    copies = cache.layers[start:start + count] * (config.n_recurrent_loops - 1)
+    cache.layers += [copy.deepcopy(layer) for layer in copies]
     return cache
 
 

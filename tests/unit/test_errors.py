@@ -91,16 +91,20 @@ def test_op_without_rule_is_gathered_and_recorded(monkeypatch):
     assert "collectives_all_gather(" in graph.code  # the gather the fallback needs
 
 
-def test_a_model_that_copies_its_cache_layers_as_it_runs_is_refused_a_cache():
+def test_a_model_that_copies_its_cache_layers_as_it_runs_gets_them_before_or_is_refused_a_cache():
     """Dory's recurrent loops append deep copies of their cache layers on the first call (given the cache
     by its 5.24 keyword, ``cache``: under the old one it built a cache of its own and decoded without the
-    prompt's keys, silently): a graph captured once cannot follow that, so use_cache is refused by name."""
+    prompt's keys, silently): a graph captured once cannot follow that, so the copies are made before the cache is
+    filled (its one recurrent layer's, for the second loop: four layers for three decoder layers, each filled);
+    in ``"last_loop"`` mode, whose earlier loops read the written part of the last loop's cache, use_cache is
+    refused by name."""
     from fxparallel.capture.static_cache import meta_cache
 
-    with pytest.raises(CacheNotCarried, match=r"DoryForCausalLM cannot fill a static cache on the meta device "
-                                              r"\(RuntimeError: .*\): use_cache is not supported for this model "
-                                              r"\(generate recomputes the sequence"):
-        meta_cache(_sweep_meta_model("dory"), 1, 8)
+    cache = meta_cache(_sweep_meta_model("dory"), 1, 8)
+    assert [tuple(layer.keys.shape) for layer in cache.layers] == [(1, 4, 8, 8)] * 4
+    with pytest.raises(CacheNotCarried, match=r"DoryForCausalLM with recurrent_kv_cache_mode='last_loop': its "
+                                              r"earlier loops read the keys and values the last loop wrote so far"):
+        meta_cache(_sweep_meta_model("dory", recurrent_kv_cache_mode="last_loop"), 1, 8)
 
 
 def test_a_model_whose_layer_types_have_no_static_cache_is_refused_a_cache():
@@ -129,8 +133,8 @@ def test_a_model_whose_forward_takes_no_kv_cache_is_refused_a_cache(model_type, 
         meta_cache(_sweep_meta_model(model_type), 1, 8)
 
 
-def _sweep_meta_model(model_type: str):
-    """The coverage sweep's tiny ``model_type`` model, on the meta device."""
+def _sweep_meta_model(model_type: str, **overrides):
+    """The coverage sweep's tiny ``model_type`` model (its config with ``overrides``), on the meta device."""
     import os
     import sys
 
@@ -139,7 +143,7 @@ def _sweep_meta_model(model_type: str):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks"))
     from tiny_configs import tiny_config as sweep_config
 
-    return build_meta_model(sweep_config(model_type), dtype=torch.float32)
+    return build_meta_model(sweep_config(model_type, **overrides), dtype=torch.float32)
 
 
 def test_a_model_that_adds_cache_layers_as_it_runs_is_refused_a_cache():
