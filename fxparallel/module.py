@@ -558,8 +558,8 @@ def _check_padding_through_states(prompt_mask: torch.Tensor, config) -> None:
     if implementation != "sdpa" and bool((prompt_mask == 0).any()):
         raise ArgumentError(
             f"attention_mask: the prompt has padding, and {config.model_type} runs padding through its recurrent "
-            f"states with attn_implementation={implementation!r}: the parallel model runs its prompts one token at a time "
-            f"(its code fixes the number of tokens of a forward with a cache), where a padding token's attention "
+            f"states with attn_implementation={implementation!r}: the parallel model runs its prompts one token at a "
+            f"time (its code fixes the number of tokens of a forward with a cache), where a padding token's attention "
             f"cannot give what the prompt's forward gives it (an average over every token of the prompt, later ones "
             f"included) and the recurrent blocks after it would take other states; use SDPA attention (transformers' "
             f"default; the config's attn_implementation), or generate each prompt unpadded")

@@ -3,8 +3,8 @@
 ``config.distributed_config`` and splits the data over dp only; the parameters are DTensors over the (dp, tp) mesh,
 so that its clipping takes the true global norm; gradients are averaged over dp once per optimizer step
 (accelerate's ``no_sync`` between the micro-batches of gradient accumulation), bucket by bucket within the
-backward. Against the single-device Trainer on the same global batches: losses, clipped grad norms, every final weight; every rank of a tp position holds the same
-shard and replicated weights are bit-identical on all four; ``save_model`` writes what transformers loads as the
+backward. Against the single-device Trainer on the same global batches: losses, clipped grad norms, every final
+weight; every rank of a tp position holds the same shard and replicated weights are bit-identical on all four; ``save_model`` writes what transformers loads as the
 trained model, and so does ``dcp.save(model.state_dict())``; Trainer checkpoints (``fxparallel.TrainerCheckpoints``)
 resume to the uninterrupted run (test_trainer_stack's ``_resumed`` over the tp sub-mesh); TRL's SFTTrainer trains a
 LoRA adapter over dp x tp with PeftModel's results. A model parallelized over a ProcessGroup cannot say which ranks

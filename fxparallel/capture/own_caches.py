@@ -143,9 +143,9 @@ def _dory(model, cache, batch: int):
     config = model.config.get_text_config(decoder=True)
     mode = config.recurrent_kv_cache_mode
     if mode != "per_loop":
-        raise CacheNotCarried(f"{type(model).__name__} with recurrent_kv_cache_mode={mode!r}: its earlier loops read "
-                              "the keys and values the last loop wrote so far, which a static cache does not keep apart "
-                              "from its empty slots")
+        raise CacheNotCarried(f"{type(model).__name__} with recurrent_kv_cache_mode={mode!r}: its earlier loops "
+                              "read the keys and values the last loop wrote so far, which a static cache does not keep "
+                              "apart from its empty slots")
     start, count = config.n_input_layers, config.n_recurrent_layers
     copies = cache.layers[start:start + count] * (config.n_recurrent_loops - 1)
     cache.layers += [copy.deepcopy(layer) for layer in copies]
