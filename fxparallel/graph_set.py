@@ -92,9 +92,10 @@ class GraphSet:
         if _COUNT_READ.search(graph.code):  # (capture/static_cache.py: the count read as an int)
             raise InputError(
                 "generate: compile_config is not supported for this model: its decode step reads the cache's count "
-                "of tokens on the host (`.item()`: its positions start at `cache.get_seq_length()`, as in MVP, "
-                "RoFormer and TrOCR), so torch.compile would break the step into pieces around the read and compile "
-                "again for every count (and CUDA graphs could not hold it); generate without compile_config")
+                "of tokens on the host (`.item()`: its positions or its ALiBi bias start at `cache.get_seq_length()`, "
+                "as in MVP, RoFormer, TrOCR and MPT), so torch.compile would break the step into pieces around the "
+                "read and compile again for every count (and CUDA graphs could not hold it); generate without "
+                "compile_config")
         if _AUTOGRAD_FUNCTION in graph.code:
             raise InputError(
                 "generate: compile_config is not supported for this model: its decode step runs a custom autograd "

@@ -391,8 +391,10 @@ def test_generate_past_a_sliding_window_with_heads_split_unevenly(tmp_path):
 def test_positions_from_the_cache_count_are_captured_with_the_count_as_an_int():
     """RoFormer builds its positions as ``arange(count, count + tokens)`` from the cache's count, a tensor in
     transformers' static cache: Dynamo cannot know that range's length, so the cache graph is captured again with
-    the count read as an int (one ``item`` in the graph). Llama's decode graph, which needs no such read, keeps the
-    tensor (no ``item``). (Its tokens at TP=2: TrOCR in test_generate_learned_positions_and_sliding_window.)"""
+    the count read as an int (one ``item`` in the graph). MPT (asked to use its cache) slices its ALiBi bias by
+    ``max(0, 1 - (tokens + count))``, a branch on the tensor's value even as it fills the cache: filled and captured
+    with the int, known not to be negative. Llama's decode graph, which needs no such read, keeps the tensor (no
+    ``item``). (Their tokens at TP=2: TrOCR in test_generate_learned_positions_and_sliding_window.)"""
     import os
     import sys
 
@@ -405,8 +407,9 @@ def test_positions_from_the_cache_count_are_captured_with_the_count_as_an_int():
     from tiny_configs import tiny_config
 
     reads = {}
-    for name in ("roformer", "llama"):
-        meta = build_meta_model(_for_device(tiny_config(name), torch.device("cpu")), dtype=torch.float32)
-        captured = capture(meta, GraphSpec(("input_ids", "attention_mask"), (2, 1), cache_length=32))
+    for name, overrides in (("roformer", {}), ("mpt", dict(use_cache=True)), ("llama", {})):
+        config = _for_device(tiny_config(name, **overrides), torch.device("cpu"))
+        captured = capture(build_meta_model(config, dtype=torch.float32),
+                           GraphSpec(("input_ids", "attention_mask"), (2, 1), cache_length=32))
         reads[name] = sum(node.target == "item" for node in captured.gm.graph.nodes)
-    assert reads == {"roformer": 1, "llama": 0}, reads
+    assert reads == {"roformer": 1, "mpt": 2, "llama": 0}, reads  # (MPT: each of its 2 layers reads the count)

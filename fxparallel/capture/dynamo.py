@@ -157,13 +157,15 @@ def _capture_reading_length(model, spec: GraphSpec, device, dynamic_dims: tuple)
 
 
 def _size_unknown_from_data(err: Exception) -> bool:
-    """Did the capture fail on a size computed from data Dynamo could not relate to the others
-    (``PendingUnbackedSymbolNotFound``, in the exception's chain or named in its message)?"""
-    from torch.fx.experimental.symbolic_shapes import PendingUnbackedSymbolNotFound
+    """Did the capture fail on a size computed from data Dynamo could not relate to the others, or on a branch
+    on such a value (``PendingUnbackedSymbolNotFound``, ``GuardOnDataDependentSymNode``: in the exception's chain or
+    named in its message)?"""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
 
     seen, steps = err, 0
     while seen is not None and steps < 16:
-        if isinstance(seen, PendingUnbackedSymbolNotFound) or "Pending unbacked symbols" in str(seen):
+        if isinstance(seen, (PendingUnbackedSymbolNotFound, GuardOnDataDependentSymNode)) or any(
+                text in str(seen) for text in ("Pending unbacked symbols", "Could not guard on data-dependent")):
             return True
         seen, steps = seen.__cause__ or seen.__context__, steps + 1
     return False

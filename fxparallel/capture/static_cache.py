@@ -87,6 +87,10 @@ def meta_cache(model, batch: int, length: int, length_as_int: bool = False):
         raise CacheNotCarried(f"{type(model).__name__} has layers of type {missing}, for which transformers has no "
                               "static cache layer")
     cache = in_own_class(model, StaticCache(config=model.config, max_cache_len=length), batch)  # (own_caches.py)
+    if length_as_int:  # (before the fill: MPT reads the count as it fills)
+        for layer in cache.layers:
+            if hasattr(layer, "cumulative_length"):
+                layer.__class__ = _length_read_as_int(type(layer))
     # a sliding-window (or chunked) layer keeps every token, as a full-attention layer does: the window is
     # the mask's (transformers builds it from the config for that layer type, over the positions of the whole
     # cache), so the keys a query attends are those of transformers' rolling cache, and no graph depends on
@@ -119,8 +123,6 @@ def meta_cache(model, batch: int, length: int, length_as_int: bool = False):
         length_so_far = getattr(layer, "cumulative_length", None)
         if isinstance(length_so_far, torch.Tensor):
             layer.cumulative_length = torch.zeros((), dtype=length_so_far.dtype, device="meta")
-            if length_as_int:
-                layer.__class__ = _length_read_as_int(type(layer))
     return cache
 
 
@@ -130,11 +132,16 @@ def _length_read_as_int(layer_class: type) -> type:
     that holds it: in the graph, a data-dependent int; when the graph runs, one host read) instead of that
     tensor. For models whose code builds positions from it (TrOCR, RoFormer, MVP:
     ``torch.arange(length, length + tokens)``): with a tensor, both ends are data-dependent and the number of
-    positions is unknown to Dynamo; with an int, it is ``tokens``. Only where the tensor fails (``dynamo.py``):
+    positions is unknown to Dynamo; with an int, it is ``tokens``; MPT's ``max(0, 1 - (tokens + length))`` needs
+    only to know that the count is not negative, which the int says. Only where the tensor fails (``dynamo.py``):
     elsewhere a host read per forward would be wasted."""
 
     def get_seq_length(self) -> int:
-        return int(self.cumulative_length.item()) if self.is_initialized else 0
+        if not self.is_initialized:
+            return 0
+        count = self.cumulative_length.item()  # (an int; traced, a symbol: int() would ask for its value)
+        torch._check(count >= 0)
+        return count
 
     return type(f"{layer_class.__name__}LengthAsInt", (layer_class,), {"get_seq_length": get_seq_length})
 
