@@ -15,8 +15,6 @@ from .ops.local_graph import LocalGraph
 
 # a cache's count of tokens read on the host (capture/static_cache.py, ``_length_read_as_int``)
 _COUNT_READ = re.compile(r"\bpast_\d+_cumulative_length\.item\(\)")
-# a custom autograd function as Dynamo captured it: torch.compile cannot trace it again (rules/custom_autograd.py)
-_AUTOGRAD_FUNCTION = "torch.ops.higher_order.autograd_function_apply("
 # the arguments whose dim 1 is the call's tokens (with a cache the attention mask spans the cache instead)
 _TOKEN_ARGUMENTS = ("input_ids", "position_ids", "labels")
 
@@ -96,12 +94,6 @@ class GraphSet:
                 "as in MVP, RoFormer, TrOCR and MPT), so torch.compile would break the step into pieces around the "
                 "read and compile again for every count (and CUDA graphs could not hold it); generate without "
                 "compile_config")
-        if _AUTOGRAD_FUNCTION in graph.code:
-            raise InputError(
-                "generate: compile_config is not supported for this model: its decode step runs a custom autograd "
-                "function (a torch.autograd.Function in the model's code, as RecurrentGemma's SqrtBoundDerivative), "
-                "which torch.compile cannot trace again from the captured graph (Dynamo: unsupported "
-                "autograd_function_apply); generate without compile_config")
         code = torch.compile(graph.forward, **compile_config.to_dict())
         self._compiled.append((copy.deepcopy(compile_config), graph, code))  # (the caller's may change later)
         return code

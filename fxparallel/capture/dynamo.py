@@ -20,6 +20,7 @@ from .generation_inputs import decodes_without_mask
 from .static_cache import (argument_name, cache_argument, cache_tensors, keeps_states, meta_cache, set_fresh,
                            state_not_carried)
 from .causal_mask import causal_without_mask
+from .custom_forwards import inline_custom_forwards
 from .dropout_sites import check_training_graph
 from .expert_counts import Collector, install_counters
 from .router_logits import install_output_recorders, takes_router_logits
@@ -295,6 +296,8 @@ def _capture(model, spec: GraphSpec, device, dynamic_dims: tuple, length_as_int:
     gm, example_inputs = seen[0]
     if training:
         check_training_graph(gm, type(model).__name__)
+    if cache is not None:  # a generation graph runs no backward: a custom autograd function is its forward body
+        inline_custom_forwards(gm)
     return _bind(gm, example_inputs, model, example, spec.outputs, set(state))
 
 
