@@ -2,6 +2,7 @@
 
     TP_SIZE=2 DP_SIZE=2 CP_SIZE=1 torchrun --nproc_per_node=4 examples/train_3d.py --steps 5
     TP_SIZE=1 DP_SIZE=1 CP_SIZE=2 torchrun --nproc_per_node=2 examples/train_3d.py --steps 5
+    TP_SIZE=2 DP_SIZE=2 EP_SIZE=2 torchrun --nproc_per_node=4 examples/train_3d.py --steps 5  # a small MoE's
     ... examples/train_3d.py --steps 10 --resume              # continue from this layout's checkpoints
     ... examples/train_3d.py --steps 10 --resume-from out/train_3d/dp2_tp2_cp1/checkpoints  # from another layout
     ... examples/train_3d.py --model DIR --dataset NAME       # your model, a `datasets` dataset
@@ -12,6 +13,9 @@ synthetic token stream made locally (no hub, no `datasets`). Rank 0 logs the los
 the global batch's tokens), the gradient norm before clipping and tokens/s of each step.
 With CP_SIZE > 1 every sequence is split over the cp ranks (load-balanced causal chunks, exact
 attention over the whole sequence); --seq-len must then divide by 2 * CP_SIZE.
+With EP_SIZE > 1 (it must divide DP_SIZE) the experts of a mixture-of-experts model are spread over that many
+dp ranks, which exchange the rows routed to them by all-to-all; the default model is then a small Qwen3-MoE
+(checkpoints/tiny-moe-train). Checkpoints, --resume and --export do not handle such a model yet (refused).
 Checkpoints go to out/train_3d/dp<DP>_tp<TP>_cp<CP>/checkpoints by default (one directory per layout:
 runs of different layouts never share steps); any layout loads any other's with --resume-from.
 """
@@ -31,13 +35,16 @@ from fxparallel.runtime import (StepBatches, apply_data_parallel, dataset_token_
                                 save_checkpoint, synthetic_token_stream, train_step)
 
 
-def build_default_checkpoint(path: str) -> str:
-    """A small random Llama saved as safetensors (no hub needed)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def build_default_checkpoint(path: str, experts: bool = False) -> str:
+    """A small random Llama (``experts``: Qwen3-MoE, 8 experts) saved as safetensors (no hub needed)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     if not os.path.exists(os.path.join(path, "config.json")):
-        config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
+        shape = dict(vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=8,
+                     num_key_value_heads=4, max_position_embeddings=512)
+        config = Qwen3MoeConfig(**shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                intermediate_size=352, head_dim=16) if experts else \
+            LlamaConfig(**shape, intermediate_size=352)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     return path
@@ -58,6 +65,10 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: TP_SIZE or 1)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: DP_SIZE or the rest)")
     p.add_argument("--cp", type=int, default=None, help="context-parallel size (default: CP_SIZE or 1)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="experts over this many dp ranks (default: EP_SIZE or 1; a mixture-of-experts model)")
+    p.add_argument("--moe-model-dir", default="checkpoints/tiny-moe-train",
+                   help="where the default mixture-of-experts model is built (with --ep > 1)")
     p.add_argument("--steps", type=int, default=20, help="train until this step (counted from the start)")
     p.add_argument("--global-batch", type=int, default=8, help="rows per step over all dp ranks")
     p.add_argument("--seq-len", type=int, default=64)
@@ -133,18 +144,23 @@ def main(argv=None):
                   "takes two equal chunks of every sequence)", file=sys.stderr)
         sys.exit(2)
     owns_group = not dist.is_initialized()
-    mesh = init_mesh(args.tp, args.dp, args.cp)
+    mesh = init_mesh(args.tp, args.dp, args.cp, ep=args.ep)
     first = mesh.rank == 0
+    if mesh.ep > 1 and (args.resume or args.resume_from or args.export):
+        if first:
+            print("error: checkpoints and exports of experts spread over dp ranks (EP_SIZE > 1) are not supported "
+                  "yet: drop --resume / --resume-from / --export", file=sys.stderr)
+        sys.exit(2)
     model_path = args.model
     if model_path is None:
+        model_path = args.moe_model_dir if mesh.ep > 1 else args.model_dir
         if first:
-            build_default_checkpoint(args.model_dir)
+            build_default_checkpoint(model_path, experts=mesh.ep > 1)
         dist.barrier()
-        model_path = args.model_dir
 
     mixed = None if args.mixed_precision == "none" else args.mixed_precision
     model = fxparallel.parallelize(model_path, mesh.tp_mesh, dtype=torch.bfloat16 if mixed else torch.float32,
-                                   cp_group=mesh.cp_mesh)  # cp size 1: no context parallelism
+                                   cp_group=mesh.cp_mesh, ep_group=mesh.ep_mesh)  # size 1 / None: none
     model.train()  # parallelize returns eval mode (as from_pretrained); training applies the model's dropout
     if args.activation_checkpointing != "none":
         model.gradient_checkpointing_enable(mode=args.activation_checkpointing)
@@ -156,8 +172,8 @@ def main(argv=None):
         n = sum(torch.Size(p.shape).numel() for p in model.plan.params)
         print(f"{mesh}: {model.plan.model_type}, {n / 1e6:.2f}M parameters, global batch {args.global_batch} x "
               f"{args.seq_len} tokens, {data.rows.shape[0]} rows, FSDP mode {args.dp_mode}, "
-              f"mixed precision {args.mixed_precision}, activation checkpointing {args.activation_checkpointing}",
-              flush=True)
+              f"mixed precision {args.mixed_precision}, activation checkpointing {args.activation_checkpointing}"
+              + (", no checkpoints (not yet with EP_SIZE > 1)" if mesh.ep > 1 else ""), flush=True)
 
     save_dir = args.save_dir or default_save_dir(mesh.layout())
     start = 0
@@ -181,7 +197,7 @@ def main(argv=None):
         if first:
             print(f"step {done:5d} | loss {metrics.loss:.4f} | grad norm {metrics.grad_norm:.4f} | "
                   f"{metrics.tokens_per_s:,.0f} tokens/s", flush=True)
-        if args.save_every and (done % args.save_every == 0 or done == args.steps):
+        if args.save_every and mesh.ep == 1 and (done % args.save_every == 0 or done == args.steps):
             path = save_checkpoint(save_dir, model, optimizer, mesh, done, keep=args.keep)
             if first:
                 print(f"saved {path}", flush=True)

@@ -39,11 +39,12 @@ from .capture.generation_inputs import inputs_beyond_tokens
 from .capture.static_cache import keeps_states
 from . import graph_cache
 from .graph_cache import PlannedGraph, graph_key
-from .errors import GroupError
-from .group import TPGroup, choose_device, fake_group, resolve_tp_group, shared_devices, uses_nccl
+from .errors import GroupError, ShardingError
+from .group import TPGroup, choose_device, fake_group, resolve_group, resolve_tp_group, shared_devices, uses_nccl
 from .load import (initialize, load_from_files, load_from_state_dict, resolve_checkpoint,
                    resolve_source)
 from .load.adapter_weights import load_adapter_weights, without_adapters
+from .load.expert_runs import keep_expert_runs
 from .load.coordinate import exchange
 from .load.dtype import resolve_dtype
 from .model_facts import ModelFacts
@@ -53,6 +54,7 @@ from .plan.layout import ShardLayout, expert_parameters, text_config
 from .plan.adapter_placements import adapter_placements, expert_adapter_rows
 from .plan.expert_choice import ExpertChoice, choose_experts, experts_line, saved_whole_experts, settle
 from .plan.options import PlanOptions
+from .plan.experts_over_dp import check_experts_over_dp, stacked_expert_weights
 from .plan.saved import check_applied, fixed_placements, read_plan
 from .plan.solver import check_layer_symmetry, solve
 from .plan.validate import check_splittable
@@ -130,7 +132,8 @@ def plan_graph(meta_model, spec: GraphSpec, group: TPGroup, device, options: Pla
         gplan.params.setdefault(name, placement)
     timings["solve"] = time.perf_counter() - t
     t = time.perf_counter()
-    ctx = PassContext(captured, gplan, group, device, sequence_parallel=options.sequence_parallel, cp=options.cp)
+    ctx = PassContext(captured, gplan, group, device, sequence_parallel=options.sequence_parallel, cp=options.cp,
+                      ep=options.ep, expert_weights=stacked_expert_weights(meta_model) if options.ep else frozenset())
     run_passes(ctx, skip=options.skip_passes)
     ctx.timings = dict(timings, rewrite=time.perf_counter() - t)
     return ctx
@@ -456,7 +459,7 @@ def plan_model(model, tp: int, *, dtype: Union[torch.dtype, str, None] = None, t
 def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None, torch_dtype=None, device=None,
                 revision=None, cache_dir=None, local_files_only=None, token=None, trust_remote_code: bool = False,
                 seed: int = 0, cp_group=None, sequence_parallel: bool = False, expert_parallel: Optional[bool] = None,
-                skip_passes=(), plan=None, is_trainable: bool = False) -> ParallelCausalLM:
+                skip_passes=(), plan=None, is_trainable: bool = False, ep_group=None) -> ParallelCausalLM:
     """Make a Hugging Face causal LM tensor-parallel over ``tp_group``.
 
     ``model``: hub id, local directory, PretrainedConfig or PreTrainedModel; or a PEFT LoRA adapter's
@@ -484,6 +487,10 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     a dense MLP. None (default): the planner chooses (``plan/expert_choice.py``: whole experts with grouped_mm
     where they plan at no more collectives and bytes than split experts, split inside otherwise) and
     ``model.plan.experts`` says which and why.
+    ``ep_group``: optional ProcessGroup or 1-D DeviceMesh of data-parallel ranks (``fxparallel.runtime``'s
+    ``mesh.ep_mesh``) over which the experts are spread: each holds its run of every stacked expert weight
+    (after the tp split), and the rows routed to an expert travel to its rank and back by all-to-all
+    (``ops/expert_exchange.py``; transformers' grouped_mm kernel; training with ``fxparallel.runtime``).
     ``skip_passes``: optional rewrite passes to leave out (``rewrite/passes.py``), e.g.
     ``("split_by_layer",)`` to run each graph as one piece (no per-layer FSDP units).
     ``plan``: a saved ShardingPlan (or the path of its JSON, from ``fxparallel plan --json`` or
@@ -502,13 +509,17 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     source = resolve_source(model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                             token=token, trust_remote_code=trust_remote_code, is_trainable=is_trainable)
     dtype = resolve_dtype(dtype, torch_dtype, config=source.config)
+    ep = resolve_group(ep_group, "ep_group", ShardingError) if ep_group is not None else None
+    ep = ep if ep is not None and ep.size > 1 else None
     device = _choose_device(group, device, cp)
-    source.config = _for_device(source.config, device)
+    source.config = source.config if ep is not None else _for_device(source.config, device)
     if cp is not None:
         context_parallel_checks.check_config(source.config)
     saved = read_plan(plan) if plan is not None else None
     base = dataclasses.replace(source, adapter=None)  # with an adapter: its base model is planned first
     meta = _meta_model(base, group.size, dtype, trust_remote_code)
+    if ep is not None:
+        check_experts_over_dp(meta, ep.size, cp, sequence_parallel)
     fixed = _saved_placements(saved, source, meta, group.size, dtype, trust_remote_code) if saved is not None else None
     experts = choose_experts(meta, group.size, expert_parallel, saved_whole_experts(meta, fixed))
     # resolve (download) the checkpoint before the capture, so a bad checkpoint fails early
@@ -519,7 +530,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
 
     t = time.perf_counter()
     options = PlanOptions(fixed=fixed or {}, cp=cp, sequence_parallel=sequence_parallel,
-                          expert_parallel=experts.whole, experts_why=experts.why, skip_passes=skip_passes)
+                          expert_parallel=experts.whole, experts_why=experts.why, skip_passes=skip_passes, ep=ep)
     factory = GraphFactory(base, meta, dtype, group, device, options, trust_remote_code)
     factory.pending_experts = experts if experts.pending else None
     factory, planned = _first_graph(source, factory)
@@ -534,7 +545,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
                               model_facts(factory.meta, source, sequence_parallel), planned.local, cp_group=cp)
     # each rank planned alone (its own graph cache and packages): refuse mismatched plans before reading weights
     t = time.perf_counter()
-    check_plans_agree(sharding, (("tp_group", group), ("cp_group", cp)))
+    check_plans_agree(sharding, (("tp_group", group), ("cp_group", cp), ("ep_group", ep)))
     timings["plan agreement"] = time.perf_counter() - t
     t = time.perf_counter()
     base_plan = without_adapters(sharding)  # the base model's parameters (all of them without an adapter)
@@ -548,6 +559,9 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
         for adapter in source.inactive_adapters + (source.adapter,):
             module.bytes_read = getattr(module, "bytes_read", 0) + load_adapter_weights(
                 module, sharding, adapter, group.rank, group.size)
+    if ep is not None:  # each ep rank keeps its run of the experts
+        module.ep_group = ep
+        module.expert_runs = keep_expert_runs(module, stacked_expert_weights(meta), ep)
     timings["load"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - t0
     module.timings = timings

@@ -24,6 +24,7 @@ import torch
 from .accelerate_state import complete_for_accelerate
 from .dcp_full_state import complete_state_dict, full_state_dict_requested
 from .errors import CheckpointError
+from .load.expert_runs import refuse_expert_runs
 
 
 def _pieces(tensor: torch.Tensor, plan, rank: int, tp: int) -> list:
@@ -88,6 +89,7 @@ def _refuse_under_fsdp(value, name: str) -> None:
 
 def describe_state_dict(model, state_dict: dict, prefix: str, _local_metadata) -> None:
     """``state_dict`` post-hook of the parallel model (see the module docstring)."""
+    refuse_expert_runs(model, "state_dict()")
     tp, rank = model.tp_group.size, model.tp_group.rank
     if tp == 1:
         return

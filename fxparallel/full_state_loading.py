@@ -10,12 +10,14 @@ their checkpoints are ``runtime.save_checkpoint``'s."""
 from __future__ import annotations
 
 import torch
+from .load.expert_runs import refuse_expert_runs
 
 
 def shard_full_values(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs) -> None:
     """nn.Module's load_state_dict pre-hook (see the module docstring); counts the loads (``inputs.py`` compares
     the count across the tp ranks)."""
+    refuse_expert_runs(module, "load_state_dict()")
     from torch.distributed.tensor import DTensor
 
     module._weights_loaded += 1

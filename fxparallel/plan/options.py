@@ -15,7 +15,8 @@ class PlanOptions:
     generation graphs). ``expert_parallel``: whole experts per rank (plan/rules/expert_rows.py); ``experts_why``:
     the report's line on how the experts are split and why (plan/expert_choice.py; not part of the graph cache's
     key: the same graph whether chosen or asked for).
-    ``skip_passes``: rewrite passes left out (rewrite/passes.py)."""
+    ``skip_passes``: rewrite passes left out (rewrite/passes.py). ``ep``: the expert-parallel group over
+    data-parallel ranks (a TPGroup) or None (ops/expert_exchange.py)."""
 
     fixed: dict = field(default_factory=dict)
     cp: Optional[object] = None
@@ -23,6 +24,7 @@ class PlanOptions:
     expert_parallel: bool = False
     experts_why: str = ""
     skip_passes: tuple = ()
+    ep: Optional[object] = None
 
     def __post_init__(self):
         object.__setattr__(self, "fixed", dict(self.fixed or {}))
@@ -41,4 +43,5 @@ class PlanOptions:
         return {"fixed": {name: repr(p) for name, p in sorted(self.fixed.items())},
                 "cp": None if cp is None else [cp.size, cp.rank, cp.handle],
                 "sequence_parallel": bool(self.sequence_parallel), "expert_parallel": bool(self.expert_parallel),
-                "skip_passes": sorted(self.skip_passes)}
+                "skip_passes": sorted(self.skip_passes),
+                "ep": None if self.ep is None else [self.ep.size, self.ep.rank, self.ep.handle]}

@@ -13,6 +13,7 @@ the report reads only names and the final graph after it).
     context_parallel     sdpa -> attention over the cp group's chunks (with a cp group)
     coalesce_collectives a LoRA adapter's collectives join its base layer's (rewrite/coalesce_collectives.py)
     bind                 parameters, buffers and sizes bound; the graph becomes runnable
+    expert_exchange      grouped products of experts spread over dp ranks exchange rows (with an ep group)
     dropout_mode         every dropout site reads the module's ``training`` flag (rewrite/dropout_masks.py)
     device_kernels       integer histograms chosen on meta counted in float on CPU (rewrite/device_kernels.py)
     split_by_layer       one piece of code per decoder layer (FSDP units), root code calls them
@@ -39,6 +40,7 @@ from .context_parallel import apply_context_parallel
 from .device_kernels import float_histograms_on_cpu
 from .dropout_masks import bind_training_flag, cut_sequence_chunks, replicated_sites
 from .editor import GraphEditor
+from .expert_exchange import exchange_expert_rows
 from .gradient_reductions import insert_gradient_reductions
 from .split_by_layer import generate_layered_forward
 from .redistribute import insert_redistributions
@@ -55,6 +57,8 @@ class PassContext:
     device: torch.device
     sequence_parallel: bool = False
     cp: Optional[TPGroup] = None  # the context-parallel group, if any
+    ep: Optional[TPGroup] = None  # the expert-parallel group over data-parallel ranks, if any
+    expert_weights: frozenset = frozenset()  # HF names of the stacked expert weights (for ``expert_exchange``)
     # filled in by the passes
     output_placements: dict = field(default_factory=dict)  # output name -> Placement
     state_layout: dict = field(default_factory=dict)  # KV cache argument -> (full shape, Placement, dtype)
@@ -124,6 +128,10 @@ def bind(ctx: PassContext) -> None:
     bind_inputs(ctx.graph, ctx.captured, ctx.device, ctx.attributes)
 
 
+def expert_exchange(ctx: PassContext) -> None:
+    exchange_expert_rows(ctx.graph, ctx.expert_weights, ctx.ep.handle)
+
+
 def dropout_mode(ctx: PassContext) -> None:
     bind_training_flag(ctx.graph)
 
@@ -151,6 +159,7 @@ PASSES = (
     ("context_parallel", context_parallel, lambda ctx: ctx.cp is not None),
     ("coalesce_collectives", coalesce_collectives, lambda ctx: ctx.group.size > 1),
     ("bind", bind, lambda ctx: True),
+    ("expert_exchange", expert_exchange, lambda ctx: ctx.ep is not None),
     ("dropout_mode", dropout_mode, lambda ctx: True),
     ("device_kernels", device_kernels, lambda ctx: True),
     ("split_by_layer", split_by_layer, lambda ctx: True),

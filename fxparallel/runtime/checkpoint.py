@@ -59,6 +59,7 @@ from ..errors import CheckpointError
 from .dtensor import global_view, segment_views, segments_of
 from .fsdp import reshard
 from .fused_forms import SEGMENT, in_saved_form, without_segment
+from .experts_over_dp import run_views
 
 log = logging.getLogger("fxparallel")
 
@@ -115,10 +116,13 @@ def step_without_change(optimizer, params: list) -> None:
         p.grad = grad
 
 
-def _add_views(state: dict, key: str, tensor, plan, mesh) -> None:
+def _add_views(state: dict, key: str, tensor, plan, mesh, run=None) -> None:
     """``state[key]``: the full-shape DTensor view of ``tensor``; a fused weight (segmented shard)
-    gets one entry per segment, ``key.segment<i>`` (see ``dtensor.segment_views``)."""
-    if segments_of(plan):
+    gets one entry per segment, ``key.segment<i>`` (see ``dtensor.segment_views``). ``run``: ``tensor`` holds a
+    run of experts (experts over dp ranks: ``experts_over_dp.run_views``), under the same keys."""
+    if run is not None:
+        state.update({f"{key}{suffix}": view for suffix, view in run_views(tensor, plan, run, mesh).items()})
+    elif segments_of(plan):
         for i, view in segment_views(tensor, plan, mesh).items():
             state[f"{key}{SEGMENT}{i}"] = view
     else:
@@ -130,7 +134,8 @@ def state_dict_views(model, optimizer, mesh, with_optimizer: bool) -> dict:
     and loads them in place), plus scalar optimizer states."""
     state = {}
     for name, param, plan in _params(model):
-        _add_views(state, f"model.{name}", param.detach(), plan, mesh)
+        run = getattr(param, "_fxparallel_expert_run", None)
+        _add_views(state, f"model.{name}", param.detach(), plan, mesh, run)
         if not with_optimizer:
             continue
         for key, value in optimizer.state[param].items():
@@ -139,7 +144,7 @@ def state_dict_views(model, optimizer, mesh, with_optimizer: bool) -> dict:
                 raise CheckpointError(f"optimizer state {key!r} of {name} is a {type(value).__name__}; "
                                       "only tensor states are supported")
             if tuple(value.shape) == tuple(param.shape):
-                _add_views(state, full_key, value, plan, mesh)
+                _add_views(state, full_key, value, plan, mesh, run)
             elif value.numel() == 1:
                 state[full_key] = value  # e.g. Adam's step: the same on every rank
             else:

@@ -8,6 +8,8 @@ Each element of the full model's gradient must be counted exactly once:
   so only tp rank 0 contributes (summing over tp would count them tp times). The
   whole segments of a fused weight (``S(0)[64,8R,8R]``) are the same: tp rank 0 only.
 * FSDP shards (DTensor ``Shard(0)`` over dp x cp) are disjoint: summed over dp x cp.
+* A run of experts (experts over dp ranks, ``runtime/experts_over_dp.py``) is disjoint within its ep group
+  and the same in the other dp blocks: only the first dp block counts it.
   In replicate mode (or without FSDP) every dp x cp rank holds the same gradient,
   so only dp x cp rank 0 contributes.
 
@@ -33,9 +35,12 @@ def _grads_with_multiplicity(model, mesh):
             continue
         plan = model.plan.param(name)
         tp_replicated = not plan.placement.is_shard
+        grad = local_part(param.grad)
+        if getattr(param, "_fxparallel_expert_run", None):
+            out.append((grad, (not tp_replicated or mesh.tp_rank == 0) and mesh.expert_dp_rank == 0, []))
+            continue
         dp_replicated = not isinstance(dp_placement(param.grad), Shard)
         counts = (not tp_replicated or mesh.tp_rank == 0) and (not dp_replicated or mesh.dp_cp_rank == 0)
-        grad = local_part(param.grad)
         out.append((grad, counts, _whole_rows(plan, grad, not dp_replicated, mesh) if mesh.tp_rank else []))
     return out
 

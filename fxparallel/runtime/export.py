@@ -30,6 +30,7 @@ from ..load.coordinate import exchange
 from ..ops.collectives import gather_full_to, gather_parts_to
 from .dtensor import fsdp_mesh_dim, full_tensor, local_part, tp_of
 from .fsdp import reshard
+from ..load.expert_runs import refuse_expert_runs
 
 
 @dataclass(frozen=True)
@@ -294,4 +295,5 @@ def export_pretrained(model, mesh, directory: str, *, dtype: Optional[torch.dtyp
                       max_shard_size="5GB") -> Optional[str]:
     """Write ``directory`` as a Hugging Face checkpoint (collective; rank 0 writes). Returns the
     directory on rank 0, None elsewhere."""
+    refuse_expert_runs(model, "export_pretrained")
     return write_pretrained(model, directory, ExportScope.of_mesh(mesh), dtype=dtype, max_shard_size=max_shard_size)

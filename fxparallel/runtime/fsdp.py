@@ -17,6 +17,8 @@ that could not be split by layer (a warning says why), gives the root unit alone
 Layer units do not cast their inputs under mixed precision: the values crossing layers
 are exactly those of the unsplit graph, already in the dtype it was captured in.
 
+Experts spread over dp ranks (``ep_mesh``) stay outside FSDP: ``runtime/experts_over_dp.py``.
+
 Gradient reduction: FSDP reduces with a plain SUM over dp x cp (divide factor 1).
 The loss convention that makes the sum right is in ``runtime/loss_normalization.py``: each rank
 backpropagates ``sum of its token losses / tokens in the global batch``, so the
@@ -79,6 +81,7 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ..dtensor_parameters import dtensor_views
+    from .experts_over_dp import check_experts_mesh, sum_expert_gradients
     from .train import check_context_parallel
 
     check_context_parallel(model, mesh)
@@ -92,6 +95,7 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision must be one of {sorted(k for k in MIXED_PRECISION if k)} or None, "
                          f"got {mixed_precision!r}")
+    experts = check_experts_mesh(model, mesh, mixed_precision)  # a run of experts per ep rank: not FSDP's
     param_dtype = MIXED_PRECISION[mixed_precision]
     if param_dtype is not None:
         _prepare_mixed_precision(model, param_dtype)
@@ -101,8 +105,11 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
     dp_mesh = mesh.dp_cp_mesh if mode == "shard" else _replicate_mesh(mesh)
     units = list(getattr(model, "fsdp_units", lambda: [])()) if per_layer else []
     for unit in units:
-        fully_shard(unit, mesh=dp_mesh, mp_policy=unit_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(unit, mesh=dp_mesh, mp_policy=unit_policy, reshard_after_forward=reshard_after_forward,
+                    ignored_params=set(experts))
+    fully_shard(model, mesh=dp_mesh, mp_policy=root_policy, reshard_after_forward=reshard_after_forward,
+                ignored_params=set(experts))
+    sum_expert_gradients(experts, mesh)
     for module in units + [model]:
         # SUM over dp x cp: the loss is already divided by the global token count (runtime/loss_normalization.py).
         module.set_gradient_divide_factor(1.0)

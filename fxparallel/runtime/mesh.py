@@ -19,6 +19,11 @@ Sub-meshes:
 * ``tp_dp_mesh`` (2-D, ("tp", "dp_cp")): the mesh on which checkpoints and exports
   describe a parameter as one DTensor of the full model's shape (tp first, because
   FSDP shards the tensor-parallel shard; see ``runtime/dtensor.py``).
+* ``ep_mesh`` (1-D, with ``ep`` > 1, ``EP_SIZE``): experts over data-parallel ranks, carved from dp as
+  torchtitan carves it: dp index ``d`` is ``(d // ep, d % ep)``, and the ``ep`` ranks of one dp block and tp
+  position each hold a run of the experts and exchange rows (give it to ``parallelize(..., ep_group=)``).
+  ``expert_dp_mesh`` (1-D): the ranks holding the same run (the other dp blocks): the experts' gradients are
+  summed over it.
 """
 from __future__ import annotations
 
@@ -34,6 +39,15 @@ from ..errors import GroupError
 from ..group import device_type_of, process_group_backends, rank_cuda_device
 
 DIM_NAMES = ("dp", "tp", "cp")
+
+
+def ep_size_error(ep: int, dp: int, cp: int) -> Optional[str]:
+    """The error message when experts cannot be spread over ``ep`` of the ``dp`` ranks (None when they can)."""
+    if ep > 1 and dp % ep:
+        return f"EP size ({ep}) must divide DP size ({dp}): the expert-parallel ranks are carved from the dp ranks"
+    if ep > 1 and cp > 1:
+        return f"EP size ({ep}) together with CP size ({cp}) is not supported yet"
+    return None
 
 
 def world_size_error(world: int, tp: int, dp: int, cp: int) -> Optional[str]:
@@ -102,6 +116,9 @@ class ParallelMesh:
     device: torch.device
     dp_cp_mesh: object  # 1-D DeviceMesh
     tp_dp_mesh: object  # 2-D DeviceMesh ("tp", "dp_cp")
+    ep: int = 1
+    ep_mesh: object = None  # 1-D DeviceMesh (ep > 1)
+    expert_dp_mesh: object = None  # 1-D DeviceMesh (ep > 1)
 
     @property
     def tp_mesh(self):
@@ -144,30 +161,48 @@ class ParallelMesh:
     def dp_cp_group(self):
         return self.dp_cp_mesh.get_group()
 
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group (0 without ep)."""
+        return self.ep_mesh.get_local_rank() if self.ep_mesh is not None else 0
+
+    @property
+    def expert_dp_rank(self) -> int:
+        """This rank's place among the ranks holding the same experts (0 without ep)."""
+        return self.expert_dp_mesh.get_local_rank() if self.expert_dp_mesh is not None else self.dp_cp_rank
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.dp_cp_size // self.ep
+
     def layout(self) -> dict:
-        return {"dp": self.dp, "tp": self.tp, "cp": self.cp}
+        return {"dp": self.dp, "tp": self.tp, "cp": self.cp, **({"ep": self.ep} if self.ep > 1 else {})}
 
     def __repr__(self):
-        return f"ParallelMesh(dp={self.dp}, tp={self.tp}, cp={self.cp}, rank={self.rank}, device={self.device})"
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"ParallelMesh(dp={self.dp}{ep}, tp={self.tp}, cp={self.cp}, rank={self.rank}, device={self.device})"
 
 
 def init_mesh(tp: Optional[int] = None, dp: Optional[int] = None, cp: Optional[int] = None, *,
-              backend: Optional[str] = None, timeout: datetime.timedelta = datetime.timedelta(minutes=10)
-              ) -> ParallelMesh:
+              ep: Optional[int] = None, backend: Optional[str] = None,
+              timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> ParallelMesh:
     """Build the ("dp", "tp", "cp") mesh over every rank (collective: every rank calls it).
 
     Initializes the process group if needed (NCCL on CUDA, gloo on CPU) and sets the
     CUDA device from ``LOCAL_RANK``. Raises GroupError naming the sizes when the world
-    size is not ``tp * dp * cp``.
+    size is not ``tp * dp * cp``. ``ep`` (else ``EP_SIZE``, default 1): experts over that many of the dp
+    ranks (it must divide dp; ``ep_mesh``).
     """
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    ep = _env_size("EP_SIZE", ep) or 1
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         # check the sizes before starting anything, so a wrong launch fails at once on every rank
-        resolve_sizes(int(os.environ["WORLD_SIZE"]), tp, dp, cp)
+        _check_ep(ep, *resolve_sizes(int(os.environ["WORLD_SIZE"]), tp, dp, cp)[::2])
     backend = _init_process_group(backend, timeout)
     world = dist.get_world_size()
     dp, tp, cp = resolve_sizes(world, tp, dp, cp)
+    _check_ep(ep, dp, cp)
     device_type, _ = device_type_of(process_group_backends(dist.group.WORLD))
     device = rank_cuda_device(dist.group.WORLD, dist.get_rank(), "the job's process group") \
         if device_type == "cuda" else torch.device("cpu")
@@ -175,4 +210,18 @@ def init_mesh(tp: Optional[int] = None, dp: Optional[int] = None, cp: Optional[i
     dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
     ranks = mesh.mesh.permute(1, 0, 2).reshape(tp, dp * cp)
     tp_dp = DeviceMesh(device_type, ranks, mesh_dim_names=("tp", "dp_cp"))
-    return ParallelMesh(mesh=mesh, dp=dp, tp=tp, cp=cp, device=device, dp_cp_mesh=dp_cp, tp_dp_mesh=tp_dp)
+    ep_mesh = expert_dp = None
+    if ep > 1:  # dp index d = (d // ep, d % ep); cp == 1
+        blocks = mesh.mesh.reshape(dp // ep, ep, tp, cp)
+        ep_mesh = DeviceMesh(device_type, blocks.permute(0, 2, 3, 1).reshape(-1, ep),
+                             mesh_dim_names=("ep_rows", "ep"))["ep"]
+        expert_dp = DeviceMesh(device_type, blocks.permute(1, 2, 3, 0).reshape(-1, dp // ep),
+                               mesh_dim_names=("expert_rows", "expert_dp"))["expert_dp"]
+    return ParallelMesh(mesh=mesh, dp=dp, tp=tp, cp=cp, device=device, dp_cp_mesh=dp_cp, tp_dp_mesh=tp_dp,
+                        ep=ep, ep_mesh=ep_mesh, expert_dp_mesh=expert_dp)
+
+
+def _check_ep(ep: int, dp: int, cp: int) -> None:
+    message = ep_size_error(ep, dp, cp)
+    if message:
+        raise GroupError(message)

@@ -1,0 +1,37 @@
+"""Experts spread over data-parallel ranks (``parallelize(..., ep_group=...)``): which weights, and the checks
+made before any capture. The exchange of rows is ``ops/expert_exchange.py``; the rewrite that inserts it
+``rewrite/expert_exchange.py``; each rank keeps its run of experts (``load/expert_runs.py``)."""
+from __future__ import annotations
+
+from ..errors import ShardingError
+from .expert_choice import experts_kernel
+from .layout import expert_parameters
+
+
+def stacked_expert_weights(meta) -> frozenset:
+    """HF names of the stacked expert weights ([experts, out, in]; not their biases, which every rank keeps)."""
+    params = dict(meta.named_parameters())
+    return frozenset(name for name in expert_parameters(meta)
+                     if name in params and params[name].dim() >= 3)
+
+
+def check_experts_over_dp(meta, ep: int, cp, sequence_parallel: bool) -> None:
+    """Refuse, before any capture, what the exchange cannot do: a model without stacked experts, fewer experts
+    than ep ranks, a kernel other than grouped_mm, context or sequence parallelism (not yet composed)."""
+    kind = getattr(meta.config, "model_type", type(meta).__name__)
+    counts = {count for name, count in expert_parameters(meta).items() if name in stacked_expert_weights(meta)}
+    if not counts:
+        raise ShardingError(f"ep_group: {kind} has no stacked expert weights (a mixture-of-experts layer of "
+                            "transformers' experts modules) to spread over data-parallel ranks")
+    if min(counts) < ep:
+        raise ShardingError(f"ep_group of size {ep}: {kind} has {min(counts)} experts in a layer, fewer than the "
+                            "expert-parallel ranks; use an ep size of at most the experts per layer")
+    kernel = experts_kernel(meta)
+    if kernel not in (None, "grouped_mm"):
+        raise ShardingError(f"ep_group: the experts kernel is {kernel!r}; experts over data-parallel ranks exchange "
+                            "rows sorted by expert, which transformers' grouped_mm kernel computes (set "
+                            "experts_implementation='grouped_mm')")
+    if cp is not None:
+        raise ShardingError("ep_group together with context parallelism (cp_group) is not supported yet")
+    if sequence_parallel:
+        raise ShardingError("ep_group together with sequence_parallel is not supported yet")

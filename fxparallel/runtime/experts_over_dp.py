@@ -1,0 +1,70 @@
+"""The experts' weights in the runtime when they are spread over data-parallel ranks (``ep_mesh``): FSDP2,
+their gradients, and their checkpoints.
+
+Each rank of an ep group holds its own run of the experts (``load/expert_runs.py``), so FSDP, which shards every
+parameter over all dp ranks and sums its gradient over them, must leave those weights alone: they are FSDP's
+``ignored_params``. Their gradients already sum the rows of every rank of the ep group (the exchange's
+backward); the ranks holding the same run in the other dp blocks (``expert_dp_mesh``) add theirs by one
+all-reduce (SUM, as FSDP's: ``runtime/loss_normalization.py``) when each gradient is complete.
+
+Checkpoints describe a run to DCP as the pieces of the full tensor it holds (``run_views``): the same keys and
+full shapes as without ep (a fused weight split by its parts: one key per part), so a checkpoint saved at one
+ep layout loads at any other, or without ep, and back."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .fused_forms import SEGMENT, _described
+
+
+def check_experts_mesh(model, mesh, mixed_precision) -> list:
+    """The parameters holding a run of experts (none without ep), after checking the mesh spreads them as
+    ``parallelize`` did."""
+    ep = getattr(model, "ep_group", None) if getattr(model, "expert_runs", None) else None
+    size = ep.size if ep is not None else 1
+    if size != getattr(mesh, "ep", 1):
+        raise ValueError(f"the model's experts are spread over {size} data-parallel ranks but the mesh has "
+                         f"EP_SIZE={mesh.ep}: parallelize with ep_group=mesh.ep_mesh of this mesh")
+    if ep is None:
+        return []
+    if mixed_precision not in (None, "none", "fp32"):
+        raise ValueError(f"mixed_precision={mixed_precision!r} with experts over data-parallel ranks is not supported "
+                         "yet (their weights stay outside FSDP's casts): train in the parameters' dtype")
+    return [p for p in model.parameters() if getattr(p, "_fxparallel_expert_run", None)]
+
+
+def sum_expert_gradients(params: list, mesh) -> None:
+    """Sum each expert-run gradient over ``mesh.expert_dp_mesh`` once it is complete (nothing with one dp block)."""
+    if not params or mesh.expert_dp_size == 1:
+        return
+    group = mesh.expert_dp_mesh.get_group()
+    for param in params:
+        param.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad, group=group))
+
+
+def run_views(tensor: torch.Tensor, plan_param, run: tuple, mesh) -> dict:
+    """{key suffix ("" or ``.segment<i>``): a view telling DCP which pieces of the full tensor ``tensor`` holds}
+    for ``tensor`` (an expert-run parameter, or an optimizer state of its shape; ``run``: its (first expert,
+    count, experts in the tp shard)): its tp shard's pieces (``ParamPlan.pieces``) cut to the run along dim 0."""
+    first, count, _ = run
+    p = plan_param.placement
+    full = list(plan_param.shape)
+    starts = [sum(p.segments[:i]) for i in range(len(p.segments))] if p.segments else []
+    found: dict = {}
+    for src, dst in plan_param.pieces(mesh.tp_rank, mesh.tp):
+        low, high = max(dst[0].start, first), min(dst[0].stop, first + count)
+        if low >= high:
+            continue
+        offsets = [s.start for s in src]
+        sizes = [s.stop - s.start for s in src]
+        offsets[0], sizes[0] = offsets[0] + low - dst[0].start, high - low
+        view = tensor[(slice(low - first, high - first),) + tuple(dst[1:])]
+        suffix, shape = "", list(full)
+        if starts:  # a fused weight split by its parts: each part is saved as a tensor of its own
+            part = max(i for i, start in enumerate(starts) if start <= offsets[p.dim])
+            offsets[p.dim] -= starts[part]
+            shape[p.dim] = p.segments[part]
+            suffix = f"{SEGMENT}{part}"
+        found.setdefault(suffix, (shape, []))[1].append((torch.Size(offsets), torch.Size(sizes), view))
+    return {suffix: _described(pieces, shape, tensor) for suffix, (shape, pieces) in found.items()}
