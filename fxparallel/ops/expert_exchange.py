@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -52,19 +53,27 @@ def expert_runs(count: int, size: int) -> list:
     return runs
 
 
-def exchanged_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, handle: int,
-                         kernel: str) -> torch.Tensor:
-    """``kernel(x, full_weight, offs)`` where this rank holds ``weight``, its run of the experts, and its ep peers
-    the other runs (see the module docstring)."""
+@dataclass
+class Route:
+    """Where a dispatch sent its rows, to bring their products back (``combine_rows``)."""
+
+    handle: int  # the ep group's
+    send_rows: list  # rows this rank sends each peer (its rows of that peer's experts)
+    receive_rows: list  # rows it receives from each peer
+    order: torch.Tensor  # regroups the received rows by expert
+    offsets: torch.Tensor  # cumulative received rows per expert of this rank's run (int32)
+    experts: int  # experts in this rank's run
+    rows: int  # rows of the dispatched input (those past the ones sent come back zero)
+
+
+def dispatch_rows(x: torch.Tensor, offs: torch.Tensor, handle: int) -> tuple:
+    """Steps 1-2 of the module docstring: (the rows of this rank's experts, from every rank, grouped by expert; the
+    ``Route``)."""
     group = group_by_handle(handle)
     runs = expert_runs(int(offs.shape[0]), group.size)
-    start, mine = runs[group.rank]
-    if int(weight.shape[0]) != mine:
-        raise ValueError(f"expert exchange: this rank holds {int(weight.shape[0])} experts of the product, its run "
-                         f"of {int(offs.shape[0])} over {group.size} ranks is {mine}")
+    mine = runs[group.rank][1]
     per_expert = torch.diff(offs.to(torch.int64), prepend=offs.new_zeros(1, dtype=torch.int64))
-    widest = max(n for _, n in runs)
-    send = torch.zeros(group.size, widest, dtype=torch.int64, device=x.device)
+    send = torch.zeros(group.size, max(n for _, n in runs), dtype=torch.int64, device=x.device)
     for peer, (first, n) in enumerate(runs):
         send[peer, :n] = per_expert[first:first + n]
     received = torch.empty_like(send)
@@ -73,16 +82,40 @@ def exchanged_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tens
     send_rows, receive_rows = send.sum(1).tolist(), received.sum(1).tolist()
     sent = int(sum(send_rows))
     rows = _exchange(x[:sent], receive_rows, send_rows, group.process_group)
+    bytes_sent[handle] += (sent - send_rows[group.rank]) * math.prod(x.shape[1:]) * x.element_size()
     order = _expert_major(received)
-    out = KERNELS[kernel]()(rows[order], weight, offs=torch.cumsum(received.sum(0), 0).to(torch.int32))
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
-    out = _exchange(out[back], send_rows, receive_rows, group.process_group)
-    rows_out, rows_back = sent - send_rows[group.rank], int(sum(receive_rows)) - receive_rows[group.rank]
-    bytes_sent[handle] += (rows_out * math.prod(x.shape[1:]) + rows_back * math.prod(out.shape[1:])) * x.element_size()
-    if sent < x.shape[0]:
-        out = torch.cat([out, out.new_zeros((x.shape[0] - sent,) + tuple(out.shape[1:]))])
+    route = Route(handle, send_rows, receive_rows, order, torch.cumsum(received.sum(0), 0).to(torch.int32), mine,
+                  int(x.shape[0]))
+    return rows[order], route
+
+
+def local_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, route: Route, kernel: str) -> torch.Tensor:
+    """Step 3: the grouped product of dispatched rows with this rank's run of an expert weight."""
+    if int(weight.shape[0]) != route.experts:
+        raise ValueError(f"expert exchange: this rank holds {int(weight.shape[0])} experts of the product, the rows "
+                         f"it received are of {route.experts}")
+    return KERNELS[kernel]()(rows, weight, offs=route.offsets)
+
+
+def combine_rows(y: torch.Tensor, route: Route) -> torch.Tensor:
+    """Step 4: products of dispatched rows back to their ranks, in the order the rows were dispatched in."""
+    group = group_by_handle(route.handle)
+    back = torch.empty_like(route.order)
+    back[route.order] = torch.arange(route.order.numel(), device=route.order.device)
+    out = _exchange(y[back], route.send_rows, route.receive_rows, group.process_group)
+    rows_back = int(sum(route.receive_rows)) - route.receive_rows[group.rank]
+    bytes_sent[route.handle] += rows_back * math.prod(y.shape[1:]) * y.element_size()
+    if out.shape[0] < route.rows:
+        out = torch.cat([out, out.new_zeros((route.rows - out.shape[0],) + tuple(out.shape[1:]))])
     return out
+
+
+def exchanged_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, handle: int,
+                         kernel: str) -> torch.Tensor:
+    """``kernel(x, full_weight, offs)`` where this rank holds ``weight``, its run of the experts, and its ep peers
+    the other runs: dispatch, product, combine."""
+    rows, route = dispatch_rows(x, offs, handle)
+    return combine_rows(local_grouped_mm(rows, weight, route, kernel), route)
 
 
 def _exchange(rows: torch.Tensor, output_splits: list, input_splits: list, process_group) -> torch.Tensor:

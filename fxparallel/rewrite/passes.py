@@ -40,7 +40,7 @@ from .context_parallel import apply_context_parallel
 from .device_kernels import float_histograms_on_cpu
 from .dropout_masks import bind_training_flag, cut_sequence_chunks, replicated_sites
 from .editor import GraphEditor
-from .expert_exchange import exchange_expert_rows
+from .expert_exchange import exchange_expert_rows, one_exchange_per_block
 from .gradient_reductions import insert_gradient_reductions
 from .split_by_layer import generate_layered_forward
 from .redistribute import insert_redistributions
@@ -130,6 +130,7 @@ def bind(ctx: PassContext) -> None:
 
 def expert_exchange(ctx: PassContext) -> None:
     exchange_expert_rows(ctx.graph, ctx.expert_weights, ctx.ep.handle)
+    one_exchange_per_block(ctx.graph)
 
 
 def dropout_mode(ctx: PassContext) -> None:
