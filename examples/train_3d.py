@@ -15,8 +15,8 @@ With CP_SIZE > 1 every sequence is split over the cp ranks (load-balanced causal
 attention over the whole sequence); --seq-len must then divide by 2 * CP_SIZE.
 With EP_SIZE > 1 (it must divide DP_SIZE) the experts of a mixture-of-experts model are spread over that many
 dp ranks, which exchange the rows routed to them by all-to-all; the default model is then a small Qwen3-MoE
-(checkpoints/tiny-moe-train). Checkpoints, --resume and --export do not handle such a model yet (refused).
-Checkpoints go to out/train_3d/dp<DP>_tp<TP>_cp<CP>/checkpoints by default (one directory per layout:
+(checkpoints/tiny-moe-train); its checkpoints load at any other layout, with or without EP_SIZE.
+Checkpoints go to out/train_3d/dp<DP>_tp<TP>_cp<CP>[_ep<EP>]/checkpoints by default (one directory per layout:
 runs of different layouts never share steps); any layout loads any other's with --resume-from.
 """
 from __future__ import annotations
@@ -54,8 +54,9 @@ SAVE_ROOT = os.path.join("out", "train_3d")
 
 
 def default_save_dir(layout: dict) -> str:
-    """out/train_3d/dp2_tp2_cp1/checkpoints for {"dp": 2, "tp": 2, "cp": 1}."""
-    return os.path.join(SAVE_ROOT, f"dp{layout['dp']}_tp{layout['tp']}_cp{layout['cp']}", "checkpoints")
+    """out/train_3d/dp2_tp2_cp1/checkpoints for {"dp": 2, "tp": 2, "cp": 1} (``_ep2`` after it with "ep": 2)."""
+    ep = f"_ep{layout['ep']}" if layout.get("ep", 1) > 1 else ""
+    return os.path.join(SAVE_ROOT, f"dp{layout['dp']}_tp{layout['tp']}_cp{layout['cp']}{ep}", "checkpoints")
 
 
 def parse_args(argv=None):
@@ -80,7 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--activation-checkpointing", choices=("none", "full", "selective"), default="none",
                    help="recompute each decoder layer in backward (selective: keep its matmul outputs)")
     p.add_argument("--save-dir", default=None,
-                   help="checkpoint root (default: out/train_3d/dp<DP>_tp<TP>_cp<CP>/checkpoints, one per layout)")
+                   help="checkpoint root (default: out/train_3d/dp<DP>_tp<TP>_cp<CP>[_ep<EP>]/checkpoints, one per "
+                        "layout)")
     p.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps (and at the end); 0: never")
     p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
@@ -146,11 +148,6 @@ def main(argv=None):
     owns_group = not dist.is_initialized()
     mesh = init_mesh(args.tp, args.dp, args.cp, ep=args.ep)
     first = mesh.rank == 0
-    if mesh.ep > 1 and (args.resume or args.resume_from or args.export):
-        if first:
-            print("error: checkpoints and exports of experts spread over dp ranks (EP_SIZE > 1) are not supported "
-                  "yet: drop --resume / --resume-from / --export", file=sys.stderr)
-        sys.exit(2)
     model_path = args.model
     if model_path is None:
         model_path = args.moe_model_dir if mesh.ep > 1 else args.model_dir
@@ -172,8 +169,8 @@ def main(argv=None):
         n = sum(torch.Size(p.shape).numel() for p in model.plan.params)
         print(f"{mesh}: {model.plan.model_type}, {n / 1e6:.2f}M parameters, global batch {args.global_batch} x "
               f"{args.seq_len} tokens, {data.rows.shape[0]} rows, FSDP mode {args.dp_mode}, "
-              f"mixed precision {args.mixed_precision}, activation checkpointing {args.activation_checkpointing}"
-              + (", no checkpoints (not yet with EP_SIZE > 1)" if mesh.ep > 1 else ""), flush=True)
+              f"mixed precision {args.mixed_precision}, activation checkpointing {args.activation_checkpointing}",
+              flush=True)
 
     save_dir = args.save_dir or default_save_dir(mesh.layout())
     start = 0
@@ -197,7 +194,7 @@ def main(argv=None):
         if first:
             print(f"step {done:5d} | loss {metrics.loss:.4f} | grad norm {metrics.grad_norm:.4f} | "
                   f"{metrics.tokens_per_s:,.0f} tokens/s", flush=True)
-        if args.save_every and mesh.ep == 1 and (done % args.save_every == 0 or done == args.steps):
+        if args.save_every and (done % args.save_every == 0 or done == args.steps):
             path = save_checkpoint(save_dir, model, optimizer, mesh, done, keep=args.keep)
             if first:
                 print(f"saved {path}", flush=True)

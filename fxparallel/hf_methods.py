@@ -71,7 +71,6 @@ from .errors import ArgumentError, ShardingError
 from .inputs import ARGUMENTS
 from .trainer_counts import flops_share
 from .trainer_data_parallel import no_gradient_sync
-from .load.expert_runs import refuse_expert_runs
 
 # forward arguments the graphs do not take: what to do instead
 ALTERNATIVES = {
@@ -311,7 +310,6 @@ class HuggingFaceMethods:
         calls it; every rank of the job under ``apply_data_parallel`` or with ``mesh``). Rank 0 of the
         tp group (global rank 0 under data parallelism or with ``mesh``) writes; its failure is raised
         on every rank. ``AutoModelForCausalLM.from_pretrained(save_directory)`` then loads the model."""
-        refuse_expert_runs(self, "save_pretrained")
         from .runtime.export import ExportScope, write_pretrained
 
         refused = {

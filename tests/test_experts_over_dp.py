@@ -3,7 +3,8 @@ of an ep group holds a run of the experts and the rows routed to them travel the
 (``fxparallel/ops/expert_exchange.py``). Three AdamW steps with clipping under FSDP2 equal one process (losses,
 gradient norms, every parameter) at dp=2 (ep=2) x tp=2 with whole experts per tp rank (one expert per rank); its
 checkpoint resumes at dp=4 (ep=2) x tp=1 (the experts' gradients summed over the two dp blocks) and without ep, and
-one saved without ep resumes with it, each step as one process's; GPT-OSS (biases picked per routed row: an exchange
+one saved without ep resumes with it, each step as one process's; its export_pretrained loads in transformers with
+one process's weights; GPT-OSS (biases picked per routed row: an exchange
 per product) trains at dp=4 (ep=2) as one process. The all-to-alls of a step are counted and their
 bytes checked against the rows routed to other ranks' experts (once out and back per MoE block); what does not
 handle a run of experts yet is refused by name."""
@@ -23,15 +24,16 @@ RUNS = {"trained": (2, 2, 2), "resumed at ep=2 x tp=1": (1, 4, 2), "resumed with
         "from a checkpoint without ep": (1, 4, 2), "gpt_oss": (1, 4, 2)}  # (tp, dp, ep)
 
 
-def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS)):
-    """Train ``steps`` at (tp, dp, ep), first loading checkpoint ``load``, saving ``save`` before step SAVE_AT."""
+def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), export=None):
+    """Train ``steps`` at (tp, dp, ep), first loading checkpoint ``load``, saving ``save`` before step SAVE_AT; at the
+    end, with ``export``, write a Hugging Face directory there and read it back with transformers."""
     import torch
     from torch.distributed.tensor.debug import CommDebugMode
 
     import fxparallel
     from checks import raised
-    from fxparallel.runtime import StepBatches, apply_data_parallel, init_mesh, load_checkpoint, save_checkpoint
-    from fxparallel.runtime import train_step
+    from fxparallel.runtime import (StepBatches, apply_data_parallel, export_pretrained, init_mesh, load_checkpoint,
+                                    save_checkpoint, train_step)
     from fxparallel.runtime.dtensor import full_tensor
     from fxparallel.runtime.fsdp import reshard
     from fxparallel.ops import expert_exchange as exchange
@@ -57,19 +59,24 @@ def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS)):
         exchanges.append({str(op): n for op, n in comm.get_comm_counts().items() if "all_to_all" in str(op)
                           or "alltoall" in str(op)})
     reshard(model)
-    params, runs = {}, {}
+    params, runs, exported = {}, {}, None
     for name, p in model.named_parameters():
         plan = model.plan.param(name)
         run = getattr(p, "_fxparallel_expert_run", None)
-        if run:  # this rank's run of its tp shard's experts, compared as such
-            runs[plan.name] = (run, tuple(p.shape), plan.placement.is_shard)
-            params[plan.name] = p.detach().clone()
-        else:
-            params[plan.name] = full_tensor(p, plan, mesh).clone()
+        if run:  # this rank's run of its tp shard's experts, and the full tensor (gathered over ep, then tp)
+            runs[plan.name] = (run, tuple(p.shape), plan.placement.is_shard, p.detach().clone())
+        params[plan.name] = full_tensor(p, plan, mesh).clone()
+    if export:
+        export_pretrained(model, mesh, export)
+        if mesh.rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            exported = dict(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).named_parameters())
     return {"history": history, "all-to-alls": exchanges, "volume": volume, "runs": runs, "params": params,
+            "exported": exported,
             "tp_rank": mesh.tp_rank,
-            "exchanges": {(g.code.count("dispatch_rows("), g.code.count("local_grouped_mm("),
-                           g.code.count("combine_rows("), g.code.count("exchanged_grouped_mm(")) for g in model.graphs()},
+            "exchanges": {tuple(g.code.count(f"{op}(") for op in ("dispatch_rows", "local_grouped_mm", "combine_rows",
+                                                                   "exchanged_grouped_mm")) for g in model.graphs()},
             "generate": raised(lambda: model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)),
             "state_dict": raised(lambda: model.state_dict()) if ep > 1 else ""}
 
@@ -103,7 +110,7 @@ def _train(rank, world, path, dense_path, root, oss_path):
 
     a, b = os.path.join(root, "a"), os.path.join(root, "b")
     out = {"bad ep": raised(lambda: init_mesh(tp=1, dp=4, ep=3)),
-           "trained": _layout_run(path, 2, 2, 2, save=a),
+           "trained": _layout_run(path, 2, 2, 2, save=a, export=os.path.join(root, "hf")),
            "resumed at ep=2 x tp=1": _layout_run(path, 1, 4, 2, load=a, steps=range(SAVE_AT, STEPS)),
            "resumed without ep": _layout_run(path, 2, 2, 1, load=a, save=b, steps=range(SAVE_AT, STEPS)),
            "from a checkpoint without ep": _layout_run(path, 1, 4, 2, load=b, steps=range(SAVE_AT, STEPS)),
@@ -136,26 +143,29 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
                                            global_batch=GLOBAL_BATCH, mask=lambda batch: batch, max_norm=MAX_NORM)
             for model, p in (("qwen3_moe", path), ("gpt_oss", oss))}
     layers = 2
+    exported = ranks[0]["trained"]["exported"]  # export_pretrained at dp=2 (ep=2) x tp=2, read by transformers
+    assert set(exported) == set(refs["qwen3_moe"]["params"])
+    assert max((exported[n] - t).abs().max().item() for n, t in refs["qwen3_moe"]["params"].items()) < 3e-5
     for r in ranks:
         assert r["bad ep"].startswith("GroupError: EP size (3) must divide DP size (4)"), r["bad ep"]
         assert r["dense"].startswith("ShardingError: ep_group: llama has no stacked expert weights"), r["dense"]
-        assert r["batched_mm"].startswith("ShardingError: ep_group: the experts kernel is 'batched_mm'"), r["batched_mm"]
+        assert r["batched_mm"].startswith("ShardingError: ep_group: the experts kernel is 'batched_mm'"), \
+            r["batched_mm"]
         for run, (tp, dp, ep) in RUNS.items():
             got, ref = r[run], refs["gpt_oss" if run == "gpt_oss" else "qwen3_moe"]
             expected = ref["history"][STEPS - len(got["history"]):]  # (the resumed runs: the steps after SAVE_AT)
             for (loss, norm), (ref_loss, ref_norm) in zip(got["history"], expected, strict=True):
                 assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5, (run, got["history"], expected)
             for name, value in got["params"].items():  # every parameter after the last step, as one process
+                assert (value - ref["params"][name]).abs().max().item() < 3e-5, (run, name)
+            for name, ((first, n, of), shape, sharded, local) in got["runs"].items():  # this rank's run of experts
                 full = ref["params"][name]
-                if name in got["runs"]:  # this rank's run of its tp shard's experts
-                    (first, n, of), shape, sharded = got["runs"][name]
-                    if tp > 1 and sharded:  # whole experts per tp rank (the planner's choice with grouped_mm)
-                        per = full.shape[0] // tp
-                        full = full[got["tp_rank"] * per:(got["tp_rank"] + 1) * per]
-                    assert of == full.shape[0] and n in (of // ep, -(-of // ep)) and shape[0] == n, \
-                        (run, name, first, n, of, shape)
-                    full = full[first:first + n]
-                assert (value - full).abs().max().item() < 3e-5, (run, name)
+                if tp > 1 and sharded:  # whole experts per tp rank (the planner's choice with grouped_mm)
+                    per = full.shape[0] // tp
+                    full = full[got["tp_rank"] * per:(got["tp_rank"] + 1) * per]
+                assert of == full.shape[0] and n in (of // ep, -(-of // ep)) and shape[0] == n, \
+                    (run, name, first, n, of, shape)
+                assert (local - full[first:first + n]).abs().max().item() < 3e-5, (run, name)
             if ep == 1:
                 assert not got["runs"] and got["exchanges"] == {(0, 0, 0, 0)}
                 continue

@@ -11,6 +11,16 @@ from ..errors import ShardingError
 from ..ops.expert_exchange import expert_runs
 
 
+def tp_shard_of_runs(param) -> torch.Tensor:
+    """The tp shard whose runs of experts the ranks of ``param``'s ep group hold (``param``: an expert-run
+    parameter), all-gathered along dim 0 (collective over that group)."""
+    from ..ops.collectives import gather_full
+
+    group, count = param._fxparallel_expert_group, param._fxparallel_expert_run[2]
+    sizes = [n for _, n in expert_runs(count, group.size)]
+    return gather_full(param.detach(), 0, group.process_group, group.size, sizes if len(set(sizes)) > 1 else None)
+
+
 def keep_expert_runs(module, names: frozenset, ep) -> dict:
     """Cut each parameter of ``names`` to ``ep``'s rank's run; returns {name: (first expert, count, of)} (the
     experts are numbered within this tp rank's shard of dim 0)."""
@@ -27,6 +37,7 @@ def keep_expert_runs(module, names: frozenset, ep) -> dict:
         with torch.no_grad():
             param.data = param.data[first:first + n].clone()
         param._fxparallel_expert_run = (first, n, count)
+        param._fxparallel_expert_group = ep  # (full tensors gather the runs over it: runtime/dtensor.py, export.py)
         kept[name] = (first, n, count)
     return kept
 
@@ -41,5 +52,5 @@ def refuse_expert_runs(model, what: str) -> None:
         raise NotImplementedError(
             f"{what}: this model's experts are spread over data-parallel ranks (ep_group of size "
             f"{model.ep_group.size}: this rank holds experts {first}..{first + n - 1} of the {count} of its tensor-"
-            "parallel shard), which checkpoints, state dicts, exports and generate do not handle yet; parallelize "
-            "without ep_group for them")
+            "parallel shard), which state dicts and generate do not handle yet: save with "
+            "fxparallel.runtime.save_checkpoint or export_pretrained, or parallelize without ep_group")

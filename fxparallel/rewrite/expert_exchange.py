@@ -123,8 +123,9 @@ def _source(node: fx.Node, rolled):
     """The exchanged product ``node`` is (or, rolled, unrolls), else None."""
     if rolled is None:
         return node if node.target is exchanged_grouped_mm else None
-    if node.target is unroll_local_rows and node.args[0].target is exchanged_grouped_mm and len(node.args[0].users) == 1:
-        return node.args[0]
+    product = node.args[0] if node.target is unroll_local_rows else None
+    if product is not None and product.target is exchanged_grouped_mm and len(product.users) == 1:
+        return product
     return None
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..load.expert_runs import tp_shard_of_runs
 from ..plan.layout import chunked
 from ..ops.collectives import gather_full, gather_parts
 
@@ -170,7 +171,10 @@ def full_tensor(tensor, plan_param, mesh) -> torch.Tensor:
 
     Any tensor-parallel layout: plain and uneven shards, fused weights split by segment (each
     rank's piece of every segment put back in place), segments held whole by every rank. (Only
-    DCP checkpoints need DTensor placements, which uneven shards lack: ``refuse_uneven``.)"""
+    DCP checkpoints need DTensor placements, which uneven shards lack: ``refuse_uneven``.) An expert-run parameter
+    (experts over dp ranks) is first all-gathered over its ep group."""
+    if getattr(tensor, "_fxparallel_expert_run", None):
+        tensor = tp_shard_of_runs(tensor)
     tensor = tensor.detach()
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()  # this rank's whole TP shard

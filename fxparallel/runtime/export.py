@@ -30,7 +30,7 @@ from ..load.coordinate import exchange
 from ..ops.collectives import gather_full_to, gather_parts_to
 from .dtensor import fsdp_mesh_dim, full_tensor, local_part, tp_of
 from .fsdp import reshard
-from ..load.expert_runs import refuse_expert_runs
+from ..ops.expert_exchange import expert_runs
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,9 @@ def _full_on_writer(param, plan_param, tp_mesh, route: _Route) -> Optional[torch
     p = plan_param.placement
     split = p.is_shard and tp > 1
     # a tensor whole on every tp rank is gathered over dp x cp by the writer alone
-    shard = _tp_shard_to(param.detach(), route.writer_tp if split else (route.writer,))
+    targets = route.writer_tp if split else (route.writer,)
+    shard = _runs_to(param, targets) if getattr(param, "_fxparallel_expert_run", None) else \
+        _tp_shard_to(param.detach(), targets)
     if not split:
         return shard if route.rank == route.writer else None
     if shard is None or route.rank not in route.writer_tp:
@@ -170,6 +172,19 @@ def _full_on_writer(param, plan_param, tp_mesh, route: _Route) -> Optional[torch
         for src, piece in plan_param.pieces(rank, tp):  # a whole segment: the same on every rank
             full[src] = part[piece]
     return full
+
+
+def _runs_to(param, targets: tuple) -> Optional[torch.Tensor]:
+    """An expert-run parameter's tp shard on the rank of its ep group that is among ``targets``, None on the
+    others (the runs gathered there; ``load/expert_runs.py``)."""
+    group, count = param._fxparallel_expert_group, param._fxparallel_expert_run[2]
+    members = dist.get_process_group_ranks(group.process_group)
+    holders = [r for r in members if r in targets]
+    if not holders:  # no rank of this ep group gathers for the writer
+        return None
+    sizes = [n for _, n in expert_runs(count, group.size)]
+    return gather_full_to(param.detach(), 0, group.process_group, group.size,
+                          dist.get_group_rank(group.process_group, holders[0]), sizes if len(set(sizes)) > 1 else None)
 
 
 def _tp_shard_to(tensor, targets: tuple) -> Optional[torch.Tensor]:
@@ -295,5 +310,4 @@ def export_pretrained(model, mesh, directory: str, *, dtype: Optional[torch.dtyp
                       max_shard_size="5GB") -> Optional[str]:
     """Write ``directory`` as a Hugging Face checkpoint (collective; rank 0 writes). Returns the
     directory on rank 0, None elsewhere."""
-    refuse_expert_runs(model, "export_pretrained")
     return write_pretrained(model, directory, ExportScope.of_mesh(mesh), dtype=dtype, max_shard_size=max_shard_size)
