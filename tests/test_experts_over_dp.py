@@ -4,10 +4,10 @@ of an ep group holds a run of the experts and the rows routed to them travel the
 gradient norms, every parameter) at dp=2 (ep=2) x tp=2 with whole experts per tp rank (one expert per rank); its
 checkpoint resumes at dp=4 (ep=2) x tp=1 (the experts' gradients summed over the two dp blocks) and without ep, and
 one saved without ep resumes with it, each step as one process's; its export_pretrained loads in transformers with
-one process's weights; GPT-OSS (biases picked per routed row: an exchange
-per product) trains at dp=4 (ep=2) as one process. The all-to-alls of a step are counted and their
-bytes checked against the rows routed to other ranks' experts (once out and back per MoE block); what does not
-handle a run of experts yet is refused by name."""
+one process's weights. GPT-OSS (biases picked per routed row: an exchange per product) trains at dp=4 (ep=2) as one
+process; under bf16 mixed precision the losses are those without ep (to bf16's rounding). The all-to-alls of a step
+are counted and their bytes checked against the rows routed to other ranks' experts (once out and back per MoE
+block); what does not handle a run of experts yet is refused by name."""
 from __future__ import annotations
 
 import os
@@ -24,9 +24,10 @@ RUNS = {"trained": (2, 2, 2), "resumed at ep=2 x tp=1": (1, 4, 2), "resumed with
         "from a checkpoint without ep": (1, 4, 2), "gpt_oss": (1, 4, 2)}  # (tp, dp, ep)
 
 
-def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), export=None):
+def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), export=None, mixed=None):
     """Train ``steps`` at (tp, dp, ep), first loading checkpoint ``load``, saving ``save`` before step SAVE_AT; at the
-    end, with ``export``, write a Hugging Face directory there and read it back with transformers."""
+    end, with ``export``, write a Hugging Face directory there and read it back with transformers. ``mixed``:
+    runtime's mixed precision ("bf16")."""
     import torch
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -39,8 +40,9 @@ def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), e
     from fxparallel.ops import expert_exchange as exchange
 
     mesh = init_mesh(tp=tp, dp=dp, ep=ep)
-    model = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32,
-                                                       ep_group=mesh.ep_mesh), mesh)
+    dtype = torch.bfloat16 if mixed else torch.float32
+    model = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=dtype, ep_group=mesh.ep_mesh), mesh,
+                                mixed_precision=mixed)
     opt = _optimizer(model.parameters())
     if load:
         load_checkpoint(load, model, opt, mesh)
@@ -49,7 +51,7 @@ def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), e
     for step in steps:
         if step == SAVE_AT and save:
             save_checkpoint(save, model, opt, mesh, SAVE_AT)
-        if ep > 1 and tp == 1 and step == STEPS - 1:  # the bytes the step's exchanges send, and what they carry
+        if ep > 1 and tp == 1 and step == STEPS - 1 and not mixed:  # the bytes the step's exchanges send, and what they carry
             volume = _exchanged(model, data.batch(step)["input_ids"], mesh.ep_rank, ep)
         with CommDebugMode() as comm:
             m = train_step(model, opt, data.batch(step), mesh, max_norm=MAX_NORM)
@@ -114,7 +116,9 @@ def _train(rank, world, path, dense_path, root, oss_path):
            "resumed at ep=2 x tp=1": _layout_run(path, 1, 4, 2, load=a, steps=range(SAVE_AT, STEPS)),
            "resumed without ep": _layout_run(path, 2, 2, 1, load=a, save=b, steps=range(SAVE_AT, STEPS)),
            "from a checkpoint without ep": _layout_run(path, 1, 4, 2, load=b, steps=range(SAVE_AT, STEPS)),
-           "gpt_oss": _layout_run(oss_path, 1, 4, 2)}
+           "gpt_oss": _layout_run(oss_path, 1, 4, 2),
+           "bf16": _layout_run(path, 1, 4, 2, mixed="bf16", steps=range(2)),
+           "bf16 without ep": _layout_run(path, 1, 4, 1, mixed="bf16", steps=range(2))}
     mesh = init_mesh(tp=1, dp=4, ep=2)
     out["dense"] = raised(lambda: fxparallel.parallelize(dense_path, mesh.tp_mesh, ep_group=mesh.ep_mesh))
     import json
@@ -131,6 +135,8 @@ def _train(rank, world, path, dense_path, root, oss_path):
 
 @pytest.mark.timeout(1200)
 def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_layouts(tmp_path):
+    import torch
+
     from checks import single_process_training
     from models import save_checkpoint
     from tiny_configs import tiny_config
@@ -146,6 +152,16 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
     exported = ranks[0]["trained"]["exported"]  # export_pretrained at dp=2 (ep=2) x tp=2, read by transformers
     assert set(exported) == set(refs["qwen3_moe"]["params"])
     assert max((exported[n] - t).abs().max().item() for n, t in refs["qwen3_moe"]["params"].items()) < 3e-5
+    for r in ranks:  # bf16 mixed precision: the runs fp32 masters, cast for each product; as without ep
+        for run in ("bf16", "bf16 without ep"):
+            for (loss, _), (ref_loss, _) in zip(r[run]["history"], refs["qwen3_moe"]["history"][:2], strict=True):
+                assert abs(loss - ref_loss) < 1e-2, (run, r[run]["history"])
+        # (the first step's loss the same; then the experts' bf16 gradients are summed inside the product over the
+        # ep group's rows, where FSDP sums each rank's in fp32)
+        ours, plain = ([loss for loss, _ in r[run]["history"]] for run in ("bf16", "bf16 without ep"))
+        assert ours[0] == plain[0] and abs(ours[1] - plain[1]) < 1e-3, (ours, plain)
+        assert {t.dtype for t in r["bf16"]["params"].values()} == {torch.float32}
+        assert r["bf16"]["exchanges"] == {(layers, 2 * layers, layers, 0)}
     for r in ranks:
         assert r["bad ep"].startswith("GroupError: EP size (3) must divide DP size (4)"), r["bad ep"]
         assert r["dense"].startswith("ShardingError: ep_group: llama has no stacked expert weights"), r["dense"]

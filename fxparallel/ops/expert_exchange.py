@@ -90,11 +90,12 @@ def dispatch_rows(x: torch.Tensor, offs: torch.Tensor, handle: int) -> tuple:
 
 
 def local_grouped_mm(rows: torch.Tensor, weight: torch.Tensor, route: Route, kernel: str) -> torch.Tensor:
-    """Step 3: the grouped product of dispatched rows with this rank's run of an expert weight."""
+    """Step 3: the grouped product of dispatched rows with this rank's run of an expert weight (cast to the rows'
+    dtype: under bf16 mixed precision the runs stay fp32 master weights outside FSDP's casts)."""
     if int(weight.shape[0]) != route.experts:
         raise ValueError(f"expert exchange: this rank holds {int(weight.shape[0])} experts of the product, the rows "
                          f"it received are of {route.experts}")
-    return KERNELS[kernel]()(rows, weight, offs=route.offsets)
+    return KERNELS[kernel]()(rows, weight.to(rows.dtype), offs=route.offsets)
 
 
 def combine_rows(y: torch.Tensor, route: Route) -> torch.Tensor:

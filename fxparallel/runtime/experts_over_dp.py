@@ -3,7 +3,8 @@ their gradients, and their checkpoints.
 
 Each rank of an ep group holds its own run of the experts (``load/expert_runs.py``), so FSDP, which shards every
 parameter over all dp ranks and sums its gradient over them, must leave those weights alone: they are FSDP's
-``ignored_params``. Their gradients already sum the rows of every rank of the ep group (the exchange's
+``ignored_params`` (under bf16 mixed precision they stay fp32 master weights, cast for each grouped product by the
+exchange itself). Their gradients already sum the rows of every rank of the ep group (the exchange's
 backward); the ranks holding the same run in the other dp blocks (``expert_dp_mesh``) add theirs by one
 all-reduce (SUM, as FSDP's: ``runtime/loss_normalization.py``) when each gradient is complete.
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from .fused_forms import SEGMENT, _described
 
 
-def check_experts_mesh(model, mesh, mixed_precision) -> list:
+def check_experts_mesh(model, mesh) -> list:
     """The parameters holding a run of experts (none without ep), after checking the mesh spreads them as
     ``parallelize`` did."""
     ep = getattr(model, "ep_group", None) if getattr(model, "expert_runs", None) else None
@@ -28,9 +29,6 @@ def check_experts_mesh(model, mesh, mixed_precision) -> list:
                          f"EP_SIZE={mesh.ep}: parallelize with ep_group=mesh.ep_mesh of this mesh")
     if ep is None:
         return []
-    if mixed_precision not in (None, "none", "fp32"):
-        raise ValueError(f"mixed_precision={mixed_precision!r} with experts over data-parallel ranks is not supported "
-                         "yet (their weights stay outside FSDP's casts): train in the parameters' dtype")
     return [p for p in model.parameters() if getattr(p, "_fxparallel_expert_run", None)]
 
 

@@ -95,7 +95,7 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision must be one of {sorted(k for k in MIXED_PRECISION if k)} or None, "
                          f"got {mixed_precision!r}")
-    experts = check_experts_mesh(model, mesh, mixed_precision)  # a run of experts per ep rank: not FSDP's
+    experts = check_experts_mesh(model, mesh)  # a run of experts per ep rank: not FSDP's
     param_dtype = MIXED_PRECISION[mixed_precision]
     if param_dtype is not None:
         _prepare_mixed_precision(model, param_dtype)
