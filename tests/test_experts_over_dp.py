@@ -5,7 +5,8 @@ gradient norms, every parameter) at dp=2 (ep=2) x tp=2 with whole experts per tp
 checkpoint resumes at dp=4 (ep=2) x tp=1 (the experts' gradients summed over the two dp blocks) and without ep, and
 one saved without ep resumes with it, each step as one process's; its export_pretrained loads in transformers with
 one process's weights. GPT-OSS (biases picked per routed row: an exchange per product) trains at dp=4 (ep=2) as one
-process; under bf16 mixed precision the losses are those without ep (to bf16's rounding). The all-to-alls of a step
+process, and so does dp=2 (ep=2) x cp=2 (each cp rank exchanges its chunks' rows); under bf16 mixed precision the
+losses are those without ep (to bf16's rounding). The all-to-alls of a step
 are counted and their bytes checked against the rows routed to other ranks' experts (once out and back per MoE
 block); what does not handle a run of experts yet is refused by name."""
 from __future__ import annotations
@@ -21,13 +22,13 @@ from test_expert_parallel import GLOBAL_BATCH, MAX_NORM, SAVE_AT, STEPS, _optimi
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 
 RUNS = {"trained": (2, 2, 2), "resumed at ep=2 x tp=1": (1, 4, 2), "resumed without ep": (2, 2, 1),
-        "from a checkpoint without ep": (1, 4, 2), "gpt_oss": (1, 4, 2)}  # (tp, dp, ep)
+        "from a checkpoint without ep": (1, 4, 2), "gpt_oss": (1, 4, 2), "with cp": (1, 2, 2)}  # (tp, dp, ep)
 
 
-def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), export=None, mixed=None):
+def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), export=None, mixed=None, cp=1):
     """Train ``steps`` at (tp, dp, ep), first loading checkpoint ``load``, saving ``save`` before step SAVE_AT; at the
     end, with ``export``, write a Hugging Face directory there and read it back with transformers. ``mixed``:
-    runtime's mixed precision ("bf16")."""
+    runtime's mixed precision ("bf16"); ``cp``: context-parallel size."""
     import torch
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -39,9 +40,10 @@ def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), e
     from fxparallel.runtime.fsdp import reshard
     from fxparallel.ops import expert_exchange as exchange
 
-    mesh = init_mesh(tp=tp, dp=dp, ep=ep)
+    mesh = init_mesh(tp=tp, dp=dp, ep=ep, cp=cp)
     dtype = torch.bfloat16 if mixed else torch.float32
-    model = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=dtype, ep_group=mesh.ep_mesh), mesh,
+    model = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=dtype, ep_group=mesh.ep_mesh,
+                                                       cp_group=mesh.cp_mesh if cp > 1 else None), mesh,
                                 mixed_precision=mixed)
     opt = _optimizer(model.parameters())
     if load:
@@ -51,7 +53,7 @@ def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), e
     for step in steps:
         if step == SAVE_AT and save:
             save_checkpoint(save, model, opt, mesh, SAVE_AT)
-        if ep > 1 and tp == 1 and step == STEPS - 1 and not mixed:  # the bytes the step's exchanges send, and what they carry
+        if ep > 1 and tp == cp == 1 and step == STEPS - 1 and not mixed:  # the bytes the step's exchanges send, and what they carry
             volume = _exchanged(model, data.batch(step)["input_ids"], mesh.ep_rank, ep)
         with CommDebugMode() as comm:
             m = train_step(model, opt, data.batch(step), mesh, max_norm=MAX_NORM)
@@ -117,6 +119,7 @@ def _train(rank, world, path, dense_path, root, oss_path):
            "resumed without ep": _layout_run(path, 2, 2, 1, load=a, save=b, steps=range(SAVE_AT, STEPS)),
            "from a checkpoint without ep": _layout_run(path, 1, 4, 2, load=b, steps=range(SAVE_AT, STEPS)),
            "gpt_oss": _layout_run(oss_path, 1, 4, 2),
+           "with cp": _layout_run(path, 1, 2, 2, cp=2),
            "bf16": _layout_run(path, 1, 4, 2, mixed="bf16", steps=range(2)),
            "bf16 without ep": _layout_run(path, 1, 4, 1, mixed="bf16", steps=range(2))}
     mesh = init_mesh(tp=1, dp=4, ep=2)
@@ -198,7 +201,7 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
             for counts in got["all-to-alls"]:  # per block and step: the counts, the rows there and back, and back
                 assert counts == {"c10d.alltoall_base_": layers, "c10d_functional.all_to_all_single": 4 * layers}, \
                     (run, counts)
-            if tp == 1:  # the exchanges' bytes, over every rank: each row of another rank's expert, there and back
+            if tp == 1 and run != "with cp":  # the bytes exchanged, over every rank: each row of another rank's expert
                 assert sum(x[run]["volume"]["sent"] for x in ranks) == sum(x[run]["volume"]["expected"] for x in ranks)
                 assert ranks[0][run]["volume"]["sent"] > 0
             assert got["generate"].startswith("NotImplementedError: generate: this model's experts are spread over "

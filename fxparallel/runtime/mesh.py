@@ -22,8 +22,8 @@ Sub-meshes:
 * ``ep_mesh`` (1-D, with ``ep`` > 1, ``EP_SIZE``): experts over data-parallel ranks, carved from dp as
   torchtitan carves it: dp index ``d`` is ``(d // ep, d % ep)``, and the ``ep`` ranks of one dp block and tp
   position each hold a run of the experts and exchange rows (give it to ``parallelize(..., ep_group=)``).
-  ``expert_dp_mesh`` (1-D): the ranks holding the same run (the other dp blocks): the experts' gradients are
-  summed over it.
+  ``expert_dp_mesh`` (1-D): the ranks holding the same run (the other dp blocks, and the cp ranks, which see other
+  chunks of the same sequences): the experts' gradients are summed over it.
 """
 from __future__ import annotations
 
@@ -45,8 +45,6 @@ def ep_size_error(ep: int, dp: int, cp: int) -> Optional[str]:
     """The error message when experts cannot be spread over ``ep`` of the ``dp`` ranks (None when they can)."""
     if ep > 1 and dp % ep:
         return f"EP size ({ep}) must divide DP size ({dp}): the expert-parallel ranks are carved from the dp ranks"
-    if ep > 1 and cp > 1:
-        return f"EP size ({ep}) together with CP size ({cp}) is not supported yet"
     return None
 
 
@@ -211,11 +209,11 @@ def init_mesh(tp: Optional[int] = None, dp: Optional[int] = None, cp: Optional[i
     ranks = mesh.mesh.permute(1, 0, 2).reshape(tp, dp * cp)
     tp_dp = DeviceMesh(device_type, ranks, mesh_dim_names=("tp", "dp_cp"))
     ep_mesh = expert_dp = None
-    if ep > 1:  # dp index d = (d // ep, d % ep); cp == 1
+    if ep > 1:  # dp index d = (d // ep, d % ep): ep groups vary d % ep; the same run varies d // ep and cp
         blocks = mesh.mesh.reshape(dp // ep, ep, tp, cp)
         ep_mesh = DeviceMesh(device_type, blocks.permute(0, 2, 3, 1).reshape(-1, ep),
                              mesh_dim_names=("ep_rows", "ep"))["ep"]
-        expert_dp = DeviceMesh(device_type, blocks.permute(1, 2, 3, 0).reshape(-1, dp // ep),
+        expert_dp = DeviceMesh(device_type, blocks.permute(1, 2, 0, 3).reshape(-1, dp // ep * cp),
                                mesh_dim_names=("expert_rows", "expert_dp"))["expert_dp"]
     return ParallelMesh(mesh=mesh, dp=dp, tp=tp, cp=cp, device=device, dp_cp_mesh=dp_cp, tp_dp_mesh=tp_dp,
                         ep=ep, ep_mesh=ep_mesh, expert_dp_mesh=expert_dp)
