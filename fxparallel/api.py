@@ -519,7 +519,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     base = dataclasses.replace(source, adapter=None)  # with an adapter: its base model is planned first
     meta = _meta_model(base, group.size, dtype, trust_remote_code)
     if ep is not None:
-        check_experts_over_dp(meta, ep.size, sequence_parallel)
+        check_experts_over_dp(meta, ep.size)
     fixed = _saved_placements(saved, source, meta, group.size, dtype, trust_remote_code) if saved is not None else None
     experts = choose_experts(meta, group.size, expert_parallel, saved_whole_experts(meta, fixed))
     # resolve (download) the checkpoint before the capture, so a bad checkpoint fails early

@@ -5,8 +5,8 @@ gradient norms, every parameter) at dp=2 (ep=2) x tp=2 with whole experts per tp
 checkpoint resumes at dp=4 (ep=2) x tp=1 (the experts' gradients summed over the two dp blocks) and without ep, and
 one saved without ep resumes with it, each step as one process's; its export_pretrained loads in transformers with
 one process's weights. GPT-OSS (biases picked per routed row: an exchange per product) trains at dp=4 (ep=2) as one
-process, and so does dp=2 (ep=2) x cp=2 (each cp rank exchanges its chunks' rows); under bf16 mixed precision the
-losses are those without ep (to bf16's rounding). The all-to-alls of a step
+process, and so do dp=2 (ep=2) x cp=2 (each cp rank exchanges its chunks' rows) and dp=2 (ep=2) x tp=2 with
+sequence parallelism; under bf16 mixed precision the losses are those without ep (to bf16's rounding). The all-to-alls of a step
 are counted and their bytes checked against the rows routed to other ranks' experts (once out and back per MoE
 block); what does not handle a run of experts yet is refused by name."""
 from __future__ import annotations
@@ -22,10 +22,12 @@ from test_expert_parallel import GLOBAL_BATCH, MAX_NORM, SAVE_AT, STEPS, _optimi
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 
 RUNS = {"trained": (2, 2, 2), "resumed at ep=2 x tp=1": (1, 4, 2), "resumed without ep": (2, 2, 1),
-        "from a checkpoint without ep": (1, 4, 2), "gpt_oss": (1, 4, 2), "with cp": (1, 2, 2)}  # (tp, dp, ep)
+        "from a checkpoint without ep": (1, 4, 2), "gpt_oss": (1, 4, 2), "with cp": (1, 2, 2),
+        "with sp": (2, 2, 2)}  # (tp, dp, ep)
 
 
-def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), export=None, mixed=None, cp=1):
+def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), export=None, mixed=None, cp=1,
+                sp=False):
     """Train ``steps`` at (tp, dp, ep), first loading checkpoint ``load``, saving ``save`` before step SAVE_AT; at the
     end, with ``export``, write a Hugging Face directory there and read it back with transformers. ``mixed``:
     runtime's mixed precision ("bf16"); ``cp``: context-parallel size."""
@@ -43,7 +45,8 @@ def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), e
     mesh = init_mesh(tp=tp, dp=dp, ep=ep, cp=cp)
     dtype = torch.bfloat16 if mixed else torch.float32
     model = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=dtype, ep_group=mesh.ep_mesh,
-                                                       cp_group=mesh.cp_mesh if cp > 1 else None), mesh,
+                                                       cp_group=mesh.cp_mesh if cp > 1 else None,
+                                                       sequence_parallel=sp), mesh,
                                 mixed_precision=mixed)
     opt = _optimizer(model.parameters())
     if load:
@@ -77,7 +80,7 @@ def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), e
 
             exported = dict(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).named_parameters())
     return {"history": history, "all-to-alls": exchanges, "volume": volume, "runs": runs, "params": params,
-            "exported": exported,
+            "exported": exported, "sequence parallel": model.plan.sequence_parallel,
             "tp_rank": mesh.tp_rank,
             "exchanges": {tuple(g.code.count(f"{op}(") for op in ("dispatch_rows", "local_grouped_mm", "combine_rows",
                                                                    "exchanged_grouped_mm")) for g in model.graphs()},
@@ -120,6 +123,7 @@ def _train(rank, world, path, dense_path, root, oss_path):
            "from a checkpoint without ep": _layout_run(path, 1, 4, 2, load=b, steps=range(SAVE_AT, STEPS)),
            "gpt_oss": _layout_run(oss_path, 1, 4, 2),
            "with cp": _layout_run(path, 1, 2, 2, cp=2),
+           "with sp": _layout_run(path, 2, 2, 2, sp=True),
            "bf16": _layout_run(path, 1, 4, 2, mixed="bf16", steps=range(2)),
            "bf16 without ep": _layout_run(path, 1, 4, 1, mixed="bf16", steps=range(2))}
     mesh = init_mesh(tp=1, dp=4, ep=2)
@@ -189,6 +193,7 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
                 assert not got["runs"] and got["exchanges"] == {(0, 0, 0, 0)}
                 continue
             assert len(got["runs"]) == 2 * layers, (run, got["runs"])
+            assert got["sequence parallel"] == (run == "with sp")
             if run == "gpt_oss":  # its biases are picked per routed row between the products: an exchange per product
                 assert got["exchanges"] == {(0, 0, 0, 2 * layers)}, got["exchanges"]
                 for counts in got["all-to-alls"]:

@@ -15,9 +15,9 @@ def stacked_expert_weights(meta) -> frozenset:
                      if name in params and params[name].dim() >= 3)
 
 
-def check_experts_over_dp(meta, ep: int, sequence_parallel: bool) -> None:
+def check_experts_over_dp(meta, ep: int) -> None:
     """Refuse, before any capture, what the exchange cannot do: a model without stacked experts, fewer experts
-    than ep ranks, a kernel other than grouped_mm, sequence parallelism (not yet composed)."""
+    than ep ranks, a kernel other than grouped_mm."""
     kind = getattr(meta.config, "model_type", type(meta).__name__)
     counts = {count for name, count in expert_parameters(meta).items() if name in stacked_expert_weights(meta)}
     if not counts:
@@ -31,5 +31,3 @@ def check_experts_over_dp(meta, ep: int, sequence_parallel: bool) -> None:
         raise ShardingError(f"ep_group: the experts kernel is {kernel!r}; experts over data-parallel ranks exchange "
                             "rows sorted by expert, which transformers' grouped_mm kernel computes (set "
                             "experts_implementation='grouped_mm')")
-    if sequence_parallel:
-        raise ShardingError("ep_group together with sequence_parallel is not supported yet")
