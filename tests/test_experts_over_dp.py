@@ -137,6 +137,10 @@ def _train(rank, world, path, dense_path, root, oss_path):
     batched = AutoConfig.for_model(**config)
     batched._experts_implementation = "batched_mm"
     out["batched_mm"] = raised(lambda: fxparallel.parallelize(batched, mesh.tp_mesh, ep_group=mesh.ep_mesh))
+    three = AutoConfig.for_model(**config)
+    three.num_experts = 3
+    mesh = init_mesh(tp=1, dp=4, ep=4)
+    out["too few experts"] = raised(lambda: fxparallel.parallelize(three, mesh.tp_mesh, ep_group=mesh.ep_mesh))
     return out
 
 
@@ -174,6 +178,8 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
         assert r["dense"].startswith("ShardingError: ep_group: llama has no stacked expert weights"), r["dense"]
         assert r["batched_mm"].startswith("ShardingError: ep_group: the experts kernel is 'batched_mm'"), \
             r["batched_mm"]
+        assert r["too few experts"].startswith("ShardingError: ep_group of size 4: qwen3_moe has 3 experts in a layer, "
+                                               "fewer than the expert-parallel ranks"), r["too few experts"]
         for run, (tp, dp, ep) in RUNS.items():
             got, ref = r[run], refs["gpt_oss" if run == "gpt_oss" else "qwen3_moe"]
             expected = ref["history"][STEPS - len(got["history"]):]  # (the resumed runs: the steps after SAVE_AT)
