@@ -105,6 +105,29 @@ def _exchanged(model, ids, ep_rank: int, ep: int) -> dict:
     return {"expected": others * 2 * config.hidden_size * 4}
 
 
+def _accumulated(path) -> float:
+    """At dp=4 (ep=2): the experts' gradients of one backward against two backwards of half the loss accumulated
+    (each backward's gradient is summed over the other dp block once)."""
+    import torch
+
+    import fxparallel
+    from fxparallel.runtime import StepBatches, apply_data_parallel, init_mesh
+
+    mesh = init_mesh(tp=1, dp=4, ep=2)
+    model = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32,
+                                                       ep_group=mesh.ep_mesh), mesh)
+    ids = StepBatches(_rows(), GLOBAL_BATCH, mesh.dp_rank, mesh.dp).batch(0)["input_ids"]
+    runs = [p for p in model.parameters() if getattr(p, "_fxparallel_expert_run", None)]
+    grads = []
+    for parts in (1, 2):
+        for p in model.parameters():
+            p.grad = None
+        for _ in range(parts):
+            (model(input_ids=ids, labels=ids).loss / parts).backward()
+        grads.append([p.grad.clone() for p in runs])
+    return max((a - b).abs().max().item() for a, b in zip(*grads))
+
+
 def _train(rank, world, path, dense_path, root, oss_path):
     """dp=2 (ep=2) x tp=2 trains three steps, saving before the third; that checkpoint resumed at dp=4 (ep=2) x
     tp=1 and at dp=2 x tp=2 without ep, which saves it again; that one resumed at dp=4 (ep=2) x tp=1."""
@@ -126,6 +149,7 @@ def _train(rank, world, path, dense_path, root, oss_path):
            "with sp": _layout_run(path, 2, 2, 2, sp=True),
            "bf16": _layout_run(path, 1, 4, 2, mixed="bf16", steps=range(2)),
            "bf16 without ep": _layout_run(path, 1, 4, 1, mixed="bf16", steps=range(2))}
+    out["accumulated"] = _accumulated(path)
     mesh = init_mesh(tp=1, dp=4, ep=2)
     out["dense"] = raised(lambda: fxparallel.parallelize(dense_path, mesh.tp_mesh, ep_group=mesh.ep_mesh))
     import json
@@ -174,6 +198,7 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
         assert {t.dtype for t in r["bf16"]["params"].values()} == {torch.float32}
         assert r["bf16"]["exchanges"] == {(layers, 2 * layers, layers, 0)}
     for r in ranks:
+        assert r["accumulated"] < 1e-6, r["accumulated"]
         assert r["bad ep"].startswith("GroupError: EP size (3) must divide DP size (4)"), r["bad ep"]
         assert r["dense"].startswith("ShardingError: ep_group: llama has no stacked expert weights"), r["dense"]
         assert r["batched_mm"].startswith("ShardingError: ep_group: the experts kernel is 'batched_mm'"), \

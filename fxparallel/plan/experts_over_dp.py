@@ -19,7 +19,8 @@ def check_experts_over_dp(meta, ep: int) -> None:
     """Refuse, before any capture, what the exchange cannot do: a model without stacked experts, fewer experts
     than ep ranks, a kernel other than grouped_mm."""
     kind = getattr(meta.config, "model_type", type(meta).__name__)
-    counts = {count for name, count in expert_parameters(meta).items() if name in stacked_expert_weights(meta)}
+    stacked = stacked_expert_weights(meta)
+    counts = {count for name, count in expert_parameters(meta).items() if name in stacked}
     if not counts:
         raise ShardingError(f"ep_group: {kind} has no stacked expert weights (a mixture-of-experts layer of "
                             "transformers' experts modules) to spread over data-parallel ranks")

@@ -6,7 +6,7 @@ parameter over all dp ranks and sums its gradient over them, must leave those we
 ``ignored_params`` (under bf16 mixed precision they stay fp32 master weights, cast for each grouped product by the
 exchange itself). Their gradients already sum the rows of every rank of the ep group (the exchange's
 backward); the ranks holding the same run in the other dp blocks (``expert_dp_mesh``) add theirs by one
-all-reduce (SUM, as FSDP's: ``runtime/loss_normalization.py``) when each gradient is complete.
+all-reduce (SUM, as FSDP's: ``runtime/loss_normalization.py``) of each backward's gradient.
 
 Checkpoints describe a run to DCP as the pieces of the full tensor it holds (``run_views``): the same keys and
 full shapes as without ep (a fused weight split by its parts: one key per part), so a checkpoint saved at one
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .fused_forms import SEGMENT, _described
+from .fused_forms import SEGMENT, described
 
 
 def check_experts_mesh(model, mesh) -> list:
@@ -33,12 +33,20 @@ def check_experts_mesh(model, mesh) -> list:
 
 
 def sum_expert_gradients(params: list, mesh) -> None:
-    """Sum each expert-run gradient over ``mesh.expert_dp_mesh`` once it is complete (nothing with one dp block)."""
+    """Sum each expert-run gradient over ``mesh.expert_dp_mesh`` as a backward computes it (nothing with one dp
+    block): the hook sees this backward's gradient before it is added to ``.grad``, so gradients accumulated over
+    several backwards are each summed once, as FSDP sums the others."""
     if not params or mesh.expert_dp_size == 1:
         return
     group = mesh.expert_dp_mesh.get_group()
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
     for param in params:
-        param.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad, group=group))
+        param.register_hook(summed)
 
 
 def run_views(tensor: torch.Tensor, plan_param, run: tuple, mesh) -> dict:
@@ -65,4 +73,4 @@ def run_views(tensor: torch.Tensor, plan_param, run: tuple, mesh) -> dict:
             shape[p.dim] = p.segments[part]
             suffix = f"{SEGMENT}{part}"
         found.setdefault(suffix, (shape, []))[1].append((torch.Size(offsets), torch.Size(sizes), view))
-    return {suffix: _described(pieces, shape, tensor) for suffix, (shape, pieces) in found.items()}
+    return {suffix: described(pieces, shape, tensor) for suffix, (shape, pieces) in found.items()}

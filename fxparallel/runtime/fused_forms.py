@@ -53,7 +53,9 @@ def _fused_dim(whole: tuple, parts: list):
     return None
 
 
-def _described(pieces: list, full, like: torch.Tensor) -> torch.Tensor:
+def described(pieces: list, full, like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor (of ``like``'s dtype and device) that tells DCP it holds ``pieces`` ([(offsets, sizes,
+    view)]) of a tensor of shape ``full``: DCP writes and loads those views."""
     from ..dcp_state import describe_pieces
 
     carrier = like.new_empty(0)
@@ -96,10 +98,10 @@ def in_saved_form(state: dict, saved_sizes: dict) -> list:
         if whole in keys:
             pieces = _chunks(views[0])
             for key, shape, start in zip(saved_parts, part_shapes, starts):
-                state[key] = _described(_cut(pieces, dim, start, shape[dim]), shape, like)
+                state[key] = described(_cut(pieces, dim, start, shape[dim]), shape, like)
         else:
             pieces = [(_moved(o, dim, start), s, t) for view, start in zip(views, starts) for o, s, t in _chunks(view)]
-            state[whole] = _described(pieces, full, like)
+            state[whole] = described(pieces, full, like)
     return failed
 
 
