@@ -10,6 +10,7 @@ their checkpoints are ``runtime.save_checkpoint``'s."""
 from __future__ import annotations
 
 import torch
+
 from .load.expert_runs import refuse_expert_runs
 
 

@@ -5,10 +5,19 @@ The weights are read as the tensor-parallel plan places them, then cut: loading 
 every expert for a moment, the model afterwards 1/ep of it."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..errors import ShardingError
 from ..ops.expert_exchange import expert_runs
+from ..plan.layout import balanced
+
+
+def run_sizes(param) -> Optional[tuple]:
+    """The experts each rank of ``param``'s ep group holds, as the gathers along dim 0 take them (None: all equal)."""
+    sizes = balanced(param._fxparallel_expert_run[2], param._fxparallel_expert_group.size)
+    return sizes if len(set(sizes)) > 1 else None
 
 
 def tp_shard_of_runs(param) -> torch.Tensor:
@@ -16,9 +25,8 @@ def tp_shard_of_runs(param) -> torch.Tensor:
     parameter), all-gathered along dim 0 (collective over that group)."""
     from ..ops.collectives import gather_full
 
-    group, count = param._fxparallel_expert_group, param._fxparallel_expert_run[2]
-    sizes = [n for _, n in expert_runs(count, group.size)]
-    return gather_full(param.detach(), 0, group.process_group, group.size, sizes if len(set(sizes)) > 1 else None)
+    group = param._fxparallel_expert_group
+    return gather_full(param.detach(), 0, group.process_group, group.size, run_sizes(param))
 
 
 def keep_expert_runs(module, names: frozenset, ep) -> dict:

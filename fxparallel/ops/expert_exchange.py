@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..group import group_by_handle
+from ..plan.layout import balanced
 
 bytes_sent: collections.Counter = collections.Counter()
 
@@ -43,14 +44,9 @@ KERNELS = {"grouped_mm": lambda: getattr(torch.nn.functional, "grouped_mm", None
 
 def expert_runs(count: int, size: int) -> list:
     """[(first expert, number of experts)] of each of ``size`` ranks over ``count`` experts: the first ranks
-    one more where ``size`` does not divide ``count``."""
-    base, extra = divmod(count, size)
-    runs, start = [], 0
-    for rank in range(size):
-        n = base + (rank < extra)
-        runs.append((start, n))
-        start += n
-    return runs
+    one more where ``size`` does not divide ``count`` (``plan/layout.balanced``)."""
+    sizes = balanced(count, size)
+    return [(sum(sizes[:rank]), n) for rank, n in enumerate(sizes)]
 
 
 @dataclass

@@ -8,10 +8,10 @@ Each element of the full model's gradient must be counted exactly once:
   so only tp rank 0 contributes (summing over tp would count them tp times). The
   whole segments of a fused weight (``S(0)[64,8R,8R]``) are the same: tp rank 0 only.
 * FSDP shards (DTensor ``Shard(0)`` over dp x cp) are disjoint: summed over dp x cp.
-* A run of experts (experts over dp ranks, ``runtime/experts_over_dp.py``) is disjoint within its ep group
-  and the same in the other dp blocks: only the first dp block counts it.
   In replicate mode (or without FSDP) every dp x cp rank holds the same gradient,
   so only dp x cp rank 0 contributes.
+* A run of experts (experts over dp ranks, ``runtime/experts_over_dp.py``) is disjoint within its ep group
+  and the same on the ranks holding the same run (``expert_dp_mesh``): only the first of those counts it.
 
 The sum of squares is then one all-reduce over the whole world.
 """

@@ -30,7 +30,7 @@ from ..load.coordinate import exchange
 from ..ops.collectives import gather_full_to, gather_parts_to
 from .dtensor import fsdp_mesh_dim, full_tensor, local_part, tp_of
 from .fsdp import reshard
-from ..ops.expert_exchange import expert_runs
+from ..load.expert_runs import run_sizes
 
 
 @dataclass(frozen=True)
@@ -177,14 +177,13 @@ def _full_on_writer(param, plan_param, tp_mesh, route: _Route) -> Optional[torch
 def _runs_to(param, targets: tuple) -> Optional[torch.Tensor]:
     """An expert-run parameter's tp shard on the rank of its ep group that is among ``targets``, None on the
     others (the runs gathered there; ``load/expert_runs.py``)."""
-    group, count = param._fxparallel_expert_group, param._fxparallel_expert_run[2]
+    group = param._fxparallel_expert_group
     members = dist.get_process_group_ranks(group.process_group)
     holders = [r for r in members if r in targets]
     if not holders:  # no rank of this ep group gathers for the writer
         return None
-    sizes = [n for _, n in expert_runs(count, group.size)]
     return gather_full_to(param.detach(), 0, group.process_group, group.size,
-                          dist.get_group_rank(group.process_group, holders[0]), sizes if len(set(sizes)) > 1 else None)
+                          dist.get_group_rank(group.process_group, holders[0]), run_sizes(param))
 
 
 def _tp_shard_to(tensor, targets: tuple) -> Optional[torch.Tensor]:

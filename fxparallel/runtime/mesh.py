@@ -41,13 +41,6 @@ from ..group import device_type_of, process_group_backends, rank_cuda_device
 DIM_NAMES = ("dp", "tp", "cp")
 
 
-def ep_size_error(ep: int, dp: int, cp: int) -> Optional[str]:
-    """The error message when experts cannot be spread over ``ep`` of the ``dp`` ranks (None when they can)."""
-    if ep > 1 and dp % ep:
-        return f"EP size ({ep}) must divide DP size ({dp}): the expert-parallel ranks are carved from the dp ranks"
-    return None
-
-
 def world_size_error(world: int, tp: int, dp: int, cp: int) -> Optional[str]:
     """The error message when ``world != tp * dp * cp`` (None when it is right)."""
     if world == tp * dp * cp:
@@ -196,11 +189,11 @@ def init_mesh(tp: Optional[int] = None, dp: Optional[int] = None, cp: Optional[i
     ep = _env_size("EP_SIZE", ep) or 1
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         # check the sizes before starting anything, so a wrong launch fails at once on every rank
-        _check_ep(ep, *resolve_sizes(int(os.environ["WORLD_SIZE"]), tp, dp, cp)[::2])
+        _check_ep(ep, resolve_sizes(int(os.environ["WORLD_SIZE"]), tp, dp, cp)[0])
     backend = _init_process_group(backend, timeout)
     world = dist.get_world_size()
     dp, tp, cp = resolve_sizes(world, tp, dp, cp)
-    _check_ep(ep, dp, cp)
+    _check_ep(ep, dp)
     device_type, _ = device_type_of(process_group_backends(dist.group.WORLD))
     device = rank_cuda_device(dist.group.WORLD, dist.get_rank(), "the job's process group") \
         if device_type == "cuda" else torch.device("cpu")
@@ -219,7 +212,8 @@ def init_mesh(tp: Optional[int] = None, dp: Optional[int] = None, cp: Optional[i
                         ep=ep, ep_mesh=ep_mesh, expert_dp_mesh=expert_dp)
 
 
-def _check_ep(ep: int, dp: int, cp: int) -> None:
-    message = ep_size_error(ep, dp, cp)
-    if message:
-        raise GroupError(message)
+def _check_ep(ep: int, dp: int) -> None:
+    """Refuse experts over ``ep`` of the ``dp`` ranks where ``ep`` does not divide ``dp``."""
+    if ep > 1 and dp % ep:
+        raise GroupError(f"EP size ({ep}) must divide DP size ({dp}): the expert-parallel ranks are carved from the "
+                         "dp ranks")
