@@ -69,6 +69,9 @@ def use_dtensor_parameters(model, user: tuple = TRAINER) -> None:
     group = model.tp_group
     if model.cp_group is not None:  # (Trainer would give the cp ranks whole sequences)
         raise DTensorParametersError(f"{who} with context parallelism (cp_group) is not supported: {instead}")
+    if getattr(model, "expert_runs", None):  # (the dp ranks of an ep group hold other experts: no view states that)
+        raise DTensorParametersError(f"{who} with experts over data-parallel ranks (ep_group) is not supported: "
+                                     f"{instead}")
     placements = {}
     for name, param in model.local_named_parameters():
         if isinstance(param, DTensor):

@@ -85,7 +85,8 @@ def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), e
             "exchanges": {tuple(g.code.count(f"{op}(") for op in ("dispatch_rows", "local_grouped_mm", "combine_rows",
                                                                    "exchanged_grouped_mm")) for g in model.graphs()},
             "generate": raised(lambda: model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)),
-            "state_dict": raised(lambda: model.state_dict()) if ep > 1 else ""}
+            "state_dict": raised(lambda: model.state_dict()) if ep > 1 else "",
+            "trainer": raised(lambda: model.tp_size) if ep > 1 and tp > 1 else ""}
 
 
 def _exchanged(model, ids, ep_rank: int, ep: int) -> dict:
@@ -243,3 +244,7 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
             assert got["generate"].startswith("NotImplementedError: generate: this model's experts are spread over "
                                               "data-parallel ranks"), got["generate"]
             assert got["state_dict"].startswith("NotImplementedError: state_dict(): "), got["state_dict"]
+            # at tp > 1 Trainer / accelerate read tp_size for DTensor views, and would average other experts over dp:
+            # refused (at tp = 1 they wrap the model in DDP, which the model refuses: data_parallel_guard.py)
+            assert tp == 1 or got["trainer"].startswith("DTensorParametersError: transformers.Trainer / accelerate with experts "
+                                             "over data-parallel ranks (ep_group) is not supported"), got["trainer"]
