@@ -44,7 +44,7 @@ from .group import TPGroup, choose_device, fake_group, resolve_group, resolve_tp
 from .load import (initialize, load_from_files, load_from_state_dict, resolve_checkpoint,
                    resolve_source)
 from .load.adapter_weights import load_adapter_weights, without_adapters
-from .load.expert_runs import keep_expert_runs
+from .load.expert_runs import runs_of
 from .load.coordinate import exchange
 from .load.dtype import resolve_dtype
 from .model_facts import ModelFacts
@@ -541,8 +541,10 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     timings["capture+plan+rewrite"] = time.perf_counter() - t
 
     # weights: everything that can fail on input runs before any shard is written
+    runs = runs_of(sharding, stacked_expert_weights(meta), group.rank, group.size, ep) if ep is not None else None
     module = ParallelCausalLM(source.config, sharding, group, device, dtype, factory,
-                              model_facts(factory.meta, source, sequence_parallel), planned.local, cp_group=cp)
+                              model_facts(factory.meta, source, sequence_parallel), planned.local, cp_group=cp,
+                              ep_group=ep, expert_runs=runs)
     # each rank planned alone (its own graph cache and packages): refuse mismatched plans before reading weights
     t = time.perf_counter()
     check_plans_agree(sharding, (("tp_group", group), ("cp_group", cp), ("ep_group", ep)))
@@ -559,9 +561,6 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
         for adapter in source.inactive_adapters + (source.adapter,):
             module.bytes_read = getattr(module, "bytes_read", 0) + load_adapter_weights(
                 module, sharding, adapter, group.rank, group.size)
-    if ep is not None:  # each ep rank keeps its run of the experts
-        module.ep_group = ep
-        module.expert_runs = keep_expert_runs(module, stacked_expert_weights(meta), ep)
     timings["load"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - t0
     module.timings = timings

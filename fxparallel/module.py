@@ -73,16 +73,20 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
     ones it refuses, saying what to do instead) are listed in ``hf_methods.py``."""
 
     def __init__(self, config, plan, group, device, dtype, factory=None, facts: ModelFacts = ModelFacts(),
-                 first_graph: Optional[LocalGraph] = None, cp_group=None):
+                 first_graph: Optional[LocalGraph] = None, cp_group=None, ep_group=None,
+                 expert_runs: Optional[dict] = None):
         """``factory``: captures new graphs (api.GraphFactory, from its meta model; None: a module of weights
         only); ``facts``: what the module needs to know of the model (model_facts.py); ``first_graph``: the
         training graph, planned with ``plan``; ``cp_group``: inputs are then this rank's chunks of each sequence
-        (runtime/context_parallel_batches.py)."""
+        (runtime/context_parallel_batches.py); ``ep_group`` and ``expert_runs``: the experts over data-parallel ranks
+        and the run of each stacked expert weight this rank holds (load/expert_runs.py)."""
         nn.Module.__init__(self)  # not PreTrainedModel's: there is no single-device model behind this one
         self.config = config
         self.plan = plan
         self.tp_group = group
         self.cp_group = cp_group
+        self.ep_group = ep_group
+        self.expert_runs = dict(expert_runs or {})
         self.device_ = torch.device(device)
         self.dtype_ = dtype
         for name in (f.name for f in dataclasses.fields(facts)):  # see model_facts.py
@@ -127,8 +131,15 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         """Register this rank's shard of the planned parameter ``p`` (a ParamPlan) under each of its names."""
         group = self.tp_group
         kind = ShardParameter if group.size > 1 else nn.Parameter  # refuses per-rank clipping and inf checks
-        param = kind(torch.empty(p.local_shape(group.size, group.rank), device=self.device_, dtype=self.dtype_))
+        shape = p.local_shape(group.size, group.rank)
+        run = self.expert_runs.get(p.name)
+        if run is not None:  # this rank's run of its shard's experts (dim 0)
+            shape = (run[1],) + tuple(shape[1:])
+        param = kind(torch.empty(shape, device=self.device_, dtype=self.dtype_))
         param._fxparallel = p  # type: ignore[attr-defined]
+        if run is not None:  # (full tensors gather the runs over the ep group: runtime/dtensor.py, export.py)
+            param._fxparallel_expert_run = run
+            param._fxparallel_expert_group = self.ep_group
         for name in p.names:
             module, leaf = parent_of(self, name)
             module.register_parameter(leaf, param)

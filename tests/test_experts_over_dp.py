@@ -3,12 +3,12 @@ of an ep group holds a run of the experts and the rows routed to them travel the
 (``fxparallel/ops/expert_exchange.py``). Three AdamW steps with clipping under FSDP2 equal one process (losses,
 gradient norms, every parameter) at dp=2 (ep=2) x tp=2 with whole experts per tp rank (one expert per rank); its
 checkpoint resumes at dp=4 (ep=2) x tp=1 (the experts' gradients summed over the two dp blocks) and without ep, and
-one saved without ep resumes with it, each step as one process's; its export_pretrained loads in transformers with
-one process's weights. GPT-OSS (biases picked per routed row: an exchange per product) trains at dp=4 (ep=2) as one
-process, and so do dp=2 (ep=2) x cp=2 (each cp rank exchanges its chunks' rows) and dp=2 (ep=2) x tp=2 with
-sequence parallelism; under bf16 mixed precision the losses are those without ep (to bf16's rounding). The all-to-alls of a step
-are counted and their bytes checked against the rows routed to other ranks' experts (once out and back per MoE
-block); what does not handle a run of experts yet is refused by name."""
+one saved without ep resumes with it, each step as one process's; each rank reads only its run of the experts; its
+export_pretrained loads in transformers with one process's weights. GPT-OSS (biases picked per routed row: an exchange
+per product) trains at dp=4 (ep=2) as one process, and so do dp=2 (ep=2) x cp=2 (each cp rank exchanges its chunks'
+rows) and dp=2 (ep=2) x tp=2 with sequence parallelism; under bf16 mixed precision the losses are those without ep (to
+bf16's rounding). The all-to-alls of a step are counted and their bytes checked against the rows routed to other
+ranks' experts (once out and back per MoE block); what does not handle a run of experts yet is refused by name."""
 from __future__ import annotations
 
 import os
@@ -81,7 +81,7 @@ def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), e
             exported = dict(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).named_parameters())
     return {"history": history, "all-to-alls": exchanges, "volume": volume, "runs": runs, "params": params,
             "exported": exported, "sequence parallel": model.plan.sequence_parallel,
-            "tp_rank": mesh.tp_rank,
+            "tp_rank": mesh.tp_rank, "bytes read": model.bytes_read,
             "exchanges": {tuple(g.code.count(f"{op}(") for op in ("dispatch_rows", "local_grouped_mm", "combine_rows",
                                                                    "exchanged_grouped_mm")) for g in model.graphs()},
             "generate": raised(lambda: model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)),
@@ -198,7 +198,11 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
         assert ours[0] == plain[0] and abs(ours[1] - plain[1]) < 1e-3, (ours, plain)
         assert {t.dtype for t in r["bf16"]["params"].values()} == {torch.float32}
         assert r["bf16"]["exchanges"] == {(layers, 2 * layers, layers, 0)}
-    for r in ranks:
+    for r in ranks:  # loading reads only this rank's run of its tp shard's experts (checkpoint in fp32)
+        unread = sum((of - n) * local[0].numel() * local.element_size()
+                     for (_, n, of), _, _, local in r["trained"]["runs"].values())
+        assert unread > 0 and r["resumed without ep"]["bytes read"] - r["trained"]["bytes read"] == unread, \
+            (r["trained"]["bytes read"], r["resumed without ep"]["bytes read"], unread)
         assert r["accumulated"] < 1e-6, r["accumulated"]
         assert r["bad ep"].startswith("GroupError: EP size (3) must divide DP size (4)"), r["bad ep"]
         assert r["dense"].startswith("ShardingError: ep_group: llama has no stacked expert weights"), r["dense"]

@@ -1,8 +1,8 @@
 """Each rank of an expert-parallel group keeps its run of every stacked expert weight (dim 0, after the
 tensor-parallel split: ``ops/expert_exchange.expert_runs``), and drops the rest.
 
-The weights are read as the tensor-parallel plan places them, then cut: loading holds the tp shard of
-every expert for a moment, the model afterwards 1/ep of it."""
+The parameters are made run-sized (``runs_of``, before anything is allocated) and the loader reads only the run's
+pieces of the tensor-parallel shard (``pieces_in_run``): a rank reads and holds 1/ep of its tp shard's experts."""
 from __future__ import annotations
 
 from typing import Optional
@@ -29,25 +29,36 @@ def tp_shard_of_runs(param) -> torch.Tensor:
     return gather_full(param.detach(), 0, group.process_group, group.size, run_sizes(param))
 
 
-def keep_expert_runs(module, names: frozenset, ep) -> dict:
-    """Cut each parameter of ``names`` to ``ep``'s rank's run; returns {name: (first expert, count, of)} (the
-    experts are numbered within this tp rank's shard of dim 0)."""
-    params = dict(module.local_named_parameters())
-    kept = {}
-    for name in sorted(names):
-        param = params[name]
-        count = int(param.shape[0])
+def runs_of(plan, names: frozenset, tp_rank: int, tp: int, ep) -> dict:
+    """{parameter: (first expert, count, of)}: the run of experts ``ep``'s rank holds of each stacked expert weight
+    in ``names`` (the experts numbered within this tp rank's shard of dim 0), known before anything is allocated or
+    read; refused where a tp shard holds fewer experts than there are ep ranks."""
+    runs = {}
+    for p in plan.params:
+        if not names.intersection(p.names):
+            continue
+        count = int(p.local_shape(tp, tp_rank)[0])
         if count < ep.size:
-            raise ShardingError(f"ep_group of size {ep.size}: {name} holds {count} experts on this tensor-parallel "
+            raise ShardingError(f"ep_group of size {ep.size}: {p.name} holds {count} experts on this tensor-parallel "
                                 "rank, fewer than the expert-parallel ranks (whole experts per tp rank leave "
                                 "E/tp each: use a smaller ep, or expert_parallel=False to split experts inside)")
         first, n = expert_runs(count, ep.size)[ep.rank]
-        with torch.no_grad():
-            param.data = param.data[first:first + n].clone()
-        param._fxparallel_expert_run = (first, n, count)
-        param._fxparallel_expert_group = ep  # (full tensors gather the runs over it: runtime/dtensor.py, export.py)
-        kept[name] = (first, n, count)
-    return kept
+        runs[p.name] = (first, n, count)
+    return runs
+
+
+def pieces_in_run(pieces: list, run: tuple) -> list:
+    """``pieces`` ([(index into the full tensor, index into the tp shard)], ``ParamPlan.pieces``) cut to the experts
+    of ``run`` (dim 0): the indices into the run, and into the full tensor of only those experts."""
+    first, n, _ = run
+    out = []
+    for source, dest in pieces:
+        start, stop = max(dest[0].start, first), min(dest[0].stop, first + n)
+        if start < stop:
+            shift = source[0].start - dest[0].start
+            out.append(((slice(start + shift, stop + shift),) + tuple(source[1:]),
+                        (slice(start - first, stop - first),) + tuple(dest[1:])))
+    return out
 
 
 def refuse_expert_runs(model, what: str) -> None:

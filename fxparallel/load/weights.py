@@ -21,6 +21,7 @@ from .checkpoint_files import CheckpointFiles
 from .conversion import ConversionError, Stored, find_conversions
 from .coordinate import agree, first_on_node, heartbeat
 from .dequantize import bounds
+from .expert_runs import pieces_in_run
 from .progress import byte_bar
 from .quantization import loaded_format
 from .safetensors_io import SafetensorsFile, byte_runs, normalize_index
@@ -28,13 +29,15 @@ from .safetensors_io import SafetensorsFile, byte_runs, normalize_index
 log = logging.getLogger("fxparallel")
 
 
-def slice_pieces(p, rank: int, tp: int) -> list:
+def slice_pieces(p, rank: int, tp: int, run: Optional[tuple] = None) -> list:
     """The pieces of the stored tensor ``p`` that this rank keeps: [(source index, destination index)].
 
     A plain shard is one contiguous slice; a segmented shard (fused q/k/v, gate/up) is one
-    piece per segment (``ParamPlan.pieces``); the reader handles any list.
+    piece per segment (``ParamPlan.pieces``); the reader handles any list. ``run``: the experts this rank
+    holds of its tp shard (experts over data-parallel ranks, ``expert_runs.py``), the only ones read.
     """
-    return p.pieces(rank, tp)
+    pieces = p.pieces(rank, tp)
+    return pieces if run is None else pieces_in_run(pieces, run)
 
 
 @dataclass
@@ -94,6 +97,7 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
         return info.shape
 
     form = loaded_format(module.config)  # a quantized checkpoint: dequantized on load
+    held = getattr(module, "expert_runs", None) or {}  # experts over data-parallel ranks: this rank's runs
     direct = {p.name: next((n for n in p.names if n in stored), None) for p in plan.params}
     packed, problems = {}, []  # parameters stored in the format's own layout (MXFP4's X_blocks / X_scales)
     for p in (p for p in plan.params if form is not None and direct[p.name] is None):
@@ -162,7 +166,7 @@ def _plan_reads(module, plan, files: CheckpointFiles, rank: int, tp: int, meta_m
                 continue
             dequantized = dequantized or any(form.is_quantized(n, header) for n in node.leaves())
         param = module.get_parameter(p.name).detach()
-        for source, dest in slice_pieces(p, rank, tp):
+        for source, dest in slice_pieces(p, rank, tp, held.get(p.name)):
             for tensor, index, out in node.pieces(normalize_index(p.shape, source), param[dest]):
                 info, path = header(tensor)
                 piece = None if form is None else form.piece(tensor, bounds(index), out, header, companions, merged)
@@ -285,11 +289,12 @@ def load_from_state_dict(module, plan, state: dict, rank: int, tp: int) -> None:
         full = state[next(n for n in p.names if n in state)]
         if tuple(full.shape) != tuple(p.shape):
             raise CheckpointError(f"parameter {p.name} has shape {list(full.shape)}, expected {list(p.shape)}")
+    held = getattr(module, "expert_runs", None) or {}  # experts over data-parallel ranks: this rank's runs
     with torch.no_grad():
         for p in plan.params:
             full = state[next(n for n in p.names if n in state)]
             param = module.get_parameter(p.name)
-            for source, dest in slice_pieces(p, rank, tp):
+            for source, dest in slice_pieces(p, rank, tp, held.get(p.name)):
                 param[dest].copy_(full[source])
         for name, buffer in module.named_buffers():
             if name in state and tuple(state[name].shape) == tuple(buffer.shape):  # persistent buffers
