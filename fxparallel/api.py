@@ -344,6 +344,9 @@ class GraphFactory:
         beside it, every placement planned so far kept."""
         source = dataclasses.replace(self.source, adapter=adapter, inactive_adapters=tuple(inactive),
                                      co_active=tuple(co_active))
+        if self.options.ep is not None:
+            base = self if self.source.adapter is None else self.plain  # (its meta model without adapters)
+            check_experts_over_dp(base.meta, self.options.ep.size, tuple(a for a in (adapter, *inactive) if a))
         meta = _meta_model(source, self.group.size, self.dtype, self.trust_remote_code)
         factory = GraphFactory(source, meta, self.dtype, self.group, self.device, self.options.with_fixed(self.fixed),
                                self.trust_remote_code)
@@ -519,7 +522,7 @@ def parallelize(model, tp_group, *, dtype: Union[torch.dtype, str, None] = None,
     base = dataclasses.replace(source, adapter=None)  # with an adapter: its base model is planned first
     meta = _meta_model(base, group.size, dtype, trust_remote_code)
     if ep is not None:
-        check_experts_over_dp(meta, ep.size)
+        check_experts_over_dp(meta, ep.size, tuple(a for a in (source.adapter, *source.inactive_adapters) if a))
     fixed = _saved_placements(saved, source, meta, group.size, dtype, trust_remote_code) if saved is not None else None
     experts = choose_experts(meta, group.size, expert_parallel, saved_whole_experts(meta, fixed))
     # resolve (download) the checkpoint before the capture, so a bad checkpoint fails early

@@ -129,7 +129,7 @@ def _accumulated(path) -> float:
     return max((a - b).abs().max().item() for a, b in zip(*grads))
 
 
-def _train(rank, world, path, dense_path, root, oss_path):
+def _train(rank, world, path, dense_path, root, oss_path, lora_path):
     """dp=2 (ep=2) x tp=2 trains three steps, saving before the third; that checkpoint resumed at dp=4 (ep=2) x
     tp=1 and at dp=2 x tp=2 without ep, which saves it again; that one resumed at dp=4 (ep=2) x tp=1."""
     import warnings
@@ -166,6 +166,16 @@ def _train(rank, world, path, dense_path, root, oss_path):
     three.num_experts = 3
     mesh = init_mesh(tp=1, dp=4, ep=4)
     out["too few experts"] = raised(lambda: fxparallel.parallelize(three, mesh.tp_mesh, ep_group=mesh.ep_mesh))
+    from peft import LoraConfig
+
+    from test_lora import EXPERT_WEIGHTS
+
+    mesh = init_mesh(tp=1, dp=4, ep=2)  # LoRA on the expert weights: refused before any capture, or any change
+    out["expert adapter"] = raised(lambda: fxparallel.parallelize(lora_path, mesh.tp_mesh, ep_group=mesh.ep_mesh))
+    model = fxparallel.parallelize(path, mesh.tp_mesh, ep_group=mesh.ep_mesh)
+    out["add expert adapter"] = raised(lambda: model.add_adapter(LoraConfig(r=2, target_modules=["q_proj"],
+                                                                            target_parameters=EXPERT_WEIGHTS[1:])))
+    out["adapter after the refusal"] = raised(lambda: model.active_adapters())
     return out
 
 
@@ -180,7 +190,11 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
     path = save_checkpoint(tiny_config("qwen3_moe"), str(tmp_path / "moe"))
     dense = save_checkpoint(tiny_config("llama"), str(tmp_path / "dense"))
     oss = save_checkpoint(tiny_config("gpt_oss"), str(tmp_path / "gpt_oss"))
-    ranks = run_ranks(4, _train, path, dense, str(tmp_path / "ckpt"), oss, timeout=1100)
+    from test_lora import EXPERT_WEIGHTS, _adapter
+
+    lora = _adapter(str(tmp_path / "lora"), tiny_config("qwen3_moe"), target_modules=["q_proj"],
+                    target_parameters=EXPERT_WEIGHTS)
+    ranks = run_ranks(4, _train, path, dense, str(tmp_path / "ckpt"), oss, lora, timeout=1100)
     refs = {model: single_process_training(p, steps=STEPS, save_at=SAVE_AT, optimizer=_optimizer, rows=_rows(),
                                            global_batch=GLOBAL_BATCH, mask=lambda batch: batch, max_norm=MAX_NORM)
             for model, p in (("qwen3_moe", path), ("gpt_oss", oss))}
@@ -210,6 +224,13 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
             r["batched_mm"]
         assert r["too few experts"].startswith("ShardingError: ep_group of size 4: qwen3_moe has 3 experts in a layer, "
                                                "fewer than the expert-parallel ranks"), r["too few experts"]
+        assert r["expert adapter"].startswith("ShardingError: ep_group: LoRA adapter 'default' targets expert weights "
+                                              "(model.layers.0.mlp.experts.down_proj and 3 more)"), r["expert adapter"]
+        assert r["add expert adapter"].startswith("ShardingError: ep_group: LoRA adapter 'default' targets expert "
+                                                  "weights (model.layers.0.mlp.experts.down_proj and 1 more)"), \
+            r["add expert adapter"]
+        assert r["adapter after the refusal"].startswith("ArgumentError: active_adapters: no adapter loaded"), \
+            r["adapter after the refusal"]
         for run, (tp, dp, ep) in RUNS.items():
             got, ref = r[run], refs["gpt_oss" if run == "gpt_oss" else "qwen3_moe"]
             expected = ref["history"][STEPS - len(got["history"]):]  # (the resumed runs: the steps after SAVE_AT)

@@ -15,11 +15,20 @@ def stacked_expert_weights(meta) -> frozenset:
                      if name in params and params[name].dim() >= 3)
 
 
-def check_experts_over_dp(meta, ep: int) -> None:
+def check_experts_over_dp(meta, ep: int, adapters=()) -> None:
     """Refuse, before any capture, what the exchange cannot do: a model without stacked experts, fewer experts
-    than ep ranks, a kernel other than grouped_mm."""
+    than ep ranks, a kernel other than grouped_mm, a LoRA adapter on the expert weights (``adapters``:
+    ``load/adapter_files.AdapterSource``)."""
     kind = getattr(meta.config, "model_type", type(meta).__name__)
     stacked = stacked_expert_weights(meta)
+    for adapter in adapters:  # (PEFT matches target_parameters as a name or a name's dotted suffix)
+        targets = getattr(adapter.config, "target_parameters", None) or ()
+        hit = sorted(n for n in stacked if any(n == t or n.endswith("." + t) for t in targets))
+        if hit:
+            raise ShardingError(f"ep_group: LoRA adapter {adapter.name!r} targets expert weights ({hit[0]}"
+                                f"{f' and {len(hit) - 1} more' if len(hit) > 1 else ''}), which experts over "
+                                "data-parallel ranks do not adapt yet: leave the experts out of target_parameters, "
+                                "or parallelize without ep_group")
     counts = {count for name, count in expert_parameters(meta).items() if name in stacked}
     if not counts:
         raise ShardingError(f"ep_group: {kind} has no stacked expert weights (a mixture-of-experts layer of "

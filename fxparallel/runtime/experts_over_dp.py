@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..load.expert_runs import pieces_in_run
 from .fused_forms import SEGMENT, described
 
 
@@ -53,19 +54,14 @@ def run_views(tensor: torch.Tensor, plan_param, run: tuple, mesh) -> dict:
     """{key suffix ("" or ``.segment<i>``): a view telling DCP which pieces of the full tensor ``tensor`` holds}
     for ``tensor`` (an expert-run parameter, or an optimizer state of its shape; ``run``: its (first expert,
     count, experts in the tp shard)): its tp shard's pieces (``ParamPlan.pieces``) cut to the run along dim 0."""
-    first, count, _ = run
     p = plan_param.placement
     full = list(plan_param.shape)
     starts = [sum(p.segments[:i]) for i in range(len(p.segments))] if p.segments else []
     found: dict = {}
-    for src, dst in plan_param.pieces(mesh.tp_rank, mesh.tp):
-        low, high = max(dst[0].start, first), min(dst[0].stop, first + count)
-        if low >= high:
-            continue
+    for src, dst in pieces_in_run(plan_param.pieces(mesh.tp_rank, mesh.tp), run):
         offsets = [s.start for s in src]
         sizes = [s.stop - s.start for s in src]
-        offsets[0], sizes[0] = offsets[0] + low - dst[0].start, high - low
-        view = tensor[(slice(low - first, high - first),) + tuple(dst[1:])]
+        view = tensor[dst]
         suffix, shape = "", list(full)
         if starts:  # a fused weight split by its parts: each part is saved as a tensor of its own
             part = max(i for i, start in enumerate(starts) if start <= offsets[p.dim])
