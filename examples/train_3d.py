@@ -16,8 +16,9 @@ attention over the whole sequence); --seq-len must then divide by 2 * CP_SIZE.
 With EP_SIZE > 1 (it must divide DP_SIZE) the experts of a mixture-of-experts model are spread over that many
 dp ranks, which exchange the rows routed to them by all-to-all; the default model is then a small Qwen3-MoE
 (checkpoints/tiny-moe-train); its checkpoints load at any other layout, with or without EP_SIZE.
-Checkpoints go to out/train_3d/dp<DP>_tp<TP>_cp<CP>[_ep<EP>]/checkpoints by default (one directory per layout:
-runs of different layouts never share steps); any layout loads any other's with --resume-from.
+With DP_SHARD_SIZE below DP_SIZE, FSDP shards within groups of that many dp ranks and replicates across them (HSDP).
+Checkpoints go to out/train_3d/dp<DP>_tp<TP>_cp<CP>[_ep<EP>][_shard<N>]/checkpoints by default (one directory per
+layout: runs of different layouts never share steps); any layout loads any other's with --resume-from.
 """
 from __future__ import annotations
 
@@ -54,9 +55,11 @@ SAVE_ROOT = os.path.join("out", "train_3d")
 
 
 def default_save_dir(layout: dict) -> str:
-    """out/train_3d/dp2_tp2_cp1/checkpoints for {"dp": 2, "tp": 2, "cp": 1} (``_ep2`` after it with "ep": 2)."""
+    """out/train_3d/dp2_tp2_cp1/checkpoints for {"dp": 2, "tp": 2, "cp": 1} (``_ep2`` after it with "ep": 2,
+    ``_shard1`` with "dp_shard": 1)."""
     ep = f"_ep{layout['ep']}" if layout.get("ep", 1) > 1 else ""
-    return os.path.join(SAVE_ROOT, f"dp{layout['dp']}_tp{layout['tp']}_cp{layout['cp']}{ep}", "checkpoints")
+    shard = f"_shard{layout['dp_shard']}" if "dp_shard" in layout else ""
+    return os.path.join(SAVE_ROOT, f"dp{layout['dp']}_tp{layout['tp']}_cp{layout['cp']}{ep}{shard}", "checkpoints")
 
 
 def parse_args(argv=None):
@@ -81,8 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--activation-checkpointing", choices=("none", "full", "selective"), default="none",
                    help="recompute each decoder layer in backward (selective: keep its matmul outputs)")
     p.add_argument("--save-dir", default=None,
-                   help="checkpoint root (default: out/train_3d/dp<DP>_tp<TP>_cp<CP>[_ep<EP>]/checkpoints, one per "
-                        "layout)")
+                   help="checkpoint root (default: out/train_3d/dp<DP>_tp<TP>_cp<CP>[_ep<EP>][_shard<N>]/checkpoints, "
+                        "one per layout)")
     p.add_argument("--save-every", type=int, default=5, help="checkpoint every N steps (and at the end); 0: never")
     p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")

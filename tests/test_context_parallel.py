@@ -1,6 +1,7 @@
-"""Context parallelism on real gloo ranks: DPxTPxCP = 1x2x2, 2x1x2 and 1x1x4 train a tiny Qwen3 like one process
-(losses, global grad norms, gradients and parameters of every tensor, logits), checkpoints move between
-CP and non-CP layouts exactly, resuming gives the same losses; plus the split helpers and the refusals.
+"""Context parallelism on real gloo ranks: DPxTPxCP = 1x2x2, 2x1x2 (also under HSDP: FSDP over each cp pair,
+replicated over dp) and 1x1x4 train a tiny Qwen3 like one process (losses, global grad norms, gradients and
+parameters of every tensor, logits), checkpoints move between CP and non-CP layouts exactly, resuming gives the
+same losses; plus the split helpers and the refusals.
 
 One spawn of 4 ranks runs every layout in turn: 1x2x2 saves a checkpoint at SAVE_AT that 2x2x1 (no CP)
 and 1x1x4 load; 2x2x1 saves one that 2x1x2 loads. Labels are partly masked (-100) so ranks count
@@ -29,6 +30,7 @@ LAYOUTS = (  # (name, dp, tp, cp, save checkpoint as, load checkpoint from)
     ("1x2x2", 1, 2, 2, "cp", "cp"),
     ("2x2x1", 2, 2, 1, "plain", "cp"),
     ("2x1x2", 2, 1, 2, None, "plain"),
+    ("2x1x2 hsdp", 2, 1, 2, None, "cp"),  # DP_SHARD_SIZE=1: FSDP over each cp pair, replicated over dp
     ("1x1x4", 1, 1, 4, None, "cp"),
 )
 
@@ -95,12 +97,13 @@ def _layout_run(path, roots, name, dp, tp, cp, save_as, load_from, path_sliding)
     import fxparallel
     from fxparallel.runtime import StepBatches, apply_data_parallel, init_mesh, load_checkpoint, save_checkpoint
 
-    mesh = init_mesh(tp=tp, dp=dp, cp=cp)
+    mesh = init_mesh(tp=tp, dp=dp, cp=cp, dp_shard=1 if name.endswith("hsdp") else None)
     model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32, cp_group=mesh.cp_mesh)
     model = apply_data_parallel(model, mesh)
     opt = _optimizer(model.parameters())
     data = StepBatches(_rows(), GLOBAL_BATCH, mesh.dp_rank, mesh.dp)
-    run = {"history": _train(model, opt, data, mesh, 0, SAVE_AT)}
+    run = {"history": _train(model, opt, data, mesh, 0, SAVE_AT),
+           "fsdp_mesh": tuple(next(p for p in model.parameters()).device_mesh.shape)}
     if save_as:
         run["saved_params"] = as_numpy(full_values(model, mesh))
         save_checkpoint(roots[save_as], model, opt, mesh, SAVE_AT)
@@ -173,6 +176,7 @@ def test_every_layout_trains_like_single_process(world4, reference):
         assert max_diff(runs[0]["grads"], reference["grads"]) < TOL, name  # every parameter, last step
         assert max_diff(runs[0]["params"], reference["params"]) < PARAM_TOL, name
         assert (torch.as_tensor(runs[0]["logits"]) - reference["logits"]).abs().max().item() < TOL, name
+    assert world4[0]["2x1x2 hsdp"]["fsdp_mesh"] == (2, 2) and world4[0]["2x1x2"]["fsdp_mesh"] == (4,)
 
 
 def test_checkpoints_move_between_cp_and_plain_layouts(world4, reference):

@@ -1,11 +1,13 @@
 """Training runtime on real gloo ranks: TP -> FSDP2 training equals single-process transformers
 (losses, clipped gradients, global grad norms, parameters) for DPxTPxCP = 2x2x1, 4x1x1, 2x1x1,
-1x2x1; checkpoints load across layouts and resume exactly; a failed save keeps the previous one;
+1x2x1, HSDP (4x1x1 with FSDP over pairs of dp ranks, replicated over the pairs) and 2x2x1 in replicate
+mode; checkpoints load across layouts and resume exactly; a failed save keeps the previous one;
 the consolidated export loads in transformers with the same logits.
 
-Two spawns share all checks: world 4 (2x2 then 4x1) and world 2 (1x2, 2x1 in replicate mode, the
-mesh error). The 2x2 run saves the checkpoint the other layouts load and the export. The model has
-tied embeddings (one parameter under two names through FSDP, clipping, checkpoints and export).
+Two spawns share all checks: world 4 (2x2, 4x1, 4x1 HSDP, 2x2 replicate, the dp_shard errors) and world 2
+(1x2, 2x1 in replicate mode, the mesh error). The 2x2 run saves the checkpoint the other layouts load and the
+export; the HSDP run also saves its own and loads it back. The model has tied embeddings (one parameter under two
+names through FSDP, clipping, checkpoints and export).
 """
 from __future__ import annotations
 
@@ -37,11 +39,11 @@ def _optimizer(params):
 
 
 # ---- inside ranks ----------------------------------------------------------------------
-def _setup(path, tp, dp, mode="shard"):
+def _setup(path, tp, dp, mode="shard", dp_shard=None):
     import fxparallel
     from fxparallel.runtime import StepBatches, apply_data_parallel, init_mesh
 
-    mesh = init_mesh(tp=tp, dp=dp, cp=1)
+    mesh = init_mesh(tp=tp, dp=dp, cp=1, dp_shard=dp_shard)
     model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32)
     model = apply_data_parallel(model, mesh, mode=mode)
     return mesh, model, _optimizer(model.parameters()), StepBatches(_rows(), GLOBAL_BATCH, mesh.dp_rank, mesh.dp)
@@ -55,16 +57,17 @@ def _train(model, opt, data, mesh, start, stop, record):
         record.append((m.loss, m.grad_norm))
 
 
-def _layout_run(path, ckpt_root, tp, dp, mode="shard", save=False, export_dir=None):
+def _layout_run(path, ckpt_root, tp, dp, mode="shard", save=False, export_dir=None, dp_shard=None):
     """Train STEPS steps; then load the (2x2) checkpoint of step SAVE_AT and train the rest again.
 
     With ``save`` (the 2x2 run): save at SAVE_AT, and after the last step try a save that fails
-    and export the model, before loading."""
+    and export the model, before loading. ``dp_shard``: HSDP, FSDP shard groups of that many dp ranks."""
     from fxparallel.runtime import export_pretrained, load_checkpoint, save_checkpoint
 
-    mesh, model, opt, data = _setup(path, tp, dp, mode)
+    mesh, model, opt, data = _setup(path, tp, dp, mode, dp_shard)
     run = {"fsdp": type(model).__name__, "mesh_ranks": (mesh.dp_rank, mesh.tp_rank),
-           "rows": data.indices(0).tolist()}
+           "rows": data.indices(0).tolist(), "mesh": repr(mesh).split(", rank=")[0],
+           "fsdp_mesh": tuple(next(p for p in model.parameters()).device_mesh.shape)}
     history = []
     _train(model, opt, data, mesh, 0, SAVE_AT, history)
     if save:
@@ -87,6 +90,14 @@ def _layout_run(path, ckpt_root, tp, dp, mode="shard", save=False, export_dir=No
     run["loaded_optim"] = _optimizer_states(model, opt, mesh)
     run["resumed"] = []
     _train(model, opt, data, mesh, SAVE_AT, STEPS, run["resumed"])
+    if dp_shard:  # a checkpoint saved in this layout (each shard's replicas hold the same pieces) loads back exactly
+        own = ckpt_root + "_hsdp"
+        expected = (full_values(model, mesh), _optimizer_states(model, opt, mesh))
+        save_checkpoint(own, model, opt, mesh, STEPS)
+        _train(model, opt, data, mesh, STEPS, STEPS + 1, [])
+        load_checkpoint(own, model, opt, mesh)
+        run["own checkpoint"] = (max_diff(full_values(model, mesh), expected[0]),
+                                 max_diff(_optimizer_states(model, opt, mesh), expected[1]))
     return run
 
 
@@ -102,7 +113,8 @@ def _optimizer_states(model, opt, mesh) -> dict:
 
 def _public(run, rank):
     """What goes back to the test process (rank 0 sends tensors, others only numbers)."""
-    keep = ("history", "resumed", "loaded_meta", "fsdp", "mesh_ranks", "rows", "failed_save")
+    keep = ("history", "resumed", "loaded_meta", "fsdp", "mesh_ranks", "rows", "failed_save", "mesh", "fsdp_mesh",
+            "own checkpoint")
     out = {k: run[k] for k in keep if k in run}
     if rank == 0:  # as numpy: tensors would travel through shared memory that dies with the rank
         for k in ("grads", "params", "logits", "loaded_params", "saved_params", "saved_optim", "loaded_optim"):
@@ -136,8 +148,16 @@ def _simulate_failed_save(model, opt, mesh, ckpt_root):
 
 
 def _world4(rank, world, path, ckpt_root, export_dir):
+    from checks import raised
+    from fxparallel.runtime import init_mesh
+
     return {"2x2x1": _public(_layout_run(path, ckpt_root, tp=2, dp=2, save=True, export_dir=export_dir), rank),
-            "4x1x1": _public(_layout_run(path, ckpt_root, tp=1, dp=4), rank)}
+            "4x1x1": _public(_layout_run(path, ckpt_root, tp=1, dp=4), rank),
+            # HSDP: FSDP over pairs of dp ranks, the pairs replicas of each other; and replicas over dp at tp=2
+            "4x1x1 hsdp": _public(_layout_run(path, ckpt_root, tp=1, dp=4, dp_shard=2), rank),
+            "2x2x1 replicate": _public(_layout_run(path, ckpt_root, tp=2, dp=2, mode="replicate"), rank),
+            "bad dp_shard": raised(lambda: init_mesh(tp=1, dp=4, dp_shard=3)),
+            "dp_shard with ep": raised(lambda: init_mesh(tp=1, dp=4, dp_shard=2, ep=2))}
 
 
 def _world2(rank, world, path, ckpt_root, example_dir):
@@ -243,8 +263,20 @@ def test_every_layout_trains_like_single_process(world4, world2, reference):
         assert max_diff(first["grads"], reference["grads"]) < TOL, layout  # clipped gradients of the last step
         assert max_diff(first["params"], reference["params"]) < PARAM_TOL, layout
         assert (_t(first["logits"]) - reference["logits"]).abs().max().item() < TOL, layout
-    assert sorted(seen) == ["1x2x1", "2x1x1", "2x2x1", "4x1x1"]
+    assert sorted(seen) == ["1x2x1", "2x1x1", "2x2x1", "2x2x1 replicate", "4x1x1", "4x1x1 hsdp"]
     assert any(norm > MAX_NORM for _, norm in reference["history"])  # clipping was active
+    hsdp = world4[0]["4x1x1 hsdp"]
+    assert hsdp["mesh"] == "ParallelMesh(dp=4, dp_shard=2, tp=1, cp=1" and hsdp["fsdp_mesh"] == (2, 2), hsdp["mesh"]
+    assert world4[0]["4x1x1"]["fsdp_mesh"] == (4,) and world4[0]["2x2x1 replicate"]["fsdp_mesh"] == (2, 1)
+    assert all(r["4x1x1 hsdp"]["own checkpoint"] == (0.0, 0.0) for r in world4), hsdp["own checkpoint"]
+
+
+def test_dp_shard_sizes_are_checked(world4):
+    for r in world4:
+        assert r["bad dp_shard"].startswith("GroupError: DP_SHARD size (3) must divide DP size (4)"), r["bad dp_shard"]
+        assert r["dp_shard with ep"].startswith("GroupError: EP size (2) with DP_SHARD size (2) below DP size (4): "
+                                                "experts over data-parallel ranks with HSDP are not supported yet"), \
+            r["dp_shard with ep"]
 
 
 def test_tp_ranks_of_a_dp_group_share_the_batch(world4):

@@ -1,7 +1,7 @@
 """Training runtime around a parallelized model: mesh, FSDP2 data parallelism, loss
 normalization, clipping, distributed checkpoints, consolidated export, data.
 
-    mesh = init_mesh()                                   # TP_SIZE / DP_SIZE / CP_SIZE
+    mesh = init_mesh()                                   # TP_SIZE / DP_SIZE / CP_SIZE (DP_SHARD_SIZE: HSDP)
     model = fxparallel.parallelize(path, mesh.tp_mesh, cp_group=mesh.cp_mesh)  # 1. TP shards (+ CP attention)
     model = apply_data_parallel(model, mesh)             # 2. FSDP2 over dp x cp, on the TP shards
     optimizer = torch.optim.AdamW(model.parameters())    # 3. after FSDP: it sees the sharded params

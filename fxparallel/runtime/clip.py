@@ -9,7 +9,7 @@ Each element of the full model's gradient must be counted exactly once:
   whole segments of a fused weight (``S(0)[64,8R,8R]``) are the same: tp rank 0 only.
 * FSDP shards (DTensor ``Shard(0)`` over dp x cp) are disjoint: summed over dp x cp.
   In replicate mode (or without FSDP) every dp x cp rank holds the same gradient,
-  so only dp x cp rank 0 contributes.
+  so only dp x cp rank 0 contributes; under HSDP only the first replica of each shard.
 * A run of experts (experts over dp ranks, ``runtime/experts_over_dp.py``) is disjoint within its ep group
   and the same on the ranks holding the same run (``expert_dp_mesh``): only the first of those counts it.
 
@@ -21,9 +21,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
-
-from .dtensor import dp_placement, local_part
+from .dtensor import first_replica, fsdp_rows, local_part
 
 
 def _grads_with_multiplicity(model, mesh):
@@ -39,24 +37,22 @@ def _grads_with_multiplicity(model, mesh):
         if getattr(param, "_fxparallel_expert_run", None):
             out.append((grad, (not tp_replicated or mesh.tp_rank == 0) and mesh.expert_dp_rank == 0, []))
             continue
-        dp_replicated = not isinstance(dp_placement(param.grad), Shard)
-        counts = (not tp_replicated or mesh.tp_rank == 0) and (not dp_replicated or mesh.dp_cp_rank == 0)
-        out.append((grad, counts, _whole_rows(plan, grad, not dp_replicated, mesh) if mesh.tp_rank else []))
+        counts = (not tp_replicated or mesh.tp_rank == 0) and first_replica(param.grad, mesh)
+        out.append((grad, counts, _whole_rows(plan, param.grad, grad, mesh) if mesh.tp_rank else []))
     return out
 
 
-def _whole_rows(plan, grad, fsdp_sharded: bool, mesh) -> list:
-    """The parts of ``grad`` (this rank's gradient of ``plan``'s parameter) that are whole segments,
-    as views: the same on every tp rank."""
+def _whole_rows(plan, sharded, grad, mesh) -> list:
+    """The parts of ``grad`` (this rank's gradient of ``plan``'s parameter, the local part of ``sharded``: FSDP's
+    DTensor, or the same tensor) that are whole segments, as views: the same on every tp rank."""
     p = plan.placement
     if not p.whole:
         return []
     pieces = plan.pieces(mesh.tp_rank, mesh.tp)
     ranges = [(pieces[i][1][p.dim].start, pieces[i][1][p.dim].stop) for i in p.whole]
     offset = 0
-    if p.dim == 0 and fsdp_sharded:  # FSDP holds one torch.chunk of the tp shard's rows
-        rows = plan.local_shape(mesh.tp, mesh.tp_rank)[0]
-        offset = mesh.dp_cp_rank * -(-rows // mesh.dp_cp_size)
+    if p.dim == 0:  # FSDP holds one torch.chunk of the tp shard's rows (all of them without FSDP)
+        offset = fsdp_rows(sharded, plan.local_shape(mesh.tp, mesh.tp_rank)[0])[0]
     views = []
     for start, stop in ranges:
         start, stop = max(start - offset, 0), min(stop - offset, grad.shape[p.dim])

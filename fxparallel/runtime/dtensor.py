@@ -6,7 +6,8 @@ splits that shard over the dp x cp ranks along dim 0 (torch.chunk sizes, like
 DTensor's Shard). On the 2-D mesh ("tp", "dp_cp") that is exactly the DTensor with
 placements ``(tp placement, Shard(0))``: DTensor applies placements in mesh-dimension
 order, tp first, so Shard(0) on both takes the tp block first and then the dp chunk
-inside it. (On a ("dp", "tp") mesh the same layout would need a strided shard.)
+inside it. (On a ("dp", "tp") mesh the same layout would need a strided shard.) Under HSDP the dp x cp dim
+is split into ("dp_replicate", "dp_shard"), placements ``(tp placement, Replicate(), Shard(0))`` (``view_mesh``).
 
 The view shares storage with the local tensor, so DCP loads into it in place.
 """
@@ -59,6 +60,27 @@ def dp_placement(tensor):
     return Replicate() if fsdp_mesh_dim(tensor) is None else Shard(0)
 
 
+def view_mesh(tensor, mesh) -> tuple:
+    """(mesh, placements after the tp one) on which ``tensor`` (this rank's TP shard, maybe an FSDP DTensor) is
+    described as a DTensor of the full model shape: ("tp", "dp_cp") with ``dp_placement``; under HSDP (FSDP's
+    mesh 2-D, several replicas of each shard group: ``DP_SHARD_SIZE``) ("tp", "dp_replicate", "dp_shard") with
+    (Replicate, Shard(0))."""
+    if isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 2 and fsdp_mesh_dim(tensor) is not None:
+        return mesh.unflattened("tp_dp", tensor.device_mesh.size(0)), (Replicate(), Shard(0))
+    return mesh.tp_dp_mesh, (dp_placement(tensor),)
+
+
+def first_replica(tensor, mesh) -> bool:
+    """Whether this rank holds the first copy of its piece of ``tensor`` over dp x cp (the one a sum over the ranks
+    counts): every rank for FSDP's shards, the first of each shard's replicas under HSDP, dp x cp rank 0 where the
+    piece is the same on every dp x cp rank (replicate mode, or no FSDP)."""
+    if not isinstance(tensor, DTensor):
+        return mesh.dp_cp_rank == 0
+    return all(tensor.device_mesh.get_local_rank(dim) == 0
+               for dim, (size, placement) in enumerate(zip(tensor.device_mesh.shape, tensor.placements))
+               if size > 1 and not isinstance(placement, Shard))
+
+
 def fsdp_mesh_dim(tensor):
     """The dim of its device mesh over which FSDP splits ``tensor``'s dim 0, or None (not split)."""
     if isinstance(tensor, DTensor):
@@ -76,15 +98,15 @@ def local_part(tensor) -> torch.Tensor:
 
 def global_view(tensor, plan_param, mesh) -> DTensor:
     """``tensor`` (this rank's TP shard, maybe an FSDP DTensor over dp x cp) as a DTensor of
-    the full model shape ``plan_param.shape`` on ``mesh.tp_dp_mesh``."""
+    the full model shape ``plan_param.shape`` on ``mesh.tp_dp_mesh`` (``view_mesh``)."""
     full = tuple(plan_param.shape)
     tp = tp_placement(plan_param)  # refuses what DTensor cannot describe (fused, uneven) first
     tp_shard = tuple(plan_param.local_shape(mesh.tp, mesh.tp_rank))
     if tuple(tensor.shape) != tp_shard:  # a DTensor's shape is its shape over dp x cp: the TP shard
         raise ValueError(f"{plan_param.name}: tensor of shape {tuple(tensor.shape)} is not its tp={mesh.tp} "
                          f"shard {tp_shard}")
-    placements = (tp, dp_placement(tensor))
-    return DTensor.from_local(local_part(tensor), mesh.tp_dp_mesh, placements, run_check=False,
+    on, dp = view_mesh(tensor, mesh)
+    return DTensor.from_local(local_part(tensor), on, (tp, *dp), run_check=False,
                               shape=torch.Size(full), stride=contiguous_stride(full))
 
 
@@ -100,8 +122,9 @@ def segment_views(tensor, plan_param, mesh) -> dict:
     (``_row_pieces``)."""
     refuse_uneven(plan_param)
     p = plan_param.placement
-    tensor, dp = tensor.detach(), dp_placement(tensor)
-    if p.dim == 0 and isinstance(dp, Shard):
+    on, dp = view_mesh(tensor, mesh)
+    tensor = tensor.detach()
+    if p.dim == 0 and isinstance(dp[-1], Shard):
         return _row_pieces(tensor, plan_param, mesh)
     local = local_part(tensor)  # FSDP's chunk (split on dim 0, not across the segments), or the TP shard
     views, offset = {}, 0
@@ -110,7 +133,7 @@ def segment_views(tensor, plan_param, mesh) -> dict:
         shape[p.dim] = p.segments[i]
         piece = local.narrow(p.dim, offset, size)
         tp = Replicate() if i in p.whole else Shard(p.dim)  # a whole segment: the same on every tp rank
-        views[i] = DTensor.from_local(piece, mesh.tp_dp_mesh, (tp, dp), run_check=False,
+        views[i] = DTensor.from_local(piece, on, (tp, *dp), run_check=False,
                                       shape=torch.Size(shape), stride=contiguous_stride(tuple(shape)))
         offset += size
     return views
@@ -124,7 +147,7 @@ def _row_pieces(tensor: DTensor, plan_param, mesh) -> dict:
     from ..dcp_state import describe_pieces
 
     local = local_part(tensor)
-    start, stop = _fsdp_rows(tensor, plan_param.local_shape(mesh.tp, mesh.tp_rank)[0])
+    start, stop = fsdp_rows(tensor, plan_param.local_shape(mesh.tp, mesh.tp_rank)[0])
     if local.shape[0] != stop - start:
         raise ValueError(f"{plan_param.name}: FSDP's chunk holds {local.shape[0]} rows where torch.chunk's rows "
                          f"[{start}, {stop}) of the tp shard were expected")
@@ -146,7 +169,7 @@ def _row_pieces(tensor: DTensor, plan_param, mesh) -> dict:
     return views
 
 
-def _fsdp_rows(tensor: DTensor, rows: int) -> tuple:
+def fsdp_rows(tensor, rows: int) -> tuple:
     """[start, stop) of the rows of the TP shard (``rows`` of them) in this rank's FSDP chunk (torch.chunk's)."""
     dim = fsdp_mesh_dim(tensor)
     if dim is None:

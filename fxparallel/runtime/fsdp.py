@@ -43,9 +43,12 @@ class DataParallelInfo:
     units: int  # number of fully_shard calls (per-layer units + root)
 
 
-def _replicate_mesh(mesh):
-    """A 2-D (replicate = dp x cp, shard = 1) mesh: HSDP that keeps whole TP shards on every rank."""
-    return mesh.dp_cp_mesh._unflatten(0, (mesh.dp_cp_size, 1), ("dp_replicate", "dp_shard"))
+def _fsdp_mesh(mesh, mode: str):
+    """FSDP's mesh: dp x cp (shard), or 2-D (replicate, shard): HSDP with ``mesh.dp_replicate`` replicas of each
+    shard group (``DP_SHARD_SIZE``), or (dp x cp, 1) in replicate mode, which keeps whole TP shards on every rank."""
+    if mode == "replicate":
+        return mesh.unflattened("dp_cp", mesh.dp_cp_size)
+    return mesh.dp_cp_mesh if mesh.dp_replicate == 1 else mesh.unflattened("dp_cp", mesh.dp_replicate)
 
 
 def _prepare_mixed_precision(model, param_dtype) -> None:
@@ -71,7 +74,9 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
     """Wrap ``model`` (a ParallelCausalLM) with FSDP2 over ``mesh.dp_cp_mesh``; returns it.
 
     ``mode``: "shard" (FSDP: parameters, gradients and optimizer states split over
-    dp x cp) or "replicate" (every rank keeps whole TP shards; gradients all-reduced).
+    dp x cp; HSDP where ``init_mesh(dp_shard=...)`` / ``DP_SHARD_SIZE`` is below dp: split over each
+    group of dp_shard x cp ranks, replicated over the groups) or "replicate" (every rank keeps whole
+    TP shards; gradients all-reduced).
     ``mixed_precision``: None (compute in the parameters' dtype) or "bf16" (bf16
     compute and all-gathers, fp32 gradient reduction and master weights; the model
     must come from ``parallelize(..., dtype=torch.bfloat16)``, see
@@ -102,7 +107,7 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
     reduce_dtype = torch.float32 if param_dtype else None
     root_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     unit_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-    dp_mesh = mesh.dp_cp_mesh if mode == "shard" else _replicate_mesh(mesh)
+    dp_mesh = _fsdp_mesh(mesh, mode)
     units = list(getattr(model, "fsdp_units", lambda: [])()) if per_layer else []
     for unit in units:
         fully_shard(unit, mesh=dp_mesh, mp_policy=unit_policy, reshard_after_forward=reshard_after_forward,

@@ -19,6 +19,10 @@ Sub-meshes:
 * ``tp_dp_mesh`` (2-D, ("tp", "dp_cp")): the mesh on which checkpoints and exports
   describe a parameter as one DTensor of the full model's shape (tp first, because
   FSDP shards the tensor-parallel shard; see ``runtime/dtensor.py``).
+* ``dp_shard`` (``DP_SHARD_SIZE``, default dp): FSDP shards over that many dp ranks (times cp) and replicates
+  over ``dp // dp_shard`` of them: HSDP, as accelerate's ``dp_shard_size`` / ``dp_replicate_size``. The ranks of
+  one shard group are adjacent dp indices (dp index ``d`` is replica ``d // dp_shard``, shard ``d % dp_shard``),
+  so a node holds whole shard groups when it holds ``dp_shard * tp * cp`` GPUs.
 * ``ep_mesh`` (1-D, with ``ep`` > 1, ``EP_SIZE``): experts over data-parallel ranks, carved from dp as
   torchtitan carves it: dp index ``d`` is ``(d // ep, d % ep)``, and the ``ep`` ranks of one dp block and tp
   position each hold a run of the experts and exchange rows (give it to ``parallelize(..., ep_group=)``).
@@ -50,7 +54,7 @@ def world_size_error(world: int, tp: int, dp: int, cp: int) -> Optional[str]:
 
 def _env_size(name: str, given: Optional[int]) -> Optional[int]:
     if given is not None:
-        value, where = given, f"argument {name.split('_')[0].lower()}"
+        value, where = given, f"argument {name.rsplit('_', 1)[0].lower()}"
     elif os.environ.get(name, "").strip():
         raw = os.environ[name].strip()
         try:
@@ -110,6 +114,26 @@ class ParallelMesh:
     ep: int = 1
     ep_mesh: object = None  # 1-D DeviceMesh (ep > 1)
     expert_dp_mesh: object = None  # 1-D DeviceMesh (ep > 1)
+    dp_shard: Optional[int] = None  # FSDP's shard group within dp (HSDP below dp; None: all of dp)
+
+    def __post_init__(self):
+        self.dp_shard = self.dp_shard or self.dp
+        self._unflattened = {}
+
+    @property
+    def dp_replicate(self) -> int:
+        """How many replicas FSDP keeps of each shard (1: plain FSDP; > 1: HSDP)."""
+        return self.dp // self.dp_shard
+
+    def unflattened(self, which: str, replicas: int):
+        """``dp_cp_mesh`` ("dp_cp") or ``tp_dp_mesh`` ("tp_dp") with its dp x cp dim split into (``replicas``, the
+        rest): FSDP's mesh for HSDP (or replication), and the mesh its DTensors are described on; made once."""
+        key = (which, replicas)
+        if key not in self._unflattened:
+            base = self.dp_cp_mesh if which == "dp_cp" else self.tp_dp_mesh
+            self._unflattened[key] = base._unflatten(base.ndim - 1, (replicas, self.dp_cp_size // replicas),
+                                                     ("dp_replicate", "dp_shard"))
+        return self._unflattened[key]
 
     @property
     def tp_mesh(self):
@@ -167,33 +191,38 @@ class ParallelMesh:
         return self.dp_cp_size // self.ep
 
     def layout(self) -> dict:
-        return {"dp": self.dp, "tp": self.tp, "cp": self.cp, **({"ep": self.ep} if self.ep > 1 else {})}
+        return {"dp": self.dp, "tp": self.tp, "cp": self.cp, **({"ep": self.ep} if self.ep > 1 else {}),
+                **({"dp_shard": self.dp_shard} if self.dp_shard < self.dp else {})}
 
     def __repr__(self):
         ep = f", ep={self.ep}" if self.ep > 1 else ""
-        return f"ParallelMesh(dp={self.dp}{ep}, tp={self.tp}, cp={self.cp}, rank={self.rank}, device={self.device})"
+        shard = f", dp_shard={self.dp_shard}" if self.dp_shard < self.dp else ""
+        return (f"ParallelMesh(dp={self.dp}{shard}{ep}, tp={self.tp}, cp={self.cp}, rank={self.rank}, "
+                f"device={self.device})")
 
 
 def init_mesh(tp: Optional[int] = None, dp: Optional[int] = None, cp: Optional[int] = None, *,
-              ep: Optional[int] = None, backend: Optional[str] = None,
+              ep: Optional[int] = None, dp_shard: Optional[int] = None, backend: Optional[str] = None,
               timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> ParallelMesh:
     """Build the ("dp", "tp", "cp") mesh over every rank (collective: every rank calls it).
 
     Initializes the process group if needed (NCCL on CUDA, gloo on CPU) and sets the
     CUDA device from ``LOCAL_RANK``. Raises GroupError naming the sizes when the world
     size is not ``tp * dp * cp``. ``ep`` (else ``EP_SIZE``, default 1): experts over that many of the dp
-    ranks (it must divide dp; ``ep_mesh``).
+    ranks (it must divide dp; ``ep_mesh``). ``dp_shard`` (else ``DP_SHARD_SIZE``, default dp): FSDP shards over
+    that many of the dp ranks and replicates over the rest (HSDP; it must divide dp).
     """
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     ep = _env_size("EP_SIZE", ep) or 1
+    dp_shard = _env_size("DP_SHARD_SIZE", dp_shard)
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         # check the sizes before starting anything, so a wrong launch fails at once on every rank
-        _check_ep(ep, resolve_sizes(int(os.environ["WORLD_SIZE"]), tp, dp, cp)[0])
+        _check_dp_parts(ep, dp_shard, resolve_sizes(int(os.environ["WORLD_SIZE"]), tp, dp, cp)[0])
     backend = _init_process_group(backend, timeout)
     world = dist.get_world_size()
     dp, tp, cp = resolve_sizes(world, tp, dp, cp)
-    _check_ep(ep, dp)
+    _check_dp_parts(ep, dp_shard, dp)
     device_type, _ = device_type_of(process_group_backends(dist.group.WORLD))
     device = rank_cuda_device(dist.group.WORLD, dist.get_rank(), "the job's process group") \
         if device_type == "cuda" else torch.device("cpu")
@@ -209,11 +238,18 @@ def init_mesh(tp: Optional[int] = None, dp: Optional[int] = None, cp: Optional[i
         expert_dp = DeviceMesh(device_type, blocks.permute(1, 2, 0, 3).reshape(-1, dp // ep * cp),
                                mesh_dim_names=("expert_rows", "expert_dp"))["expert_dp"]
     return ParallelMesh(mesh=mesh, dp=dp, tp=tp, cp=cp, device=device, dp_cp_mesh=dp_cp, tp_dp_mesh=tp_dp,
-                        ep=ep, ep_mesh=ep_mesh, expert_dp_mesh=expert_dp)
+                        ep=ep, ep_mesh=ep_mesh, expert_dp_mesh=expert_dp, dp_shard=dp_shard)
 
 
-def _check_ep(ep: int, dp: int) -> None:
-    """Refuse experts over ``ep`` of the ``dp`` ranks where ``ep`` does not divide ``dp``."""
+def _check_dp_parts(ep: int, dp_shard: Optional[int], dp: int) -> None:
+    """Refuse experts over ``ep`` of the ``dp`` ranks, or FSDP shard groups of ``dp_shard`` of them, where that
+    size does not divide ``dp``; and the two together (not supported yet)."""
     if ep > 1 and dp % ep:
         raise GroupError(f"EP size ({ep}) must divide DP size ({dp}): the expert-parallel ranks are carved from the "
                          "dp ranks")
+    if dp_shard is not None and dp % dp_shard:
+        raise GroupError(f"DP_SHARD size ({dp_shard}) must divide DP size ({dp}): FSDP shards over groups of that "
+                         "many dp ranks and replicates over the groups (HSDP)")
+    if ep > 1 and dp_shard is not None and dp_shard < dp:
+        raise GroupError(f"EP size ({ep}) with DP_SHARD size ({dp_shard}) below DP size ({dp}): experts over "
+                         "data-parallel ranks with HSDP are not supported yet; use one of them")
