@@ -154,7 +154,8 @@ def _world4(rank, world, path, ckpt_root, export_dir):
     return {"2x2x1": _public(_layout_run(path, ckpt_root, tp=2, dp=2, save=True, export_dir=export_dir), rank),
             "4x1x1": _public(_layout_run(path, ckpt_root, tp=1, dp=4), rank),
             # HSDP: FSDP over pairs of dp ranks, the pairs replicas of each other; and replicas over dp at tp=2
-            "4x1x1 hsdp": _public(_layout_run(path, ckpt_root, tp=1, dp=4, dp_shard=2), rank),
+            "4x1x1 hsdp": _public(_layout_run(path, ckpt_root, tp=1, dp=4, dp_shard=2,
+                                              export_dir=export_dir + "_hsdp"), rank),
             "2x2x1 replicate": _public(_layout_run(path, ckpt_root, tp=2, dp=2, mode="replicate"), rank),
             "bad dp_shard": raised(lambda: init_mesh(tp=1, dp=4, dp_shard=3)),
             "dp_shard with ep": raised(lambda: init_mesh(tp=1, dp=4, dp_shard=2, ep=2))}
@@ -333,13 +334,14 @@ def test_export_loads_in_transformers_with_the_same_logits(world4, paths):
 
     from fxparallel.runtime import StepBatches
 
-    trained = world4[0]["2x2x1"]
-    exported = AutoModelForCausalLM.from_pretrained(paths["export"], dtype=torch.float32)
-    # the export holds the 2x2 model as it was after the last step, and computes its logits
-    assert max_diff({n: p.detach() for n, p in exported.named_parameters()}, trained["params"]) == 0.0
     ids = StepBatches(_rows(), GLOBAL_BATCH, 0, 1).global_batch_at(STEPS)["input_ids"]
-    with torch.no_grad():
-        assert (exported(input_ids=ids).logits - _t(trained["logits"])).abs().max().item() < TOL
+    for layout, directory in (("4x1x1 hsdp", paths["export"] + "_hsdp"), ("2x2x1", paths["export"])):
+        trained = world4[0][layout]
+        exported = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        # the export holds the model as it was after the last step (2x2, and under HSDP), and computes its logits
+        assert max_diff({n: p.detach() for n, p in exported.named_parameters()}, trained["params"]) == 0.0, layout
+        with torch.no_grad():
+            assert (exported(input_ids=ids).logits - _t(trained["logits"])).abs().max().item() < TOL, layout
     # tied weights: stored once, under the name transformers expects, and tied again on load
     assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
     with safe_open(os.path.join(paths["export"], "model.safetensors"), "pt") as f:
