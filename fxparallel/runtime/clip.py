@@ -21,6 +21,7 @@ import math
 
 import torch
 import torch.distributed as dist
+
 from .dtensor import first_replica, fsdp_rows, local_part
 
 
