@@ -1,14 +1,15 @@
-"""Experts over data-parallel ranks (``parallelize(..., ep_group=mesh.ep_mesh)``, ``init_mesh(ep=...)``): each rank
-of an ep group holds a run of the experts and the rows routed to them travel there and back by all-to-all
+"""Experts over data-parallel ranks (``parallelize(..., ep_group=mesh.ep_mesh)``, ``init_mesh(ep=...)``): each rank of
+an ep group holds a run of the experts and the rows routed to them travel there and back by all-to-all
 (``fxparallel/ops/expert_exchange.py``). Three AdamW steps with clipping under FSDP2 equal one process (losses,
 gradient norms, every parameter) at dp=2 (ep=2) x tp=2 with whole experts per tp rank (one expert per rank); its
 checkpoint resumes at dp=4 (ep=2) x tp=1 (the experts' gradients summed over the two dp blocks) and without ep, and
 one saved without ep resumes with it, each step as one process's; each rank reads only its run of the experts; its
-export_pretrained loads in transformers with one process's weights. GPT-OSS (biases picked per routed row: an exchange
-per product) trains at dp=4 (ep=2) as one process, and so do dp=2 (ep=2) x cp=2 (each cp rank exchanges its chunks'
-rows) and dp=2 (ep=2) x tp=2 with sequence parallelism; under bf16 mixed precision the losses are those without ep (to
-bf16's rounding). The all-to-alls of a step are counted and their bytes checked against the rows routed to other
-ranks' experts (once out and back per MoE block); what does not handle a run of experts yet is refused by name."""
+export_pretrained loads in transformers with one process's weights. GPT-OSS (biases picked per routed row: an
+exchange per product) trains at dp=4 (ep=2) as one process, and so do dp=2 (ep=2) x cp=2 (each cp rank exchanges its
+chunks' rows), dp=2 (ep=2) x tp=2 with sequence parallelism and dp=4 (ep=2) under HSDP (dp_shard=2); under bf16 mixed
+precision the losses are those without ep (to bf16's rounding). The all-to-alls of a step are counted and their bytes
+checked against the rows routed to other ranks' experts (once out and back per MoE block); what does not handle a run
+of experts yet is refused by name."""
 from __future__ import annotations
 
 import os
@@ -23,11 +24,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmark
 
 RUNS = {"trained": (2, 2, 2), "resumed at ep=2 x tp=1": (1, 4, 2), "resumed without ep": (2, 2, 1),
         "from a checkpoint without ep": (1, 4, 2), "gpt_oss": (1, 4, 2), "with cp": (1, 2, 2),
-        "with sp": (2, 2, 2)}  # (tp, dp, ep)
+        "with sp": (2, 2, 2), "with hsdp": (1, 4, 2)}  # (tp, dp, ep)
 
 
 def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), export=None, mixed=None, cp=1,
-                sp=False):
+                sp=False, dp_shard=None):
     """Train ``steps`` at (tp, dp, ep), first loading checkpoint ``load``, saving ``save`` before step SAVE_AT; at the
     end, with ``export``, write a Hugging Face directory there and read it back with transformers. ``mixed``:
     runtime's mixed precision ("bf16"); ``cp``: context-parallel size."""
@@ -42,7 +43,7 @@ def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), e
     from fxparallel.runtime.fsdp import reshard
     from fxparallel.ops import expert_exchange as exchange
 
-    mesh = init_mesh(tp=tp, dp=dp, ep=ep, cp=cp)
+    mesh = init_mesh(tp=tp, dp=dp, ep=ep, cp=cp, dp_shard=dp_shard)
     dtype = torch.bfloat16 if mixed else torch.float32
     model = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=dtype, ep_group=mesh.ep_mesh,
                                                        cp_group=mesh.cp_mesh if cp > 1 else None,
@@ -149,7 +150,8 @@ def _train(rank, world, path, dense_path, root, oss_path, lora_path):
            "with cp": _layout_run(path, 1, 2, 2, cp=2),
            "with sp": _layout_run(path, 2, 2, 2, sp=True),
            "bf16": _layout_run(path, 1, 4, 2, mixed="bf16", steps=range(2)),
-           "bf16 without ep": _layout_run(path, 1, 4, 1, mixed="bf16", steps=range(2))}
+           "bf16 without ep": _layout_run(path, 1, 4, 1, mixed="bf16", steps=range(2)),
+           "with hsdp": _layout_run(path, 1, 4, 2, load=a, steps=range(SAVE_AT, STEPS), dp_shard=2)}
     out["accumulated"] = _accumulated(path)
     mesh = init_mesh(tp=1, dp=4, ep=2)
     out["dense"] = raised(lambda: fxparallel.parallelize(dense_path, mesh.tp_mesh, ep_group=mesh.ep_mesh))

@@ -243,13 +243,10 @@ def init_mesh(tp: Optional[int] = None, dp: Optional[int] = None, cp: Optional[i
 
 def _check_dp_parts(ep: int, dp_shard: Optional[int], dp: int) -> None:
     """Refuse experts over ``ep`` of the ``dp`` ranks, or FSDP shard groups of ``dp_shard`` of them, where that
-    size does not divide ``dp``; and the two together (not supported yet)."""
+    size does not divide ``dp``."""
     if ep > 1 and dp % ep:
         raise GroupError(f"EP size ({ep}) must divide DP size ({dp}): the expert-parallel ranks are carved from the "
                          "dp ranks")
     if dp_shard is not None and dp % dp_shard:
         raise GroupError(f"DP_SHARD size ({dp_shard}) must divide DP size ({dp}): FSDP shards over groups of that "
                          "many dp ranks and replicates over the groups (HSDP)")
-    if ep > 1 and dp_shard is not None and dp_shard < dp:
-        raise GroupError(f"EP size ({ep}) with DP_SHARD size ({dp_shard}) below DP size ({dp}): experts over "
-                         "data-parallel ranks with HSDP are not supported yet; use one of them")
