@@ -1,5 +1,5 @@
-"""Each rank of an expert-parallel group keeps its run of every stacked expert weight (dim 0, after the
-tensor-parallel split: ``ops/expert_exchange.expert_runs``), and drops the rest.
+"""Each rank of an expert-parallel group holds only its run of every stacked expert weight (dim 0, after the
+tensor-parallel split: ``ops/expert_exchange.expert_runs``).
 
 The parameters are made run-sized (``runs_of``, before anything is allocated) and the loader reads only the run's
 pieces of the tensor-parallel shard (``pieces_in_run``): a rank reads and holds 1/ep of its tp shard's experts."""

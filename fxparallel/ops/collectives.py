@@ -453,7 +453,7 @@ def all_reduce(x, handle):
     alone = group_by_handle(handle).size == 1 and torch.autograd.forward_ad._current_level < 0 \
         and not torch._C._are_functorch_transforms_active()
     if alone and x._is_view():  # a view may come from a function that returns several (a layer's output under FSDP
-        return x.clone()  # was one), which no view of it may change in place: GPT-OSS adds its experts' bias so
+        return x.clone()  # was one), which no view of it may change in place (GPT-OSS adds its experts' bias so)
     return _AllReduce.apply(x, handle) if _recorded(x) and not alone else _direct(_all_reduce, x, handle)
 
 

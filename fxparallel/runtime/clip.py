@@ -39,16 +39,17 @@ def _grads_with_multiplicity(model, mesh):
             out.append((grad, (not tp_replicated or mesh.tp_rank == 0) and mesh.expert_dp_rank == 0, []))
             continue
         counts = (not tp_replicated or mesh.tp_rank == 0) and first_replica(param.grad, mesh)
-        out.append((grad, counts, _whole_rows(plan, param.grad, grad, mesh) if mesh.tp_rank else []))
+        out.append((grad, counts, _whole_rows(plan, param.grad, mesh) if mesh.tp_rank else []))
     return out
 
 
-def _whole_rows(plan, sharded, grad, mesh) -> list:
-    """The parts of ``grad`` (this rank's gradient of ``plan``'s parameter, the local part of ``sharded``: FSDP's
-    DTensor, or the same tensor) that are whole segments, as views: the same on every tp rank."""
+def _whole_rows(plan, sharded, mesh) -> list:
+    """The parts of this rank's gradient of ``plan``'s parameter (``sharded``: FSDP's DTensor, or the plain tensor)
+    that are whole segments, as views of its local part: the same on every tp rank."""
     p = plan.placement
     if not p.whole:
         return []
+    grad = local_part(sharded)
     pieces = plan.pieces(mesh.tp_rank, mesh.tp)
     ranges = [(pieces[i][1][p.dim].start, pieces[i][1][p.dim].stop) for i in p.whole]
     offset = 0
