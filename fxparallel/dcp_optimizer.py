@@ -8,7 +8,11 @@ optimizer has stepped any of the parallel model's shards (a global step hook not
 hands out each such state tensor as a new tensor on the same storage carrying DCP's checkpointable protocol for
 its parameter's pieces (``dcp_state.describe``, as ``model.state_dict()`` does), and its ``load_state_dict``
 receives plain tensors again. DCP then saves full-shape state that ``dcp.load`` reads back exactly, at any tp
-size. Optimizers over DTensors (Trainer's views, FSDP) are DCP's own business and left alone."""
+size. So does the state of a run of experts (experts spread over data-parallel ranks: the pieces of the whole
+tensor the run holds, at any tp, tp = 1 included). Under FSDP at tp > 1 a state is a DTensor of this rank's tp shard
+split over the dp ranks, which DCP would take for the whole tensor (measured at tp=2: Adam's state off by 0.04 after
+a save and load, silently): DCP is refused there, naming ``runtime.save_checkpoint``, as for ``model.state_dict()``.
+Optimizers over Trainer's DTensor views are DCP's own business and left alone."""
 from __future__ import annotations
 
 import weakref
@@ -16,7 +20,7 @@ import weakref
 import torch
 
 from .dcp_full_state import full_state_dict_given, full_state_dict_requested
-from .dcp_state import describe
+from .dcp_state import describe, refuse_under_fsdp
 from .parallel_models import known_parameters
 
 _ADOPTED: "weakref.WeakSet" = weakref.WeakSet()
@@ -32,10 +36,11 @@ def install_hook() -> None:
 
 
 def _shards() -> dict:
-    """{id(plain shard): (its ParamPlan, its model's TPGroup)} of every parallel model alive at tp > 1 (DTensors
-    describe themselves)."""
-    return {key: (known.plan, known.tp_group) for key, known in known_parameters().items()
-            if known.sharded and known.plain}
+    """{id(parameter): Known} of the parameters whose state DCP cannot place from the state alone: this rank's
+    tensor-parallel shard (plain, or FSDP's DTensor of it) or run of experts. Trainer's DTensor views describe
+    themselves."""
+    return {key: known for key, known in known_parameters().items()
+            if not known.view and (known.sharded or known.run is not None)}
 
 
 def _adopt(optimizer, _args, _kwargs) -> None:
@@ -49,9 +54,9 @@ def _adopt(optimizer, _args, _kwargs) -> None:
 
 
 def _shard_entries(optimizer, state_dict: dict):
-    """(state entry, parameter, ParamPlan, TPGroup) of each plain shard with state in ``state_dict`` (the
-    optimizer's, states by index); each entry a copy put in its place, so that changing it changes neither the
-    live state (torch hands out its own dicts) nor the caller's."""
+    """(state entry, parameter, Known) of each of ``_shards`` with state in ``state_dict`` (the optimizer's, states
+    by index); each entry a copy put in its place, so that changing it changes neither the live state (torch hands
+    out its own dicts) nor the caller's."""
     shards = _shards()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     indices = [i for group in state_dict["param_groups"] for i in group["params"]]
@@ -59,23 +64,35 @@ def _shard_entries(optimizer, state_dict: dict):
         entry = state_dict["state"].get(index)
         if id(param) in shards and entry is not None:
             entry = state_dict["state"][index] = dict(entry)
-            yield (entry, param, *shards[id(param)])
+            yield entry, param, shards[id(param)]
 
 
 def _describe_state(optimizer, state_dict: dict) -> dict:
-    """Each shard's state described for DCP, or, for torch's ``get_optimizer_state_dict(full_state_dict=True)``,
-    complete (gathered over the tp group: ``dcp_full_state.py``)."""
+    """Each shard's state described for DCP (refused for FSDP's DTensors), or, for torch's
+    ``get_optimizer_state_dict(full_state_dict=True)``, complete (gathered over dp and tp: ``dcp_full_state.py``)."""
     from .runtime.dtensor import full_tensor
 
     complete = full_state_dict_requested("optim")
-    for entry, param, plan, group in _shard_entries(optimizer, state_dict):
+    for entry, param, known in _shard_entries(optimizer, state_dict):
+        group = known.tp_group
         for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0:
-                if complete:
-                    entry[key] = full_tensor(value, plan, group)
-                else:
-                    entry[key] = value.detach()  # a new tensor on the same storage: the live state stays plain
-                    describe(entry[key], plan, group.rank, group.size)
+            if not (isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0):
+                continue
+            if complete:
+                if known.run is not None:
+                    first, n, of = known.run
+                    raise NotImplementedError(
+                        f"get_optimizer_state_dict(full_state_dict=True): {known.name} is this rank's run of experts "
+                        f"{first}..{first + n - 1} of the {of} of its tensor-parallel shard (experts spread over "
+                        "data-parallel ranks), which it cannot gather yet: save with "
+                        "fxparallel.runtime.save_checkpoint, or take the state dict without full_state_dict")
+                entry[key] = full_tensor(value, known.plan, group)
+                continue
+            entry[key] = value.detach()  # a new tensor on the same storage: the live state stays as it is
+            if known.plain:
+                describe(entry[key], known.plan, group.rank, group.size, known.run)
+            else:
+                refuse_under_fsdp(entry[key], f"{known.name} ({key})", "optimizer.state_dict()")
     return state_dict
 
 
@@ -88,8 +105,10 @@ def _plain_state(optimizer, state_dict: dict) -> dict:
             if isinstance(value, torch.Tensor) and "__create_write_items__" in vars(value):
                 entry[key] = value.detach()
     if full_state_dict_given("optim"):
-        for entry, param, plan, group in _shard_entries(optimizer, state_dict):
+        for entry, param, known in _shard_entries(optimizer, state_dict):
+            plan, group = known.plan, known.tp_group
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(plan.shape) != tuple(param.shape):
-                    entry[key] = plan.shard_of(value, group.rank, group.size)
+                    shard = plan.shard_of(value, group.rank, group.size)
+                    entry[key] = shard if known.run is None else shard[known.run[0]:known.run[0] + known.run[1]]
     return state_dict

@@ -21,25 +21,28 @@ from __future__ import annotations
 
 import torch
 
-from .accelerate_state import complete_for_accelerate
+from .accelerate_state import accelerate_caller, complete_for_accelerate
 from .dcp_full_state import complete_state_dict, full_state_dict_requested
 from .errors import CheckpointError
-from .load.expert_runs import refuse_expert_runs
+from .load.expert_runs import pieces_in_run, refuse_expert_runs
 
 
-def _pieces(tensor: torch.Tensor, plan, rank: int, tp: int) -> list:
-    """[(offsets in the full tensor, sizes, view of ``tensor``)] of this rank's pieces."""
+def _pieces(tensor: torch.Tensor, plan, rank: int, tp: int, run=None) -> list:
+    """[(offsets in the full tensor, sizes, view of ``tensor``)] of this rank's pieces (of its run of experts, where
+    ``run`` says it holds one: ``load/expert_runs.py``)."""
     out = []
-    for src, dst in plan.pieces(rank, tp):
+    pieces = plan.pieces(rank, tp)
+    for src, dst in (pieces if run is None else pieces_in_run(pieces, run)):
         offsets = torch.Size(s.start for s in src)
         sizes = torch.Size(s.stop - s.start for s in src)
         out.append((offsets, sizes, tensor[dst]))
     return out
 
 
-def describe(tensor: torch.Tensor, plan, rank: int, tp: int) -> None:
-    """Give ``tensor`` (this rank's shard of ``plan``'s parameter) DCP's checkpointable protocol."""
-    describe_pieces(tensor, _pieces(tensor, plan, rank, tp), torch.Size(plan.shape))
+def describe(tensor: torch.Tensor, plan, rank: int, tp: int, run=None) -> None:
+    """Give ``tensor`` (this rank's shard of ``plan``'s parameter, or its run of experts) DCP's checkpointable
+    protocol."""
+    describe_pieces(tensor, _pieces(tensor, plan, rank, tp, run), torch.Size(plan.shape))
 
 
 def describe_pieces(tensor: torch.Tensor, pieces: list, full: torch.Size) -> None:
@@ -74,10 +77,11 @@ def describe_pieces(tensor: torch.Tensor, pieces: list, full: torch.Size) -> Non
     tensor.__reduce_ex__ = tensor.detach().__reduce_ex__  # torch.save (a file per rank) pickles the plain shard
 
 
-def _refuse_under_fsdp(value, name: str) -> None:
+def refuse_under_fsdp(value, name: str, what: str = "model.state_dict()") -> None:
+    """Make DCP refuse ``value``, FSDP's DTensor of this rank's tensor-parallel shard (``what`` holds it)."""
     def refuse(*_args, **_kwargs):
         raise CheckpointError(
-            f"torch.distributed.checkpoint was given model.state_dict() of a model under FSDP "
+            f"torch.distributed.checkpoint was given {what} of a model under FSDP "
             f"(runtime.apply_data_parallel): {name} is this rank's tensor-parallel shard split again over the "
             "data-parallel ranks, which DCP cannot describe from the state dict; use "
             "fxparallel.runtime.save_checkpoint(path, model, optimizer, mesh) / load_checkpoint, which save "
@@ -88,10 +92,13 @@ def _refuse_under_fsdp(value, name: str) -> None:
 
 
 def describe_state_dict(model, state_dict: dict, prefix: str, _local_metadata) -> None:
-    """``state_dict`` post-hook of the parallel model (see the module docstring)."""
-    refuse_expert_runs(model, "state_dict()")
+    """``state_dict`` post-hook of the parallel model (see the module docstring). With experts spread over
+    data-parallel ranks, a run of experts is described as the pieces of the full tensor it holds, at any tp."""
     tp, rank = model.tp_group.size, model.tp_group.rank
-    if tp == 1:
+    runs = getattr(model, "expert_runs", None) or {}
+    if runs and (accelerate_caller() is not None or full_state_dict_requested("model")):
+        refuse_expert_runs(model, "a state dict of complete tensors (accelerate's, or full_state_dict=True)")
+    if tp == 1 and not runs:
         return
     by_name = {n: p for p in model.plan.params for n in p.names}
     if complete_for_accelerate(model, state_dict, prefix, by_name):  # accelerate's calls: accelerate_state.py
@@ -103,9 +110,10 @@ def describe_state_dict(model, state_dict: dict, prefix: str, _local_metadata) -
 
     for key, value in state_dict.items():
         plan = by_name.get(key[len(prefix):]) if key.startswith(prefix) else None
-        if plan is None or not plan.placement.is_shard or not isinstance(value, torch.Tensor):
+        run = runs.get(plan.name) if plan is not None else None
+        if plan is None or not (run or plan.placement.is_shard and tp > 1) or not isinstance(value, torch.Tensor):
             continue
         if isinstance(value, DTensor):
-            _refuse_under_fsdp(value, key)
+            refuse_under_fsdp(value, key)
         else:
-            describe(value, plan, rank, tp)
+            describe(value, plan, rank, tp, run)

@@ -4,21 +4,19 @@ nn.Module's ``load_state_dict`` takes what ``state_dict()`` gives, this rank's s
 model (transformers' ``state_dict()``, a ``save_pretrained`` file; Trainer's ``resume_from_checkpoint`` loads one)
 holds full-shape tensors, which nn.Module refuses for every sharded parameter (size mismatch). Before nn.Module
 copies, a value whose shape is its parameter's full shape, where that differs from the shard's, is replaced by
-this rank's piece of it (``ParamPlan.shard_of``: fused weights and uneven splits included). A value of any other
+this rank's piece of it (``ParamPlan.shard_of``: fused weights and uneven splits included; with experts spread over
+data-parallel ranks, its run of them: ``load/expert_runs.py``). A value of any other
 shape is left to nn.Module's own check. FSDP's DTensor parameters (``runtime.apply_data_parallel``) are left alone:
 their checkpoints are ``runtime.save_checkpoint``'s."""
 from __future__ import annotations
 
 import torch
 
-from .load.expert_runs import refuse_expert_runs
-
 
 def shard_full_values(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs) -> None:
     """nn.Module's load_state_dict pre-hook (see the module docstring); counts the loads (``inputs.py`` compares
     the count across the tp ranks)."""
-    refuse_expert_runs(module, "load_state_dict()")
     from torch.distributed.tensor import DTensor
 
     module._weights_loaded += 1
@@ -32,4 +30,6 @@ def shard_full_values(module, state_dict, prefix, local_metadata, strict, missin
         except KeyError:  # not a planned parameter: nn.Module's own check
             continue
         if tuple(value.shape) == tuple(plan.shape) != tuple(param.shape):
-            state_dict[prefix + name] = plan.shard_of(value, group.rank, group.size)
+            shard = plan.shard_of(value, group.rank, group.size)
+            run = module.expert_runs.get(plan.name)  # experts spread over data-parallel ranks: this rank's run
+            state_dict[prefix + name] = shard if run is None else shard[run[0]:run[0] + run[1]]

@@ -42,7 +42,6 @@ from .uncalled_modules import parent_of
 from .ops import collectives, context_parallel_attention
 from .ops.local_graph import LocalGraph
 from .ops.layer_units import install_layer_units
-from .load.expert_runs import refuse_expert_runs
 
 log = logging.getLogger("fxparallel")
 
@@ -546,7 +545,6 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         """transformers' ``generate`` for decoder-only models (greedy search and sampling) on the parallel
         model, with a static KV cache sharded by heads: see ``generation/loop.py``. Every rank returns the
         same tokens."""
-        refuse_expert_runs(self, "generate")
         from .generation.loop import generate
 
         return generate(self, input_ids, attention_mask=attention_mask, generation_config=generation_config,

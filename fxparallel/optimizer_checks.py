@@ -86,7 +86,8 @@ def check_optimizer(optimizer, known: dict) -> None:
         for param in group["params"]:
             if id(param) not in known:
                 continue
-            name, plan, tp_group, _ = entry = known[id(param)]
+            entry = known[id(param)]
+            name, plan, tp_group = entry.name, entry.plan, entry.tp_group
             whole, sharded = tuple(plan.shape), entry.sharded
             plain = entry.plain
             if sharded and _shares_ranks(optimizer, tp_group):

@@ -6,7 +6,7 @@ for the checks before a step (``optimizer_checks.py``) and DCP's view of the sta
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from torch.distributed.tensor import DTensor
 
@@ -19,6 +19,8 @@ class Known(NamedTuple):
     plan: object  # its ParamPlan (whole shape, placement)
     tp_group: object  # its model's TPGroup
     plain: bool  # a plain tensor (this rank's shard or a replicated copy), not a DTensor (a view, FSDP's)
+    view: bool = False  # a DTensor view of a parameter (``dtensor_parameters.py``), not a registered parameter
+    run: Optional[tuple] = None  # (first, count, of): this rank's run of the experts (``load/expert_runs.py``)
 
     @property
     def sharded(self) -> bool:
@@ -39,7 +41,8 @@ def known_parameters() -> dict:
         views = dtensor_views(model) or {}
         for name, param in model.local_named_parameters():
             plan = model.plan.param(name)
-            out[id(param)] = Known(name, plan, model.tp_group, not isinstance(param, DTensor))
+            out[id(param)] = Known(name, plan, model.tp_group, not isinstance(param, DTensor),
+                                   run=getattr(param, "_fxparallel_expert_run", None))
             if id(param) in views:
-                out[id(views[id(param)])] = Known(name, plan, model.tp_group, False)
+                out[id(views[id(param)])] = Known(name, plan, model.tp_group, False, view=True)
     return out

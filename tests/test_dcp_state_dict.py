@@ -95,25 +95,67 @@ def test_dcp_of_state_dict_reloads_at_any_layout(family, checkpoints, tmp_path):
 
 
 def _under_fsdp(rank, world, path, out):
+    """tp=2 under FSDP, after one SGD step with momentum beside the same step on one device: DCP given
+    ``model.state_dict()`` or ``optimizer.state_dict()``, and torch's helpers with ``full_state_dict=True``."""
+    import copy
+
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_optimizer_state_dict)
 
     import fxparallel
-    from fxparallel.errors import CheckpointError
     from fxparallel.runtime import apply_data_parallel, init_mesh
+    from models import reference
 
     mesh = init_mesh(tp=2, dp=1, cp=1)
-    model = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32), mesh)
-    try:
-        dcp.save(model.state_dict(), checkpoint_id=out)
-    except BaseException as err:  # noqa: BLE001 - DCP wraps what a rank raised in a BaseException
-        return f"{type(err).__name__}: {err}"
-    return "saved"
+
+    def stepped(m):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
+        m(input_ids=_ids(), labels=_ids()).loss.backward()
+        optimizer.step()
+        return optimizer
+
+    model, single = (apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32), mesh),
+                     reference(path))
+    optimizers = [stepped(m) for m in (model, single)]
+    result = {}
+    for what, state in (("model", model.state_dict), ("optimizer", optimizers[0].state_dict)):
+        try:
+            dcp.save(state(), checkpoint_id=os.path.join(out, what))
+            result[what] = "saved"
+        except BaseException as err:  # noqa: BLE001 - DCP wraps what a rank raised in a BaseException
+            result[what] = f"{type(err).__name__}: {err}"
+    full = StateDictOptions(full_state_dict=True)
+    ours, ref = get_model_state_dict(model, options=full), get_model_state_dict(single, options=full)
+    result["weights"] = max((ours[k] - v).abs().max().item() for k, v in ref.items())
+    ours, ref = (get_optimizer_state_dict(m, o, options=full)["state"] for m, o in zip((model, single), optimizers))
+    result["momentum"] = max((ours[k]["momentum_buffer"] - v["momentum_buffer"]).abs().max().item()
+                             for k, v in ref.items())
+    # the complete momenta loaded into another model's optimizer (its own zeroed first): each rank's shard of them
+    other = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32), mesh)
+    other_optimizer = stepped(other)
+    for state in other_optimizer.state.values():
+        state["momentum_buffer"].to_local().zero_()
+    full_state = get_optimizer_state_dict(model, optimizers[0], options=full)
+    set_optimizer_state_dict(other, other_optimizer, optim_state_dict=copy.deepcopy(full_state), options=full)
+    result["loaded momentum"] = max(
+        (other_optimizer.state[b]["momentum_buffer"] - optimizers[0].state[a]["momentum_buffer"]).abs().max().item()
+        for a, b in zip(model.parameters(), other.parameters()))
+    return result
 
 
 def test_dcp_of_state_dict_under_fsdp_is_refused(checkpoints, tmp_path):
-    for message in run_ranks(2, _under_fsdp, checkpoints["llama"], str(tmp_path / "dcp")):
-        assert "fxparallel.runtime.save_checkpoint" in message and "CheckpointError" in message, message
+    """Under FSDP a state's value is FSDP's DTensor of this rank's tp shard, which DCP would take for the whole
+    tensor (the optimizer's, before: rank 0 read its momenta back 0.04 off, silently): refused, naming
+    runtime.save_checkpoint. torch's helpers asked for complete tensors give the single-device weights and momenta,
+    and ``set_optimizer_state_dict(full_state_dict=True)`` loads the complete momenta back exactly."""
+    for result in run_ranks(2, _under_fsdp, checkpoints["llama"], str(tmp_path / "dcp")):
+        for what in ("model", "optimizer"):
+            message = result[what]
+            assert "fxparallel.runtime.save_checkpoint" in message and "CheckpointError" in message, message
+            assert f"was given {what}.state_dict() of a model under FSDP" in message, message
+        assert result["weights"] < 1e-5 and result["momentum"] < 1e-5 and result["loaded momentum"] == 0.0, result
 
 
 def _optimizer_states(rank, world, path, out, save):

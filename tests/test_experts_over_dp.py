@@ -8,8 +8,12 @@ export_pretrained loads in transformers with one process's weights. GPT-OSS (bia
 exchange per product) trains at dp=4 (ep=2) as one process, and so do dp=2 (ep=2) x cp=2 (each cp rank exchanges its
 chunks' rows), dp=2 (ep=2) x tp=2 with sequence parallelism and dp=4 (ep=2) under HSDP (dp_shard=2); under bf16 mixed
 precision the losses are those without ep (to bf16's rounding). The all-to-alls of a step are counted and their bytes
-checked against the rows routed to other ranks' experts (once out and back per MoE block); what does not handle a run
-of experts yet is refused by name."""
+checked against the rows routed to other ranks' experts (once out and back per MoE block). Greedy generate gives
+transformers' tokens at dp=2 (ep=2) x tp=2 under FSDP and for GPT-OSS at dp=4 (ep=2), each dp rank with prompts and
+new tokens of its own (those that stop first step on with the others: generation/forward_peers.py), and a call refused
+on one dp rank is refused on all of them. Without FSDP, ``model.state_dict()`` and an optimizer's ``state_dict()``
+through DCP (each run described as its pieces of the whole tensor) load at another ep layout exactly, and so does
+``load_state_dict`` of complete tensors. What does not handle a run of experts yet is refused by name."""
 from __future__ import annotations
 
 import os
@@ -27,11 +31,40 @@ RUNS = {"trained": (2, 2, 2), "resumed at ep=2 x tp=1": (1, 4, 2), "resumed with
         "with sp": (2, 2, 2), "with hsdp": (1, 4, 2)}  # (tp, dp, ep)
 
 
+def _prompts(dp_rank: int):
+    """Each dp rank's prompts (two rows, the second left-padded; a length of its own) and new tokens: dp rank 0
+    stops first and waits, stepping with the others (generation/forward_peers.py)."""
+    import torch
+
+    ids = torch.randint(3, 64, (2, 5 + 4 * dp_rank), generator=torch.Generator().manual_seed(dp_rank))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    return ids, mask, 2 + 2 * dp_rank
+
+
+def _generated(model, dp_rank: int) -> dict:
+    """Greedy generate of this dp rank's prompts, and of a call refused on dp rank 1 only (a 1-D input_ids); the
+    returned cache of a rank that waited holds nothing past its last token."""
+    from checks import raised
+
+    ids, mask, new = _prompts(dp_rank)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, return_dict_in_generate=True)
+    cache, last = out.cache, out.sequences.shape[1] - 1  # (the last token is never fed: its slot stays empty)
+
+    def slot(i):  # the largest value each cache tensor holds at position i
+        return [t.narrow(d, i, 1).abs().max().item() for t in cache.tensors.values()
+                for d in range(t.dim()) if t.shape[d] == cache.length]
+
+    return {"tokens": out.sequences.tolist(), "last slot": max(slot(last)), "slot before": min(slot(last - 1)),
+            "refused on one": raised(lambda: model.generate(ids[0] if dp_rank == 1 else ids, max_new_tokens=2))}
+
+
 def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), export=None, mixed=None, cp=1,
-                sp=False, dp_shard=None):
+                sp=False, dp_shard=None, generate=False):
     """Train ``steps`` at (tp, dp, ep), first loading checkpoint ``load``, saving ``save`` before step SAVE_AT; at the
     end, with ``export``, write a Hugging Face directory there and read it back with transformers. ``mixed``:
-    runtime's mixed precision ("bf16"); ``cp``: context-parallel size."""
+    runtime's mixed precision ("bf16"); ``cp``: context-parallel size; ``generate``: first generate
+    (``_generated``)."""
     import torch
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -49,6 +82,7 @@ def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), e
                                                        cp_group=mesh.cp_mesh if cp > 1 else None,
                                                        sequence_parallel=sp), mesh,
                                 mixed_precision=mixed)
+    generated = _generated(model, mesh.dp_rank) if generate else None
     opt = _optimizer(model.parameters())
     if load:
         load_checkpoint(load, model, opt, mesh)
@@ -85,8 +119,7 @@ def _layout_run(path, tp, dp, ep, *, load=None, save=None, steps=range(STEPS), e
             "tp_rank": mesh.tp_rank, "bytes read": model.bytes_read,
             "exchanges": {tuple(g.code.count(f"{op}(") for op in ("dispatch_rows", "local_grouped_mm", "combine_rows",
                                                                    "exchanged_grouped_mm")) for g in model.graphs()},
-            "generate": raised(lambda: model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)),
-            "state_dict": raised(lambda: model.state_dict()) if ep > 1 else "",
+            "generated": generated, "dp_rank": mesh.dp_rank,
             "trainer": raised(lambda: model.tp_size) if ep > 1 and tp > 1 else ""}
 
 
@@ -105,6 +138,60 @@ def _exchanged(model, ids, ep_rank: int, ep: int) -> dict:
     config = model.config
     exchange.bytes_sent[model.ep_group.handle] = 0
     return {"expected": others * 2 * config.hidden_size * 4}
+
+
+def _held(model, full: dict) -> float:
+    """The largest difference between this rank's parameters and their pieces of ``full`` (its tp shard, then its
+    run of the experts), and how many of them are runs."""
+    diff, runs = 0.0, 0
+    group = model.tp_group
+    for name, p in model.local_named_parameters():
+        piece = model.plan.param(name).shard_of(full[name], group.rank, group.size)
+        run = getattr(p, "_fxparallel_expert_run", None)
+        if run:
+            piece, runs = piece[run[0]:run[0] + run[1]], runs + 1
+        diff = max(diff, (p.detach() - piece).abs().max().item())
+    return diff, runs
+
+
+def _state_dicts(path, root) -> dict:
+    """Without FSDP, the habits of torch users: ``model.state_dict()`` and an SGD optimizer's ``state_dict()`` (its
+    momentum 2 x each weight: one step of lr 0 on gradients 2 x the weights) through DCP at dp=2 (ep=2) x tp=2,
+    loaded into zeroed state at dp=4 (ep=2) x tp=1; then ``load_state_dict`` of complete tensors (transformers'
+    state dict, halved)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    import fxparallel
+    from fxparallel.runtime import init_mesh
+
+    def model_and_optimizer(tp, dp, ep):
+        mesh = init_mesh(tp=tp, dp=dp, ep=ep)
+        model = fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32, ep_group=mesh.ep_mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+        for p in model.parameters():
+            p.grad = 2 * p.detach()
+        optimizer.step()
+        return model, optimizer
+
+    where = os.path.join(root, "dcp state dicts")
+    model, optimizer = model_and_optimizer(2, 2, 2)
+    dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=where)
+    model, optimizer = model_and_optimizer(1, 4, 2)
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    with torch.no_grad():
+        for value in list(state["model"].values()) + [v for s in state["optim"]["state"].values() for v in s.values()]:
+            value.zero_()  # in place: what comes back is what DCP read
+    dcp.load(state, checkpoint_id=where)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optim"])
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    out = {"dcp": _held(model, full), "momentum": max(
+        (optimizer.state[p]["momentum_buffer"] - 2 * p.detach()).abs().max().item() for p in model.parameters())}
+    model.load_state_dict({name: value / 2 for name, value in full.items()})
+    out["complete"] = _held(model, {name: value / 2 for name, value in full.items()})
+    return out
 
 
 def _accumulated(path) -> float:
@@ -142,17 +229,18 @@ def _train(rank, world, path, dense_path, root, oss_path, lora_path):
 
     a, b = os.path.join(root, "a"), os.path.join(root, "b")
     out = {"bad ep": raised(lambda: init_mesh(tp=1, dp=4, ep=3)),
-           "trained": _layout_run(path, 2, 2, 2, save=a, export=os.path.join(root, "hf")),
+           "trained": _layout_run(path, 2, 2, 2, save=a, export=os.path.join(root, "hf"), generate=True),
            "resumed at ep=2 x tp=1": _layout_run(path, 1, 4, 2, load=a, steps=range(SAVE_AT, STEPS)),
            "resumed without ep": _layout_run(path, 2, 2, 1, load=a, save=b, steps=range(SAVE_AT, STEPS)),
            "from a checkpoint without ep": _layout_run(path, 1, 4, 2, load=b, steps=range(SAVE_AT, STEPS)),
-           "gpt_oss": _layout_run(oss_path, 1, 4, 2),
+           "gpt_oss": _layout_run(oss_path, 1, 4, 2, generate=True),
            "with cp": _layout_run(path, 1, 2, 2, cp=2),
            "with sp": _layout_run(path, 2, 2, 2, sp=True),
            "bf16": _layout_run(path, 1, 4, 2, mixed="bf16", steps=range(2)),
            "bf16 without ep": _layout_run(path, 1, 4, 1, mixed="bf16", steps=range(2)),
            "with hsdp": _layout_run(path, 1, 4, 2, load=a, steps=range(SAVE_AT, STEPS), dp_shard=2)}
     out["accumulated"] = _accumulated(path)
+    out["state dicts"] = _state_dicts(path, root)
     mesh = init_mesh(tp=1, dp=4, ep=2)
     out["dense"] = raised(lambda: fxparallel.parallelize(dense_path, mesh.tp_mesh, ep_group=mesh.ep_mesh))
     import json
@@ -201,6 +289,19 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
                                            global_batch=GLOBAL_BATCH, mask=lambda batch: batch, max_norm=MAX_NORM)
             for model, p in (("qwen3_moe", path), ("gpt_oss", oss))}
     layers = 2
+    from transformers import AutoModelForCausalLM
+
+    for run, p in (("trained", path), ("gpt_oss", oss)):  # generate before training: transformers' tokens
+        one = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
+        for r in ranks:
+            ids, mask, new = _prompts(r[run]["dp_rank"])
+            got = r[run]["generated"]
+            assert got["tokens"] == one.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                                 do_sample=False).tolist(), (run, r[run]["dp_rank"])
+            assert got["last slot"] == 0 and got["slot before"] > 0, (run, got)
+            assert got["refused on one"].startswith(
+                "InputError: generate: the call was refused on data-parallel rank 1" if r[run]["dp_rank"] != 1 else
+                "InputError: generate needs input_ids of shape [batch, prompt length]"), (run, got["refused on one"])
     exported = ranks[0]["trained"]["exported"]  # export_pretrained at dp=2 (ep=2) x tp=2, read by transformers
     assert set(exported) == set(refs["qwen3_moe"]["params"])
     assert max((exported[n] - t).abs().max().item() for n, t in refs["qwen3_moe"]["params"].items()) < 3e-5
@@ -220,6 +321,10 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
         assert unread > 0 and r["resumed without ep"]["bytes read"] - r["trained"]["bytes read"] == unread, \
             (r["trained"]["bytes read"], r["resumed without ep"]["bytes read"], unread)
         assert r["accumulated"] < 1e-6, r["accumulated"]
+        # DCP of model.state_dict() / optimizer.state_dict() (each rank's run of experts described as pieces of the
+        # whole tensor) at dp=2 (ep=2) x tp=2, loaded at dp=4 (ep=2) x tp=1; load_state_dict of complete tensors
+        assert r["state dicts"]["dcp"] == (0.0, 2 * layers) and r["state dicts"]["momentum"] == 0.0, r["state dicts"]
+        assert r["state dicts"]["complete"] == (0.0, 2 * layers), r["state dicts"]
         assert r["bad ep"].startswith("GroupError: EP size (3) must divide DP size (4)"), r["bad ep"]
         assert r["dense"].startswith("ShardingError: ep_group: llama has no stacked expert weights"), r["dense"]
         assert r["batched_mm"].startswith("ShardingError: ep_group: the experts kernel is 'batched_mm'"), \
@@ -268,9 +373,6 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
             if tp == 1 and run != "with cp":  # the bytes exchanged, over every rank: each row of another rank's expert
                 assert sum(x[run]["volume"]["sent"] for x in ranks) == sum(x[run]["volume"]["expected"] for x in ranks)
                 assert ranks[0][run]["volume"]["sent"] > 0
-            assert got["generate"].startswith("NotImplementedError: generate: this model's experts are spread over "
-                                              "data-parallel ranks"), got["generate"]
-            assert got["state_dict"].startswith("NotImplementedError: state_dict(): "), got["state_dict"]
             # at tp > 1 Trainer / accelerate read tp_size for DTensor views, and would average other experts over dp:
             # refused (at tp = 1 they wrap the model in DDP, which the model refuses: data_parallel_guard.py)
             assert tp == 1 or got["trainer"].startswith("DTensorParametersError: transformers.Trainer / accelerate with experts "

@@ -5,8 +5,9 @@ group of their own), both with tied embeddings. Against the single-process
 transformers model: the number of units (layers + root), that inside a layer's forward no
 other layer is unsharded (the same probe sees every layer unsharded with root-only
 wrapping), loss and every gradient (1e-5), a few AdamW steps, a graph captured after
-wrapping (no labels), bf16 mixed precision (fp32 parameters, gradients and AdamW moments); replicate mode and root-only wrapping (in bf16,
-bit-identical to bf16 per-layer) at tp=1 only, to keep the test short; and that
+wrapping (no labels), greedy generate before training (each dp rank its own prompts and lengths: transformers'
+tokens), bf16 mixed precision (fp32 parameters, gradients and AdamW moments); replicate mode and root-only
+wrapping (in bf16, bit-identical to bf16 per-layer) at tp=1 only, to keep the test short; and that
 the graph split alone (no FSDP) gives bit-identical numbers to the unsplit graph.
 """
 from __future__ import annotations
@@ -73,9 +74,19 @@ def _parallelize(path, mesh, **kwargs):
     return model
 
 
+def _prompts(dp_rank: int):
+    """Each dp rank's prompts (the second row left-padded; a length of its own) and new tokens (dp rank 0 stops
+    first, then steps with the other: FSDP all-gathers in every forward, generation/forward_peers.py)."""
+    ids = torch.randint(3, 100, (2, 4 + 3 * dp_rank), generator=torch.Generator().manual_seed(dp_rank))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    return ids, mask, 2 + 3 * dp_rank
+
+
 def _fsdp_run(path, mesh, mode="shard", mixed=None, per_layer=True, later_graph=False):
-    """Wrap, step once (grads), step twice more (AdamW); with ``later_graph`` then a forward without
-    labels (a graph captured after wrapping)."""
+    """Wrap, step once (grads), step twice more (AdamW); with ``later_graph`` first a greedy generate of this dp
+    rank's prompts (its graphs captured after wrapping; the optimizer made after it), and at the end a forward
+    without labels (a graph captured after wrapping)."""
     from torch.distributed.fsdp import FSDPModule
 
     from fxparallel.runtime import apply_data_parallel, train_step
@@ -83,6 +94,9 @@ def _fsdp_run(path, mesh, mode="shard", mixed=None, per_layer=True, later_graph=
     dtype = torch.bfloat16 if mixed else torch.float32
     model = _parallelize(path, mesh, dtype=dtype)
     model = apply_data_parallel(model, mesh, mode=mode, mixed_precision=mixed, per_layer=per_layer)
+    if later_graph:
+        ids, mask, new = _prompts(mesh.dp_rank)
+        generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new).tolist()
     seen = _probe(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     data = _batches(mesh)
@@ -103,6 +117,7 @@ def _fsdp_run(path, mesh, mode="shard", mixed=None, per_layer=True, later_graph=
     out["logits"] = model(input_ids=data.global_batch_at(STEPS)["input_ids"]).logits.detach().float().numpy()
     out["new_graphs"] = len(model.graphs()) - graphs
     out["seen_logits"] = list(seen)
+    out["generated"], out["dp_rank"] = generated, mesh.dp_rank
     return out
 
 
@@ -191,10 +206,12 @@ def _reference(path):
     from fxparallel.runtime import StepBatches, pack_tokens, synthetic_token_stream
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ref = {"generated": [model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                        do_sample=False).tolist() for ids, mask, new in map(_prompts, range(2))]}
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     rows = pack_tokens(synthetic_token_stream(128, 20 * SEQ, seed=5, mean_doc_len=12), SEQ)
     data = StepBatches(rows, GLOBAL_BATCH, 0, 1)
-    ref = {"losses": []}
+    ref["losses"] = []
     for step in range(STEPS):
         opt.zero_grad()
         batch = data.global_batch_at(step)
@@ -286,6 +303,13 @@ def test_training_matches_single_process(world4, world2, references):
             if key == "layers":  # logits from a graph captured after wrapping
                 assert run["new_graphs"] == 1
                 assert (torch.as_tensor(run["logits"]) - reference["logits"]).abs().max().item() < TOL, key
+
+
+def test_generate_under_fsdp_gives_transformers_tokens(world4, world2, references):
+    """Each dp rank its own prompts and new tokens; the rank that stops first steps on with the other, whose
+    forwards all-gather over both (and training afterwards matches one process: test_training_matches...)."""
+    for layout, run in _runs(world4, world2, "layers"):
+        assert run["generated"] == references[FAMILY[layout]]["generated"][run["dp_rank"]], (layout, run["dp_rank"])
 
 
 def test_bf16_mixed_precision(world4, world2, references):

@@ -31,7 +31,7 @@ from ..group import uses_nccl
 from ..inputs import ranks_named
 from ..load.coordinate import exchange
 from ..trl_grpo import refuse_batch_statistics
-from . import recompute, transformers_private as hf_private
+from . import forward_peers, recompute, transformers_private as hf_private
 from .parallel_cache import ParallelCache, cache_length
 from .select import full_scores, top_k_candidates, vocab_parallel_argmax
 
@@ -72,10 +72,18 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
     """transformers' generate, greedy search and sampling, on the parallel model (see the module docstring):
     validate, prepare, then decode."""
     tokenizer = kwargs.pop("tokenizer", None)  # transformers' argument for stop_strings (pipelines pass it)
-    request = _validated(model, input_ids, attention_mask, generation_config, logits_processor, stopping_criteria,
-                         tokenizer, kwargs)
-    decoding = _prepared(model, request, streamer)
-    _decode(model, decoding)
+    refused = decoding = None
+    try:
+        request = _validated(model, input_ids, attention_mask, generation_config, logits_processor,
+                             stopping_criteria, tokenizer, kwargs)
+        decoding = _prepared(model, request, streamer)
+    except Exception as err:  # noqa: BLE001 - raised by forward_peers.agree, once the data-parallel peers know
+        refused = err
+    forward_peers.agree(model, refused)
+    try:
+        _decode(model, decoding)
+    finally:
+        forward_peers.reshard(model)
     return _result(decoding)
 
 
@@ -320,12 +328,15 @@ def _decode(model, decoding: _Decoding) -> None:
     until the stopping criteria have stopped every row. Where ``_runs_ahead``, the host queues each decode step
     before it reads whether the previous one stopped every row (``_StopFlag``), so that on a GPU the host's work
     for a step overlaps the GPU's for the one before instead of waiting for it; a step queued after the last is
-    dropped (nothing of it is kept or returned)."""
+    dropped (nothing of it is kept or returned). Where a forward talks to data-parallel ranks (FSDP, experts
+    spread over them), until every one of them has stopped (``forward_peers.py``)."""
     if decoding.streamer is not None:
         decoding.streamer.put(decoding.sequences.cpu())
     step_ids, step_positions = decoding.sequences, decoding.positions
-    ahead = _runs_ahead(model, decoding)
+    peers = forward_peers.peers_of(model)
+    ahead = peers is None and _runs_ahead(model, decoding)
     flag = _StopFlag(model.device_ if ahead else None)
+    waiting = None
     with torch.no_grad():
         local, start = _step(model, decoding, step_ids, step_positions)  # the prefill
         chosen = _appended(decoding, _select(model, decoding, local, start))
@@ -335,18 +346,26 @@ def _decode(model, decoding: _Decoding) -> None:
             # max_length (the stopping criteria always stop there: no room in the cache for another step)
             ahead_now = ahead and decoded > 0 and decoding.sequences.shape[1] < decoding.config.max_length
             flag.start(decoding.unfinished)
-            if not ahead_now and not flag.read():
+            going = ahead_now or flag.read()
+            if not (going if peers is None else forward_peers.any_generating(peers, going, model.device_)):
                 break
-            step_ids = chosen[:, None]
-            # the slot the next step writes: the chosen token's
-            decoding.full_mask[:, decoding.sequences.shape[1] - 1] = 1
-            step_positions = step_positions[:, -1:] + 1
+            if waiting is None:
+                step_ids = chosen[:, None]
+                # the slot the next step writes: the chosen token's
+                decoding.full_mask[:, decoding.sequences.shape[1] - 1] = 1
+                step_positions = step_positions[:, -1:] + 1
+            if not going:  # stopped, while a data-parallel peer still generates: this step again, logits dropped
+                waiting = waiting or forward_peers.Waiting(decoding.cache, decoding.config.return_dict_in_generate)
+                _step(model, decoding, step_ids, step_positions)
+                continue
             local, start = _step(model, decoding, step_ids, step_positions)
             picked = _select(model, decoding, local, start)
             if ahead_now and not flag.read():  # every row had stopped: this step is the one after the last
                 break
             chosen = _appended(decoding, picked)
             decoded += 1
+    if waiting is not None:
+        waiting.restore()
     if decoding.streamer is not None:
         decoding.streamer.end()
 
@@ -428,9 +447,11 @@ def _cached_step(model, decoding: _Decoding, step_ids: torch.Tensor, step_positi
         given["logits_to_keep"] = 1
     if model.takes_router_logits:  # tokens need no router logits, whatever the config says
         given["output_router_logits"] = False
-    out = model.forward(input_ids=step_ids, attention_mask=decoding.full_mask, past_key_values=decoding.cache,
-                        use_cache=True, gather_logits=False, check_inputs=False,
-                        compile_config=None if prefill else decoding.compile_config, **given)
+    # called, not .forward: FSDP's hooks gather the root's parameters, and hooks on the model run, as transformers
+    # calls the model in its generate
+    out = model(input_ids=step_ids, attention_mask=decoding.full_mask, past_key_values=decoding.cache,
+                use_cache=True, gather_logits=False, check_inputs=False,
+                compile_config=None if prefill else decoding.compile_config, **given)
     local = out.local_logits if out.local_logits is not None else out.logits
     # a copy: under CUDA graphs the logits are the graph's output buffer, which the next step overwrites
     # (and output_scores keeps them)

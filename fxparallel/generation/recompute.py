@@ -99,8 +99,8 @@ def _forward(model, sequences: torch.Tensor, mask: torch.Tensor, positions_of, c
     given = {"position_ids": positions_of(mask)} if model.takes_position_ids else {}
     if model.takes_router_logits:
         given["output_router_logits"] = False
-    out = model.forward(input_ids=ids, attention_mask=mask, use_cache=False, gather_logits=False,
-                        check_inputs=False, compile_config=compile_config, **given)
+    out = model(input_ids=ids, attention_mask=mask, use_cache=False, gather_logits=False, check_inputs=False,
+                compile_config=compile_config, **given)
     local = out.local_logits if out.local_logits is not None else out.logits
     start = out.vocab_range[0] if out.vocab_range is not None else 0
     return local[:, now - 1, :].to(torch.float32, copy=True), start

@@ -71,5 +71,5 @@ def refuse_expert_runs(model, what: str) -> None:
         raise NotImplementedError(
             f"{what}: this model's experts are spread over data-parallel ranks (ep_group of size "
             f"{model.ep_group.size}: this rank holds experts {first}..{first + n - 1} of the {count} of its tensor-"
-            "parallel shard), which state dicts and generate do not handle yet: save with "
+            "parallel shard), which it cannot gather yet: save with "
             "fxparallel.runtime.save_checkpoint or export_pretrained, or parallelize without ep_group")

@@ -41,6 +41,7 @@ class DataParallelInfo:
     mode: str
     param_dtype: Optional[torch.dtype]
     units: int  # number of fully_shard calls (per-layer units + root)
+    forward_group: Optional[object] = None  # shard mode: the dp x cp process group a forward all-gathers over
 
 
 def _fsdp_mesh(mesh, mode: str):
@@ -119,7 +120,8 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
         # SUM over dp x cp: the loss is already divided by the global token count (runtime/loss_normalization.py).
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # no PREMUL_SUM (gloo lacks it; factor 1 needs no scaling)
-    model._fxparallel_data_parallel = DataParallelInfo(mode, param_dtype, len(units) + 1)
+    forward_group = mesh.dp_cp_mesh.get_group() if mode == "shard" and mesh.dp_cp_size > 1 else None
+    model._fxparallel_data_parallel = DataParallelInfo(mode, param_dtype, len(units) + 1, forward_group)
     return model
 
 
