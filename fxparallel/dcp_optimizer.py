@@ -105,10 +105,19 @@ def _plain_state(optimizer, state_dict: dict) -> dict:
             if isinstance(value, torch.Tensor) and "__create_write_items__" in vars(value):
                 entry[key] = value.detach()
     if full_state_dict_given("optim"):
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
         for entry, param, known in _shard_entries(optimizer, state_dict):
             plan, group = known.plan, known.tp_group
             for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(plan.shape) != tuple(param.shape):
-                    shard = plan.shard_of(value, group.rank, group.size)
-                    entry[key] = shard if known.run is None else shard[known.run[0]:known.run[0] + known.run[1]]
+                if not isinstance(value, torch.Tensor) or not tuple(value.shape) == tuple(plan.shape) != tuple(
+                        param.shape):
+                    continue
+                if isinstance(value, DTensor):  # under FSDP torch spread the complete state over FSDP's mesh
+                    value = value.full_tensor()
+                shard = plan.shard_of(value, group.rank, group.size)
+                shard = shard if known.run is None else shard[known.run[0]:known.run[0] + known.run[1]]
+                # under FSDP: this rank's chunk of the tp shard, placed as the parameter
+                entry[key] = distribute_tensor(shard, param.device_mesh, param.placements) if isinstance(
+                    param, DTensor) else shard
     return state_dict

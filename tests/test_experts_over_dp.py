@@ -33,13 +33,15 @@ RUNS = {"trained": (2, 2, 2), "resumed at ep=2 x tp=1": (1, 4, 2), "resumed with
 
 def _prompts(dp_rank: int):
     """Each dp rank's prompts (two rows, the second left-padded; a length of its own) and new tokens: dp rank 0
-    stops first and waits, stepping with the others (generation/forward_peers.py)."""
+    stops first, 6 slots before the end of its cache (128), and waits, stepping with the others for 10 steps or
+    more (generation/forward_peers.py)."""
     import torch
 
-    ids = torch.randint(3, 64, (2, 5 + 4 * dp_rank), generator=torch.Generator().manual_seed(dp_rank))
+    length, new = (120, 2) if dp_rank == 0 else (5 + 4 * dp_rank, 4 + 8 * dp_rank)
+    ids = torch.randint(3, 64, (2, length), generator=torch.Generator().manual_seed(dp_rank))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
-    return ids, mask, 2 + 2 * dp_rank
+    return ids, mask, new
 
 
 def _generated(model, dp_rank: int) -> dict:

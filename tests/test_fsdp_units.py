@@ -95,8 +95,13 @@ def _fsdp_run(path, mesh, mode="shard", mixed=None, per_layer=True, later_graph=
     model = _parallelize(path, mesh, dtype=dtype)
     model = apply_data_parallel(model, mesh, mode=mode, mixed_precision=mixed, per_layer=per_layer)
     if later_graph:
+        from transformers import CompileConfig
+
+        from checks import raised
+
         ids, mask, new = _prompts(mesh.dp_rank)
         generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new).tolist()
+        compiled = raised(lambda: model.generate(input_ids=ids, max_new_tokens=2, compile_config=CompileConfig()))
     seen = _probe(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     data = _batches(mesh)
@@ -117,8 +122,32 @@ def _fsdp_run(path, mesh, mode="shard", mixed=None, per_layer=True, later_graph=
     out["logits"] = model(input_ids=data.global_batch_at(STEPS)["input_ids"]).logits.detach().float().numpy()
     out["new_graphs"] = len(model.graphs()) - graphs
     out["seen_logits"] = list(seen)
-    out["generated"], out["dp_rank"] = generated, mesh.dp_rank
+    out["generated"], out["dp_rank"], out["compiled"] = generated, mesh.dp_rank, compiled
+    out["optimizer"] = _complete_optimizer_state(model, opt)
     return out
+
+
+def _complete_optimizer_state(model, opt) -> dict:
+    """torch's ``get_optimizer_state_dict(full_state_dict=True)`` (AdamW's exp_avg, complete), and, loaded back into
+    the optimizer with its states zeroed, whether each rank's states are its own again."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from fxparallel.runtime.fsdp import reshard
+
+    reshard(model)  # the sharded parameters the optimizer holds, after the forward without labels
+    full = StateDictOptions(full_state_dict=True)
+    complete = get_optimizer_state_dict(model, opt, options=full)
+    own = [{k: v.to_local().clone() for k, v in state.items() if v.dim()} for state in opt.state.values()]
+    for state in opt.state.values():
+        for value in state.values():
+            if value.dim():
+                value.to_local().zero_()
+    set_optimizer_state_dict(model, opt, optim_state_dict=complete, options=full)
+    back = all(torch.equal(state[k].to_local(), v) for state, mine in zip(opt.state.values(), own)
+               for k, v in mine.items())
+    return {"exp_avg": {name: state["exp_avg"].numpy() for name, state in complete["state"].items()},
+            "loaded back": back}
 
 
 def _split_vs_whole(path, mesh):
@@ -222,6 +251,7 @@ def _reference(path):
         opt.step()
         ref["losses"].append(loss.item())
     ref["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref["exp_avg"] = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         ref["logits"] = model(input_ids=data.global_batch_at(STEPS)["input_ids"]).logits
     return ref
@@ -310,6 +340,17 @@ def test_generate_under_fsdp_gives_transformers_tokens(world4, world2, reference
     forwards all-gather over both (and training afterwards matches one process: test_training_matches...)."""
     for layout, run in _runs(world4, world2, "layers"):
         assert run["generated"] == references[FAMILY[layout]]["generated"][run["dp_rank"]], (layout, run["dp_rank"])
+        assert run["compiled"].startswith("InputError: generate: compile_config under FSDP"), run["compiled"]
+
+
+def test_complete_optimizer_state_and_back(world4, world2, references):
+    """torch's helpers with ``full_state_dict=True`` under FSDP: the complete AdamW moments of one process (at tp=2
+    gathered over dp, then tp: dcp_optimizer.py), and loaded back, each rank's own states (its tp shard's FSDP chunk)."""
+    for layout, run in _runs(world4, world2, "layers"):
+        reference = references[FAMILY[layout]]["exp_avg"]
+        got = run["optimizer"]
+        assert sorted(got["exp_avg"]) == sorted(reference) and got["loaded back"], layout
+        assert max((torch.as_tensor(v) - reference[n]).abs().max().item() for n, v in got["exp_avg"].items()) < TOL
 
 
 def test_bf16_mixed_precision(world4, world2, references):

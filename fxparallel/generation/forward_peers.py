@@ -66,15 +66,24 @@ def any_generating(group, mine: bool, device) -> bool:
 
 
 class Waiting:
-    """This rank's rows have all stopped while a peer still generates: its next step is run again and again (the
-    same tokens at the same positions: attention writes the same slot with the same keys and values), its logits
-    dropped. A cache the call returns (``return_dict_in_generate``) is kept as it was before the first of these
-    steps (recurrent states and counters would move on): copied now and put back by ``restore``."""
+    """This rank's rows have all stopped while a peer still generates: its next step is run again and again, its
+    logits dropped. Before each of these steps the cache's counts of tokens written (``cumulative_length``) are put
+    back, so that each writes the same slot with the same keys and values (the next slot would run past the end of
+    this rank's cache, sized for its own max_length, while a peer generates longer). A cache the call returns
+    (``return_dict_in_generate``) is kept as it was before the first of these steps (recurrent states move on):
+    copied now and put back by ``restore``."""
 
     def __init__(self, cache, returned: bool):
-        self._cache = cache if returned else None
-        self._kept = ({name: t.clone() for name, t in cache.tensors.items()}, cache.started) \
-            if self._cache is not None else None
+        self._cache = cache
+        tensors = cache.tensors if cache is not None else {}
+        self._counts = {name: t.clone() for name, t in tensors.items() if name.endswith("cumulative_length")}
+        self._kept = ({name: t.clone() for name, t in tensors.items()}, cache.started) if returned and tensors else None
+
+    def rewind(self, cache) -> None:
+        """Before a repeated step: the counts back (``cache``: the generation's now; None once it recomputes)."""
+        if cache is self._cache and cache is not None:
+            for name, count in self._counts.items():
+                cache.tensors[name].copy_(count)
 
     def restore(self) -> None:
         if self._kept is None:

@@ -230,6 +230,10 @@ def _prepared(model, request: _Request, streamer) -> _Decoding:
                                   model.tp_group.size, uses_nccl(model.tp_group))
     if refused:
         raise InputError(refused)
+    if forward_peers.peers_of(model) is not None and config.compile_config is not None and not config.disable_compile:
+        raise InputError("generate: compile_config under FSDP or with experts spread over data-parallel ranks is not "
+                         "supported yet (a compiled step would trace FSDP's all-gathers or the experts' exchanges): "
+                         "generate without it, or from a model without apply_data_parallel / ep_group")
     processors = hf_private.logits_processors(model, config, prompt, device,
                                               request.logits_processor or LogitsProcessorList())
     criteria = hf_private.stopping_criteria(model, config, request.stopping_criteria or StoppingCriteriaList(),
@@ -356,6 +360,7 @@ def _decode(model, decoding: _Decoding) -> None:
                 step_positions = step_positions[:, -1:] + 1
             if not going:  # stopped, while a data-parallel peer still generates: this step again, logits dropped
                 waiting = waiting or forward_peers.Waiting(decoding.cache, decoding.config.return_dict_in_generate)
+                waiting.rewind(decoding.cache)
                 _step(model, decoding, step_ids, step_positions)
                 continue
             local, start = _step(model, decoding, step_ids, step_positions)
