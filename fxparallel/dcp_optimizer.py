@@ -21,6 +21,7 @@ import torch
 
 from .dcp_full_state import full_state_dict_given, full_state_dict_requested
 from .dcp_state import describe, refuse_under_fsdp
+from .load.expert_runs import like_run_of
 from .parallel_models import known_parameters
 
 _ADOPTED: "weakref.WeakSet" = weakref.WeakSet()
@@ -69,7 +70,7 @@ def _shard_entries(optimizer, state_dict: dict):
 
 def _describe_state(optimizer, state_dict: dict) -> dict:
     """Each shard's state described for DCP (refused for FSDP's DTensors), or, for torch's
-    ``get_optimizer_state_dict(full_state_dict=True)``, complete (gathered over dp and tp: ``dcp_full_state.py``)."""
+    ``get_optimizer_state_dict(full_state_dict=True)``, complete (gathered over ep, dp and tp: ``dcp_full_state.py``)."""
     from .runtime.dtensor import full_tensor
 
     complete = full_state_dict_requested("optim")
@@ -78,15 +79,8 @@ def _describe_state(optimizer, state_dict: dict) -> dict:
         for key, value in entry.items():
             if not (isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0):
                 continue
-            if complete:
-                if known.run is not None:
-                    first, n, of = known.run
-                    raise NotImplementedError(
-                        f"get_optimizer_state_dict(full_state_dict=True): {known.name} is this rank's run of experts "
-                        f"{first}..{first + n - 1} of the {of} of its tensor-parallel shard (experts spread over "
-                        "data-parallel ranks), which it cannot gather yet: save with "
-                        "fxparallel.runtime.save_checkpoint, or take the state dict without full_state_dict")
-                entry[key] = full_tensor(value, known.plan, group)
+            if complete:  # (a run of experts gathered over its ep group first)
+                entry[key] = full_tensor(like_run_of(value, param) if known.run else value, known.plan, group)
                 continue
             entry[key] = value.detach()  # a new tensor on the same storage: the live state stays as it is
             if known.plain:

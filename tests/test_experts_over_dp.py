@@ -33,11 +33,11 @@ RUNS = {"trained": (2, 2, 2), "resumed at ep=2 x tp=1": (1, 4, 2), "resumed with
 
 def _prompts(dp_rank: int):
     """Each dp rank's prompts (two rows, the second left-padded; a length of its own) and new tokens: dp rank 0
-    stops first, 6 slots before the end of its cache (128), and waits, stepping with the others for 10 steps or
-    more (generation/forward_peers.py)."""
+    stops first, 6 slots before the end of its cache (128), and waits, stepping with the others for 10 steps
+    (generation/forward_peers.py)."""
     import torch
 
-    length, new = (120, 2) if dp_rank == 0 else (5 + 4 * dp_rank, 4 + 8 * dp_rank)
+    length, new = (120, 2) if dp_rank == 0 else (5 + 4 * dp_rank, 12)
     ids = torch.randint(3, 64, (2, length), generator=torch.Generator().manual_seed(dp_rank))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
@@ -160,9 +160,12 @@ def _state_dicts(path, root) -> dict:
     """Without FSDP, the habits of torch users: ``model.state_dict()`` and an SGD optimizer's ``state_dict()`` (its
     momentum 2 x each weight: one step of lr 0 on gradients 2 x the weights) through DCP at dp=2 (ep=2) x tp=2,
     loaded into zeroed state at dp=4 (ep=2) x tp=1; then ``load_state_dict`` of complete tensors (transformers'
-    state dict, halved)."""
+    state dict, halved), and torch's ``get_state_dict`` / ``set_optimizer_state_dict`` with ``full_state_dict``."""
+    import copy
+
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
     from transformers import AutoModelForCausalLM
 
     import fxparallel
@@ -193,6 +196,19 @@ def _state_dicts(path, root) -> dict:
         (optimizer.state[p]["momentum_buffer"] - 2 * p.detach()).abs().max().item() for p in model.parameters())}
     model.load_state_dict({name: value / 2 for name, value in full.items()})
     out["complete"] = _held(model, {name: value / 2 for name, value in full.items()})
+    # torch's helpers asked for complete tensors: each run gathered over its ep group (then dp and tp), and the
+    # complete momenta loaded back into zeroed state
+    options = StateDictOptions(full_state_dict=True)
+    # (a copy: whole tensors come back as the live ones)
+    weights, moments = copy.deepcopy(get_state_dict(model, optimizer, options=options))
+    out["complete weights"] = max((weights[n] - full[n] / 2).abs().max().item() for n in full)
+    out["complete momenta"] = max((moments["state"][n]["momentum_buffer"] - 2 * full[n]).abs().max().item()
+                                  for n in moments["state"])
+    own = {p: optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()}
+    for p in model.parameters():
+        optimizer.state[p]["momentum_buffer"].zero_()
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=moments, options=options)
+    out["momenta back"] = all(torch.equal(optimizer.state[p]["momentum_buffer"], v) for p, v in own.items())
     return out
 
 
@@ -327,6 +343,9 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
         # whole tensor) at dp=2 (ep=2) x tp=2, loaded at dp=4 (ep=2) x tp=1; load_state_dict of complete tensors
         assert r["state dicts"]["dcp"] == (0.0, 2 * layers) and r["state dicts"]["momentum"] == 0.0, r["state dicts"]
         assert r["state dicts"]["complete"] == (0.0, 2 * layers), r["state dicts"]
+        assert r["state dicts"]["complete weights"] == 0.0 and r["state dicts"]["complete momenta"] == 0.0, \
+            r["state dicts"]
+        assert r["state dicts"]["momenta back"], r["state dicts"]
         assert r["bad ep"].startswith("GroupError: EP size (3) must divide DP size (4)"), r["bad ep"]
         assert r["dense"].startswith("ShardingError: ep_group: llama has no stacked expert weights"), r["dense"]
         assert r["batched_mm"].startswith("ShardingError: ep_group: the experts kernel is 'batched_mm'"), \

@@ -29,6 +29,15 @@ def tp_shard_of_runs(param) -> torch.Tensor:
     return gather_full(param.detach(), 0, group.process_group, group.size, run_sizes(param))
 
 
+def like_run_of(value: torch.Tensor, param) -> torch.Tensor:
+    """``value`` (a state of ``param``, shaped as its run: an optimizer's moment) as a tensor that ``tp_shard_of_runs``
+    and ``runtime.dtensor.full_tensor`` gather over ``param``'s ep group, as they gather ``param``."""
+    value = value.detach()
+    value._fxparallel_expert_run = param._fxparallel_expert_run
+    value._fxparallel_expert_group = param._fxparallel_expert_group
+    return value
+
+
 def runs_of(plan, names: frozenset, tp_rank: int, tp: int, ep) -> dict:
     """{parameter: (first expert, count, of)}: the run of experts ``ep``'s rank holds of each stacked expert weight
     in ``names`` (the experts numbered within this tp rank's shard of dim 0), known before anything is allocated or
