@@ -10,7 +10,9 @@ the shard holds (``ParamPlan.pieces``: one slice, or one per part of a fused wei
 included). DCP then saves full-shape tensors, each rank its pieces, and ``dcp.load`` into the
 ``state_dict()`` of a model parallelized at any tp size (or a transformers model) reads exactly
 the pieces each rank holds, in place. ``torch.save`` of the state dict (a file per rank) still pickles each
-value as the plain shard it is. ``dcp_optimizer.py`` does the same for a torch optimizer's state.
+value as the plain shard it is. ``dcp_optimizer.py`` does the same for a torch optimizer's state. With experts spread
+over data-parallel ranks (``ep_group``) a rank holds a run of its tp shard's experts: the pieces of that run
+(``load/expert_runs.pieces_in_run``), at any tp, tp = 1 included.
 
 Under FSDP (``runtime.apply_data_parallel``) a value is a DTensor over the data-parallel ranks of
 this rank's tensor-parallel shard, which DCP cannot combine with the tensor-parallel pieces: DCP
