@@ -21,7 +21,7 @@ import torch
 
 from .dcp_full_state import full_state_dict_given, full_state_dict_requested
 from .dcp_state import describe, refuse_under_fsdp
-from .load.expert_runs import like_run_of
+from .load.expert_runs import cut_to_run, like_run_of
 from .parallel_models import known_parameters
 
 _ADOPTED: "weakref.WeakSet" = weakref.WeakSet()
@@ -109,8 +109,7 @@ def _plain_state(optimizer, state_dict: dict) -> dict:
                     continue
                 if isinstance(value, DTensor):  # under FSDP torch spread the complete state over FSDP's mesh
                     value = value.full_tensor()
-                shard = plan.shard_of(value, group.rank, group.size)
-                shard = shard if known.run is None else shard[known.run[0]:known.run[0] + known.run[1]]
+                shard = cut_to_run(plan.shard_of(value, group.rank, group.size), known.run)
                 # under FSDP: this rank's chunk of the tp shard, placed as the parameter
                 entry[key] = distribute_tensor(shard, param.device_mesh, param.placements) if isinstance(
                     param, DTensor) else shard

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from .accelerate_state import accelerate_caller, complete_for_accelerate
+from .accelerate_state import complete_for_accelerate
 from .dcp_full_state import complete_state_dict, full_state_dict_requested
 from .errors import CheckpointError
-from .load.expert_runs import pieces_in_run, refuse_expert_runs
+from .load.expert_runs import pieces_in_run
 
 
 def _pieces(tensor: torch.Tensor, plan, rank: int, tp: int, run=None) -> list:
@@ -98,8 +98,6 @@ def describe_state_dict(model, state_dict: dict, prefix: str, _local_metadata) -
     data-parallel ranks, a run of experts is described as the pieces of the full tensor it holds, at any tp."""
     tp, rank = model.tp_group.size, model.tp_group.rank
     runs = getattr(model, "expert_runs", None) or {}
-    if runs and accelerate_caller() is not None:  # (its writer per tp group would gather each run over ep to two ranks)
-        refuse_expert_runs(model, "accelerate's state dict of complete tensors")
     if tp == 1 and not runs:
         return
     by_name = {n: p for p in model.plan.params for n in p.names}

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .load.expert_runs import cut_to_run
+
 
 def shard_full_values(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                       error_msgs) -> None:
@@ -30,6 +32,6 @@ def shard_full_values(module, state_dict, prefix, local_metadata, strict, missin
         except KeyError:  # not a planned parameter: nn.Module's own check
             continue
         if tuple(value.shape) == tuple(plan.shape) != tuple(param.shape):
-            shard = plan.shard_of(value, group.rank, group.size)
-            run = module.expert_runs.get(plan.name)  # experts spread over data-parallel ranks: this rank's run
-            state_dict[prefix + name] = shard if run is None else shard[run[0]:run[0] + run[1]]
+            # experts spread over data-parallel ranks: this rank's run
+            state_dict[prefix + name] = cut_to_run(plan.shard_of(value, group.rank, group.size),
+                                                   module.expert_runs.get(plan.name))

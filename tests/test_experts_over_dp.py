@@ -9,11 +9,13 @@ exchange per product) trains at dp=4 (ep=2) as one process, and so do dp=2 (ep=2
 chunks' rows), dp=2 (ep=2) x tp=2 with sequence parallelism and dp=4 (ep=2) under HSDP (dp_shard=2); under bf16 mixed
 precision the losses are those without ep (to bf16's rounding). The all-to-alls of a step are counted and their bytes
 checked against the rows routed to other ranks' experts (once out and back per MoE block). Greedy generate gives
-transformers' tokens at dp=2 (ep=2) x tp=2 under FSDP and for GPT-OSS at dp=4 (ep=2), each dp rank with prompts and
+transformers' tokens at dp=2 (ep=2) x tp=2 under FSDP and without it, under HSDP at dp=4 (ep=2, dp_shard=2) and for
+GPT-OSS at dp=4 (ep=2), each dp rank with prompts and
 new tokens of its own (those that stop first step on with the others: generation/forward_peers.py), and a call refused
 on one dp rank is refused on all of them. Without FSDP, ``model.state_dict()`` and an optimizer's ``state_dict()``
 through DCP (each run described as its pieces of the whole tensor) load at another ep layout exactly, and so does
-``load_state_dict`` of complete tensors. What does not handle a run of experts yet is refused by name."""
+``load_state_dict`` of complete tensors; ``save_pretrained`` and accelerate's ``get_state_dict`` give the complete
+tensors on global rank 0. What does not handle a run of experts yet is refused by name."""
 from __future__ import annotations
 
 import os
@@ -178,12 +180,20 @@ def _state_dicts(path, root) -> dict:
         for p in model.parameters():
             p.grad = 2 * p.detach()
         optimizer.step()
-        return model, optimizer
+        return model, optimizer, mesh
 
     where = os.path.join(root, "dcp state dicts")
-    model, optimizer = model_and_optimizer(2, 2, 2)
+    model, optimizer, mesh = model_and_optimizer(2, 2, 2)
+    generated = _generated(model, mesh.dp_rank)  # without FSDP: the ep group's ranks step together
+    # complete tensors without FSDP (each run gathered over its ep group, which spans the tp groups: one writer,
+    # global rank 0): save_pretrained, and accelerate's get_state_dict (accelerator.save_model's)
+    from accelerate import Accelerator
+
+    saved = os.path.join(root, "saved without fsdp")
+    model.save_pretrained(saved)
+    answered = Accelerator().get_state_dict(model)
     dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=where)
-    model, optimizer = model_and_optimizer(1, 4, 2)
+    model, optimizer, _ = model_and_optimizer(1, 4, 2)
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
     with torch.no_grad():
         for value in list(state["model"].values()) + [v for s in state["optim"]["state"].values() for v in s.values()]:
@@ -192,7 +202,13 @@ def _state_dicts(path, root) -> dict:
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optim"])
     full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-    out = {"dcp": _held(model, full), "momentum": max(
+    if mesh.rank == 0:
+        read = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).state_dict()
+        complete = {"saved": max((read[n] - t).abs().max().item() for n, t in full.items()),
+                    "accelerate": max((answered[n] - t).abs().max().item() for n, t in full.items())}
+    else:
+        complete = {"saved": None, "accelerate": len(answered)}
+    out = {"generated": generated, "dp_rank": mesh.dp_rank, "complete without fsdp": complete, "dcp": _held(model, full), "momentum": max(
         (optimizer.state[p]["momentum_buffer"] - 2 * p.detach()).abs().max().item() for p in model.parameters())}
     model.load_state_dict({name: value / 2 for name, value in full.items()})
     out["complete"] = _held(model, {name: value / 2 for name, value in full.items()})
@@ -246,7 +262,7 @@ def _train(rank, world, path, dense_path, root, oss_path, lora_path):
     from fxparallel.runtime import init_mesh
 
     a, b = os.path.join(root, "a"), os.path.join(root, "b")
-    out = {"bad ep": raised(lambda: init_mesh(tp=1, dp=4, ep=3)),
+    out = {"rank": rank, "bad ep": raised(lambda: init_mesh(tp=1, dp=4, ep=3)),
            "trained": _layout_run(path, 2, 2, 2, save=a, export=os.path.join(root, "hf"), generate=True),
            "resumed at ep=2 x tp=1": _layout_run(path, 1, 4, 2, load=a, steps=range(SAVE_AT, STEPS)),
            "resumed without ep": _layout_run(path, 2, 2, 1, load=a, save=b, steps=range(SAVE_AT, STEPS)),
@@ -256,7 +272,8 @@ def _train(rank, world, path, dense_path, root, oss_path, lora_path):
            "with sp": _layout_run(path, 2, 2, 2, sp=True),
            "bf16": _layout_run(path, 1, 4, 2, mixed="bf16", steps=range(2)),
            "bf16 without ep": _layout_run(path, 1, 4, 1, mixed="bf16", steps=range(2)),
-           "with hsdp": _layout_run(path, 1, 4, 2, load=a, steps=range(SAVE_AT, STEPS), dp_shard=2)}
+           "with hsdp": _layout_run(path, 1, 4, 2, load=a, steps=range(SAVE_AT, STEPS), dp_shard=2,
+                                    generate=True)}
     out["accumulated"] = _accumulated(path)
     out["state dicts"] = _state_dicts(path, root)
     mesh = init_mesh(tp=1, dp=4, ep=2)
@@ -309,7 +326,9 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
     layers = 2
     from transformers import AutoModelForCausalLM
 
-    for run, p in (("trained", path), ("gpt_oss", oss)):  # generate before training: transformers' tokens
+    # generate before training (under FSDP; under HSDP; without FSDP, the ep group's ranks stepping together):
+    # transformers' tokens
+    for run, p in (("trained", path), ("gpt_oss", oss), ("with hsdp", path), ("state dicts", path)):
         one = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
         for r in ranks:
             ids, mask, new = _prompts(r[run]["dp_rank"])
@@ -346,6 +365,10 @@ def test_experts_over_dp_train_like_one_process_and_checkpoints_load_at_other_la
         assert r["state dicts"]["complete weights"] == 0.0 and r["state dicts"]["complete momenta"] == 0.0, \
             r["state dicts"]
         assert r["state dicts"]["momenta back"], r["state dicts"]
+        # save_pretrained and accelerate's get_state_dict without FSDP: complete tensors on global rank 0 (before,
+        # the runs were gathered to each tp group's rank 0 at once, and the ranks waited on each other for ever)
+        assert r["state dicts"]["complete without fsdp"] == ({"saved": 0.0, "accelerate": 0.0} if r["rank"] == 0 else
+                                                            {"saved": None, "accelerate": 0}), r["state dicts"]
         assert r["bad ep"].startswith("GroupError: EP size (3) must divide DP size (4)"), r["bad ep"]
         assert r["dense"].startswith("ShardingError: ep_group: llama has no stacked expert weights"), r["dense"]
         assert r["batched_mm"].startswith("ShardingError: ep_group: the experts kernel is 'batched_mm'"), \

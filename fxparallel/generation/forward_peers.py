@@ -29,11 +29,10 @@ def peers_of(model):
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
-def agree(model, refused: Optional[BaseException]) -> None:
+def agree(group, refused: Optional[BaseException]) -> None:
     """Every peer has called generate and none refused it: raise ``refused`` on its own rank and an error naming
     that rank on the others, before any forward. The exchange waits a bounded time (a peer that never calls
-    generate is named: ``load/coordinate.py``)."""
-    group = peers_of(model)
+    generate is named: ``load/coordinate.py``). ``group``: ``peers_of(model)``."""
     if group is None:
         if refused is not None:
             raise refused

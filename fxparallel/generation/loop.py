@@ -64,6 +64,7 @@ class _Decoding:
     unfinished: torch.Tensor  # [rows] bool
     sequences: torch.Tensor  # [rows, tokens so far]: the prompt, then the chosen tokens
     streamer: Any  # the caller's on tp rank 0 (one rank streams), None elsewhere
+    peers: Any  # the data-parallel group whose forwards pair up with this rank's (forward_peers.py), or None
     scores_seen: list = field(default_factory=list)  # output_scores: each step's processed scores
 
 
@@ -73,13 +74,14 @@ def generate(model, input_ids: torch.Tensor, attention_mask=None, generation_con
     validate, prepare, then decode."""
     tokenizer = kwargs.pop("tokenizer", None)  # transformers' argument for stop_strings (pipelines pass it)
     refused = decoding = None
+    peers = forward_peers.peers_of(model)
     try:
         request = _validated(model, input_ids, attention_mask, generation_config, logits_processor,
                              stopping_criteria, tokenizer, kwargs)
-        decoding = _prepared(model, request, streamer)
+        decoding = _prepared(model, request, streamer, peers)
     except Exception as err:  # noqa: BLE001 - raised by forward_peers.agree, once the data-parallel peers know
         refused = err
-    forward_peers.agree(model, refused)
+    forward_peers.agree(peers, refused)
     try:
         _decode(model, decoding)
     finally:
@@ -219,7 +221,7 @@ def _refuse_no_room(model, max_length: int, prompt: int) -> None:
 
 
 # ---- prepare ------------------------------------------------------------------------------------------------
-def _prepared(model, request: _Request, streamer) -> _Decoding:
+def _prepared(model, request: _Request, streamer, peers) -> _Decoding:
     """transformers' logits processors and stopping criteria, the sampling generator, the cache and its mask."""
     from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
@@ -230,7 +232,7 @@ def _prepared(model, request: _Request, streamer) -> _Decoding:
                                   model.tp_group.size, uses_nccl(model.tp_group))
     if refused:
         raise InputError(refused)
-    if forward_peers.peers_of(model) is not None and config.compile_config is not None and not config.disable_compile:
+    if peers is not None and config.compile_config is not None and not config.disable_compile:
         raise InputError("generate: compile_config under FSDP or with experts spread over data-parallel ranks is not "
                          "supported yet (a compiled step would trace FSDP's all-gathers or the experts' exchanges): "
                          "generate without it, or from a model without apply_data_parallel / ep_group")
@@ -248,7 +250,7 @@ def _prepared(model, request: _Request, streamer) -> _Decoding:
                      compile_config=compile_config, cache=cache, full_mask=full_mask, positions=_positions(mask),
                      pad=hf_private.pad_token(config),
                      unfinished=torch.ones(batch, dtype=torch.bool, device=device), sequences=input_ids,
-                     streamer=streamer if model.tp_group.rank == 0 else None)
+                     streamer=streamer if model.tp_group.rank == 0 else None, peers=peers)
 
 
 def _shared_generator(model) -> torch.Generator:
@@ -337,7 +339,7 @@ def _decode(model, decoding: _Decoding) -> None:
     if decoding.streamer is not None:
         decoding.streamer.put(decoding.sequences.cpu())
     step_ids, step_positions = decoding.sequences, decoding.positions
-    peers = forward_peers.peers_of(model)
+    peers = decoding.peers
     ahead = peers is None and _runs_ahead(model, decoding)
     flag = _StopFlag(model.device_ if ahead else None)
     waiting = None

@@ -56,6 +56,11 @@ def runs_of(plan, names: frozenset, tp_rank: int, tp: int, ep) -> dict:
     return runs
 
 
+def cut_to_run(shard: torch.Tensor, run: Optional[tuple]) -> torch.Tensor:
+    """``shard`` (a tp shard, or a state shaped as one) cut to the experts of ``run`` (dim 0; None: no run, whole)."""
+    return shard if run is None else shard[run[0]:run[0] + run[1]]
+
+
 def pieces_in_run(pieces: list, run: tuple) -> list:
     """``pieces`` ([(index into the full tensor, index into the tp shard)], ``ParamPlan.pieces``) cut to the experts
     of ``run`` (dim 0): the indices into the run, and into the full tensor of only those experts."""
@@ -69,16 +74,3 @@ def pieces_in_run(pieces: list, run: tuple) -> list:
                         (slice(start - first, stop - first),) + tuple(dest[1:])))
     return out
 
-
-def refuse_expert_runs(model, what: str) -> None:
-    """``what`` cannot yet describe or fill experts spread over data-parallel ranks: refused before anything is
-    written, as a full-shape description of a run of experts would be silently wrong."""
-    model = getattr(model, "_orig_mod", model)
-    runs = getattr(model, "expert_runs", None)
-    if runs:
-        first, n, count = next(iter(runs.values()))
-        raise NotImplementedError(
-            f"{what}: this model's experts are spread over data-parallel ranks (ep_group of size "
-            f"{model.ep_group.size}: this rank holds experts {first}..{first + n - 1} of the {count} of its tensor-"
-            "parallel shard), which it cannot gather yet: save with "
-            "fxparallel.runtime.save_checkpoint or export_pretrained, or parallelize without ep_group")

@@ -54,11 +54,14 @@ class ExportScope:
     @classmethod
     def of_model(cls, model, is_main_process: bool = True) -> "ExportScope":
         """A model without a mesh: its tp group calls and tp rank 0 writes; under data parallelism
-        (FSDP DTensors gather over dp x cp too) or context parallelism (several tp groups hold the same
-        model) every rank of the job calls and global rank 0 writes. Replicas of a plain tp model
-        (several tp groups, no FSDP) pass ``is_main_process=False`` on all groups but one."""
+        (FSDP DTensors gather over dp x cp too), context parallelism (several tp groups hold the same
+        model) or with experts spread over data-parallel ranks (each run gathered over its ep group, which
+        spans tp groups: one writer for them all) every rank of the job calls and global rank 0 writes.
+        Replicas of a plain tp model (several tp groups, no FSDP) pass ``is_main_process=False`` on all
+        groups but one."""
         group = model.tp_group
-        if is_data_parallel(model) or getattr(model, "cp_group", None) is not None:
+        if is_data_parallel(model) or getattr(model, "cp_group", None) is not None or getattr(
+                model, "expert_runs", None):
             return cls(group, None, dist.get_rank() == 0 and is_main_process, model.device)
         if group.process_group is None:  # one process, no torch.distributed
             return cls(group, None, is_main_process, model.device, single=True)
