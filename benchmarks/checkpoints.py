@@ -11,8 +11,10 @@ SHAPE = dict(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=1024, vocab
 
 def make_config(family: str, hidden=None, layers=None, heads=None, kv_heads=None, intermediate=None, vocab=None,
                 positions=None):
-    """A transformers config of ``family`` (llama, qwen3, mistral, opt, gpt2) with the benchmark shape."""
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen3Config
+    """A transformers config of ``family`` (llama, qwen3, mistral, opt, gpt2, or the hybrid qwen3_5_text: three
+    gated-delta-net layers to one attention layer, the linear layers' heads as the attention's) with the benchmark
+    shape."""
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen3_5TextConfig, Qwen3Config
 
     s = dict(SHAPE)
     s.update({k: v for k, v in dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
@@ -23,6 +25,13 @@ def make_config(family: str, hidden=None, layers=None, heads=None, kv_heads=None
     if family in ("llama", "mistral", "qwen3"):
         cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen3": Qwen3Config}[family]
         return cls(intermediate_size=s["intermediate"], num_key_value_heads=s["kv_heads"], **common)
+    if family == "qwen3_5_text":
+        head = s["hidden"] // s["heads"]
+        return Qwen3_5TextConfig(intermediate_size=s["intermediate"], num_key_value_heads=s["kv_heads"], head_dim=head,
+                                 linear_num_key_heads=s["kv_heads"], linear_num_value_heads=s["heads"],
+                                 linear_key_head_dim=head, linear_value_head_dim=head,
+                                 layer_types=[("full_attention" if (i + 1) % 4 == 0 else "linear_attention")
+                                              for i in range(s["layers"])], **common)
     if family == "opt":
         return OPTConfig(ffn_dim=s["intermediate"], word_embed_proj_dim=s["hidden"], dropout=0.0,
                          attention_dropout=0.0, **common)
@@ -30,7 +39,7 @@ def make_config(family: str, hidden=None, layers=None, heads=None, kv_heads=None
         return GPT2Config(vocab_size=s["vocab"], n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"],
                           n_inner=s["intermediate"], n_positions=s["positions"], resid_pdrop=0.0, embd_pdrop=0.0,
                           attn_pdrop=0.0)
-    raise ValueError(f"unknown family {family!r}: choose llama, qwen3, mistral, opt or gpt2")
+    raise ValueError(f"unknown family {family!r}: choose llama, qwen3, mistral, opt, gpt2 or qwen3_5_text")
 
 
 def build_checkpoint(family: str, directory: str, seed: int = 0, overrides: dict = None, **shape) -> str:

@@ -25,8 +25,11 @@ and the median of --repeats repeats is reported. The tokens of every call are ch
 the systems (and between the ranks). Collectives of one call of each length are counted
 (``comm_counter.py``, untimed), giving the collectives per decoded token. Without --model a small
 Llama checkpoint without an eos token (so every call generates exactly --new-tokens tokens) is built
-locally (rank 0, then a barrier). Rank 0 prints a table and writes the JSON to --out (default
-benchmarks/results/generate_tp{N}.json).
+locally (rank 0, then a barrier); ``--family qwen3_5_text`` builds a hybrid of the same shape instead (three
+gated-delta-net layers to one attention layer: a convolution and a recurrent state per linear layer in the cache).
+``transformers-single`` is the plain model, whole on every rank: one device's generate. Rank 0 prints a table and
+writes the JSON to --out (default benchmarks/results/generate_tp{N}.json, generate_{family}_tp{N}.json for another
+family).
 """
 from __future__ import annotations
 
@@ -60,7 +63,11 @@ SHAPE = dict(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=1024, vocab
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="local checkpoint directory (default: a small Llama built locally)")
-    p.add_argument("--checkpoint-dir", default=os.path.join(ROOT, "checkpoints", "bench-llama-generate"))
+    p.add_argument("--family", default="llama", choices=("llama", "qwen3_5_text"),
+                   help="the default checkpoint's family: llama, or qwen3_5_text (a hybrid: three gated-delta-net "
+                        "layers to one attention layer)")
+    p.add_argument("--checkpoint-dir", default=None, help="where the default checkpoint is built (default "
+                                                          "checkpoints/bench-<family>-generate)")
     p.add_argument("--batches", default="8,1", help="comma-separated batch sizes, run in this order (8 before 1: "
                    "see the module docstring)")
     p.add_argument("--prompt", type=int, default=32, help="prompt length (tokens)")
@@ -83,9 +90,9 @@ def parse_args(argv=None):
 
 
 # ---- checkpoint ---------------------------------------------------------------
-def build_checkpoint(directory: str, shape: dict = SHAPE) -> str:
-    """A random Llama without an eos token (greedy runs then never stop early); reused when present."""
-    return build_default("llama", directory, overrides=dict(eos_token_id=None, bos_token_id=None, pad_token_id=None),
+def build_checkpoint(directory: str, shape: dict = SHAPE, family: str = "llama") -> str:
+    """A random ``family`` model without an eos token (greedy runs then never stop early); reused when present."""
+    return build_default(family, directory, overrides=dict(eos_token_id=None, bos_token_id=None, pad_token_id=None),
                          **shape)
 
 
@@ -181,9 +188,22 @@ class TransformersTP(Generator):
             self.label = "transformers (plain model, TP=1)"
         self.model.eval()
         self.ready_s = time.perf_counter() - t
-        weight = self.model.model.layers[0].self_attn.q_proj.weight  # sharded where the tp plan applied
-        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        weight = next(p for n, p in self.model.named_parameters() if n.endswith("q_proj.weight"))  # sharded where
+        local = weight.to_local() if hasattr(weight, "to_local") else weight  # the tp plan applied
         self.q_proj_local_shape = list(local.shape)
+
+
+class TransformersSingle(Generator):
+    """transformers' plain model, whole on every rank (one device's generate, each rank running it alike: what TP
+    is measured against)."""
+    name, label = "transformers-single", "transformers, one device (the whole model per rank)"
+
+    def build(self, path, world, dtype, device):
+        from transformers import AutoModelForCausalLM
+
+        t = time.perf_counter()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        self.ready_s = time.perf_counter() - t
 
 
 class TransformersTPStatic(TransformersTP):
@@ -219,7 +239,7 @@ class TransformersTPCudaGraphs(TransformersTPCompiled):
 
 SYSTEMS = {cls.name: cls for cls in (FxParallel, FxParallelCompiled, FxParallelCudaGraphs, FxParallelCudaGraphsSync,
                                      TransformersTP, TransformersTPStatic, TransformersTPCompiled,
-                                     TransformersTPCudaGraphs)}
+                                     TransformersTPCudaGraphs, TransformersSingle)}
 CUDA_SYSTEMS = ("fxparallel,fxparallel-compiled,fxparallel-cudagraphs,transformers,transformers-static,"
                 "transformers-compiled,transformers-cudagraphs")
 REFERENCE = "transformers"  # every other system's ratios are against it
@@ -342,7 +362,7 @@ def run_batch(systems, batch, args, vocab):
 
 
 def format_table(meta, results, names, labels):
-    lines = [f"llama {meta['shape']}, tp={meta['tp']}, prompt {meta['prompt']}, {meta['new_tokens']} new tokens, "
+    lines = [f"{meta.get('family', 'llama')} {meta['shape']}, tp={meta['tp']}, prompt {meta['prompt']}, {meta['new_tokens']} new tokens, "
              f"{meta['dtype']} greedy, {meta['device']}/{meta['backend']}, {meta['threads']} thread(s)/rank, "
              f"median of {meta['repeats']} interleaved repeats (slowest rank); load average {meta['load_average_start']:.2f} at the start, "
              f"{meta['load_average_end']:.2f} at the end"]
@@ -502,16 +522,20 @@ def main(argv=None):
         return render(args)
     load_start = os.getloadavg()[0]
     shape = parse_shape(args.shape)
-    if args.shape and args.checkpoint_dir == parse_args([]).checkpoint_dir:
-        args.checkpoint_dir = shape_directory(args.checkpoint_dir, shape)
+    if args.checkpoint_dir is None:
+        args.checkpoint_dir = os.path.join(ROOT, "checkpoints", f"bench-{args.family}-generate")
+        if args.shape:
+            args.checkpoint_dir = shape_directory(args.checkpoint_dir, shape)
     if args.systems == "cuda":
         args.systems = CUDA_SYSTEMS
-    rank, world, path = start(args.model, args.checkpoint_dir, lambda d: build_checkpoint(d, shape), args.timeout,
+    rank, world, path = start(args.model, args.checkpoint_dir, lambda d: build_checkpoint(d, shape, args.family),
+                              args.timeout,
                               args.device)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    out_path = args.out or os.path.join(HERE, "results", f"generate_tp{world}.json")
+    out_path = args.out or os.path.join(HERE, "results", f"generate_tp{world}.json" if args.family == "llama" else
+                                        f"generate_{args.family}_tp{world}.json")
 
     systems, errors, labels, notes, ready = {}, {}, {}, {}, {}
     for name in [s.strip() for s in args.systems.split(",") if s.strip()]:
@@ -544,7 +568,8 @@ def main(argv=None):
 
     import transformers
 
-    meta = {"model": path, "tp": world, "shape": shape if args.model is None else None,
+    meta = {"model": path, "family": args.family if args.model is None else config.model_type, "tp": world,
+            "shape": shape if args.model is None else None,
             "prompt": args.prompt, "new_tokens": args.new_tokens, "repeats": args.repeats, "dtype": args.dtype,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "backend": dist.get_backend(), "threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cores": os.cpu_count(),
