@@ -36,9 +36,10 @@ class RefusesDistributedDataParallel:
             raise DataParallelError(
                 "accelerate's FSDP2 (Trainer's fsdp= / fsdp_config, or an accelerate config with FSDP) was given "
                 "fxparallel's tensor-parallel model: it would wrap submodules the captured graphs never call. "
-                "Nothing was changed. Train without FSDP in Trainer / accelerate (the dp ranks then keep whole tp "
-                "shards and average gradients), or shard over dp with fxparallel.runtime: "
-                "apply_data_parallel(model, mesh) (FSDP2 per decoder layer), then train_step")
+                "Nothing was changed. Shard over dp with fxparallel.runtime.apply_data_parallel(model, mesh) (FSDP2 "
+                "per decoder layer) before handing the model to Trainer / accelerate without their FSDP, or train it "
+                "with fxparallel.runtime.train_step; or train without FSDP (the dp ranks then keep whole tp shards "
+                "and average gradients)")
         raise AttributeError("_no_split_modules")  # (transformers' attribute: the parallel model has none)
 
     @property

@@ -26,7 +26,9 @@ changes.
 Data parallelism around the tp group (world = dp x tp, the model parallelized over the tp sub-mesh of the job's
 mesh): the views are DTensors over the (dp, tp) mesh, ``Replicate()`` over dp, and their gradients are averaged
 over dp once per optimizer step (``trainer_data_parallel.py``); Trainer learns the dp size from
-``config.distributed_config`` (``DistributedConfig(tp_size, dp_replicate_size)``) and splits the data over dp only."""
+``config.distributed_config`` (``DistributedConfig(tp_size, dp_replicate_size)``) and splits the data over dp only.
+A model under fxparallel's FSDP (``runtime.apply_data_parallel``) keeps FSDP's parameters instead, and answers views
+only while it is clipped (``trainer_fsdp.py``)."""
 from __future__ import annotations
 
 import functools
@@ -72,6 +74,12 @@ def use_dtensor_parameters(model, user: tuple = TRAINER) -> None:
     if getattr(model, "expert_runs", None):  # (the dp ranks of an ep group hold other experts: no view states that)
         raise DTensorParametersError(f"{who} with experts over data-parallel ranks (ep_group) is not supported: "
                                      f"{instead}")
+    if user is TRAINER and getattr(model, "_fxparallel_data_parallel", None) is not None:
+        from .trainer_fsdp import enter
+
+        enter(model, view_mesh(model, who), who, instead)  # fxparallel's FSDP in Trainer's hands: trainer_fsdp.py
+        model.__dict__["_dtensor_views"] = {}  # (no views but the clipping ones)
+        return
     placements = {}
     for name, param in model.local_named_parameters():
         if isinstance(param, DTensor):

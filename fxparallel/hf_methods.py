@@ -67,6 +67,7 @@ from torch import nn
 from . import fused_head
 from .callers import functions_on_stack
 from .dtensor_parameters import CLIPPING, dtensor_views, refresh_views, use_dtensor_parameters, views_for_clipping
+from .trainer_fsdp import clip_views as fsdp_clip_views
 from .errors import ArgumentError, ShardingError
 from .inputs import ARGUMENTS
 from .trainer_counts import flops_share
@@ -204,6 +205,7 @@ class HuggingFaceMethods:
         views = dtensor_views(self)
         if views is None and self.tp_group.size > 1 and functions_on_stack(CLIPPING, limit=4):
             views = views_for_clipping(self)
+        views = fsdp_clip_views(self) or views  # fxparallel's FSDP under Trainer, while it clips (trainer_fsdp.py)
         for name, param in nn.Module.named_parameters(self, prefix, recurse, remove_duplicate):
             yield name, (views.get(id(param), param) if views else param)
 

@@ -50,6 +50,13 @@ class TrainerCheckpoints(TrainerCallback):
         save(directory, model, optimizer, lr_scheduler, args)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        if getattr(model, "_fxparallel_data_parallel", None) is not None:
+            # (its optimizer states are FSDP's chunks of each tp shard, which the pieces written here do not describe)
+            raise CheckpointError(
+                "fxparallel.TrainerCheckpoints cannot save the optimizer states of a model under "
+                "fxparallel.runtime.apply_data_parallel (FSDP) yet: train without it (the dp ranks then keep whole tp "
+                "shards), or checkpoint with fxparallel.runtime.save_checkpoint / load_checkpoint; nothing was "
+                "trained or written")
         if state.global_step == 0:  # not a resumed run
             return
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR

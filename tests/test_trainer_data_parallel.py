@@ -6,7 +6,9 @@ so that its clipping takes the true global norm; gradients are averaged over dp 
 backward. Against the single-device Trainer on the same global batches: losses, clipped grad norms, every final
 weight; every rank of a tp position holds the same shard and replicated weights are bit-identical on all four; ``save_model`` writes what transformers loads as the
 trained model, and so does ``dcp.save(model.state_dict())``; Trainer checkpoints (``fxparallel.TrainerCheckpoints``)
-resume to the uninterrupted run (test_trainer_stack's ``_resumed`` over the tp sub-mesh); TRL's SFTTrainer trains a
+resume to the uninterrupted run (test_trainer_stack's ``_resumed`` over the tp sub-mesh); the same Trainer run on a
+model under fxparallel's FSDP over dp (``apply_data_parallel``) gives the same losses, clipped norms and weights; TRL's
+SFTTrainer trains a
 LoRA adapter over dp x tp with PeftModel's results. A model parallelized over a ProcessGroup cannot say which ranks
 are its data-parallel peers: refused, naming the mesh to use; so is a mesh whose tp groups are not consecutive ranks
 (accelerate's data split assumes they are)."""
@@ -84,9 +86,50 @@ def _dp_tp(rank, world, path, root):
     whole = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     dcp.load(whole, checkpoint_id=f"{root}/dcp")
     out["dcp_equals_saved"] = all(torch.equal(whole[n], p.detach()) for n, p in saved.state_dict().items())
+    out["fsdp"] = _fsdp_trainer(rank, mesh, path, root, ref)
     out["resumed"] = _resumed(rank, world, path, root, tp_group=mesh.tp_mesh)
     out["sft_lora"] = _sft_lora(rank, mesh, root)
     out["accelerate"] = _accelerate_loop(rank, mesh, path, root)
+    return out
+
+
+def _fsdp_trainer(rank, mesh, path, root, ref):
+    """The same Trainer run on a model under fxparallel's FSDP over dp (``apply_data_parallel``; trainer_fsdp.py):
+    every weight after it (gathered over dp and tp) against the single-device run's (``ref``), and what
+    ``save_model`` wrote; ``train_step`` and ``TrainerCheckpoints`` refused on it, HSDP refused at Trainer's first
+    read."""
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import fxparallel
+    from checks import raised
+    from fxparallel.runtime import apply_data_parallel, init_mesh, train_step
+    from fxparallel.runtime.dtensor import full_tensor
+    from fxparallel.runtime.fsdp import reshard
+
+    model = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32), mesh)
+    out = {"trainer": _trainer_run(model, f"{root}/fsdp{rank}", save_to=f"{root}/fsdp_saved", rows=32,
+                                   sampling="sequential")}
+    reshard(model)
+    trained = {model.plan.param(n).name: full_tensor(p, model.plan.param(n), mesh).clone()
+               for n, p in model.local_named_parameters()}
+    out["weights"] = max((t - ref[n]).abs().max().item() for n, t in trained.items())
+    saved = AutoModelForCausalLM.from_pretrained(f"{root}/fsdp_saved", dtype=torch.float32)
+    out["saved_equals_trained"] = all(torch.equal(p.detach(), trained[n]) for n, p in saved.named_parameters())
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    out["train_step"] = raised(lambda: train_step(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                                  {"input_ids": ids}, mesh))
+    args = TrainingArguments(output_dir=f"{root}/fsdp_ckpt{rank}", max_steps=1, report_to=[], use_cpu=True,
+                             save_strategy="no")
+    data = [{"input_ids": row, "labels": row} for row in ids.tolist()]
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[fxparallel.TrainerCheckpoints()])
+    out["checkpoints"] = raised(trainer.train)
+    reshard(model)
+    out["untouched"] = all(torch.equal(full_tensor(p, model.plan.param(n), mesh), trained[model.plan.param(n).name])
+                           for n, p in model.local_named_parameters())
+    hsdp = init_mesh(tp=2, dp=2, dp_shard=1)
+    out["hsdp"] = raised(lambda: apply_data_parallel(fxparallel.parallelize(path, hsdp.tp_mesh, dtype=torch.float32),
+                                                     hsdp).tp_size)
     return out
 
 
@@ -199,6 +242,21 @@ def test_trainer_over_dp_and_tp(checkpoints, tmp_path):
         assert r["same_shard_over_dp"] and r["replicated_identical"] and r["replicated_count"] == 5, r
         assert r["saved_equals_shards"] and r["dcp_equals_saved"], r
         _check_resumed(r["resumed"])
+        # fxparallel's FSDP over dp under Trainer: the single-device run's losses, clipped norms (the true global
+        # norm: before, each tp rank clipped by its own, 1.47 and 1.43 where one device gives 2.05), counters and
+        # weights; save_model writes the trained weights
+        fsdp = r["fsdp"]
+        assert fsdp["trainer"][2] == ref_counters, (fsdp["trainer"], ref_counters)
+        for ours, theirs in zip(fsdp["trainer"][0] + fsdp["trainer"][1], ref_losses + ref_norms, strict=True):
+            assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (fsdp["trainer"], ref_losses, ref_norms)
+        assert fsdp["weights"] < 1e-5 and fsdp["saved_equals_trained"] and fsdp["untouched"], fsdp
+        assert fsdp["train_step"].startswith("ValueError: train_step: this model was handed to transformers.Trainer"), \
+            fsdp["train_step"]
+        assert fsdp["checkpoints"].startswith("CheckpointError: fxparallel.TrainerCheckpoints cannot save the "
+                                              "optimizer states of a model under"), fsdp["checkpoints"]
+        assert fsdp["hsdp"].startswith("DTensorParametersError: transformers.Trainer / accelerate on a model under "
+                                       "fxparallel's FSDP supports FSDP over all the data-parallel ranks only"), \
+            fsdp["hsdp"]
         lora = r["sft_lora"]
         for key, ours in lora["dp_tp"].items():
             theirs = results[0]["sft_lora"]["single"][key]

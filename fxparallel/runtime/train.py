@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..inputs import read_with_argument_check
+from ..trainer_fsdp import under_trainer
 from .clip import clip_grad_norm_, global_grad_norm
 from .context_parallel_batches import split_for_context_parallel
 from .loss_normalization import global_label_count, refuse_empty_batch, scaled_loss
@@ -72,6 +73,11 @@ def train_step(model, optimizer, batch: dict, mesh, *, max_norm: Optional[float]
     optimizer.zero_grad(set_to_none=True)
     extra = {}
     forward, model = model, getattr(model, "_orig_mod", model)  # torch.compile's wrapper keeps the model there
+    if under_trainer(model):
+        raise ValueError("train_step: this model was handed to transformers.Trainer / accelerate (model.tp_size was "
+                         "read), whose FSDP gradients average over the data-parallel ranks where train_step's loss "
+                         "expects them summed; train it with one of the two, on a model apply_data_parallel "
+                         "wrapped afresh")
     check_context_parallel(model, mesh)
     if mesh.cp > 1:
         batch = split_for_context_parallel(batch, mesh.cp_rank, mesh.cp)

@@ -1,0 +1,90 @@
+"""fxparallel's FSDP (``runtime.apply_data_parallel``) trained by ``transformers.Trainer`` / accelerate over dp x tp,
+as transformers' own models sharded at load time with FSDP2 (``DistributedConfig(tp_size=..., fsdp_size=...)``) are.
+
+From Trainer's first read of ``model.tp_size`` (``dtensor_parameters.use_dtensor_parameters``):
+
+- the model reports ``config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=dp)``, so Trainer leaves
+  it unwrapped, splits the data over dp only, builds its optimizer on FSDP's sharded parameters, and between the
+  micro-batches of gradient accumulation holds FSDP's reduction back (``set_requires_gradient_sync``);
+- Trainer multiplies the loss by the dp size (its convention for a model whose data parallelism averages), so FSDP's
+  gradient reduction now divides by the dp size, as FSDP2's default does. ``apply_data_parallel`` had it sum, for
+  ``runtime.train_step``, whose loss is divided by the global token count: ``train_step`` refuses such a model;
+- clipping: FSDP's DTensors span the dp ranks only, each holding chunks of this rank's tp shard, so torch's
+  ``clip_grad_norm_`` over them would sum squares over dp alone: each tp rank its own norm, the replicated weights
+  drifting apart. Iterated by a clipping function (accelerate's ``clip_grad_norm_``, torch's), the model answers a
+  DTensor view of each over the (dp, tp) mesh instead: FSDP's placement, then ``Shard`` over tp where the plan splits
+  the weight, else ``Replicate``; its gradient a view of FSDP's gradient. The norm is then the whole model's (one
+  all-reduce) and the clip scales FSDP's gradients in place. The views serve the norm only: their global layout is
+  not the weight's, and nothing else is given them.
+
+Supported: FSDP over all the dp ranks (``mode="shard"``, no HSDP, no context parallelism, no experts over dp)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .callers import functions_on_stack
+
+CLIPPERS = (("torch.nn.utils.clip_grad", None), ("accelerate.accelerator", "clip_grad_norm_"))
+MARK = "_fsdp_under_trainer"  # model.__dict__: the (dp, tp) DeviceMesh of the clipping views, once in the mode
+
+
+def enter(model, mesh, who: str, instead: str) -> None:
+    """Put a model under ``apply_data_parallel`` in Trainer's hands (see the module docstring); ``mesh``: the
+    (dp, tp) DeviceMesh of the job (``trainer_data_parallel.view_mesh``). Refused, naming what is supported, for
+    another FSDP layout."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.distributed import DistributedConfig
+
+    from .dtensor_parameters import DTensorParametersError
+
+    info = model._fxparallel_data_parallel
+    fsdp_mesh = next(p for _, p in model.local_named_parameters()).device_mesh
+    dp_ranks = dist.get_process_group_ranks(mesh.get_group(0))
+    if info.mode != "shard" or fsdp_mesh.ndim != 1 or dist.get_process_group_ranks(fsdp_mesh.get_group()) != dp_ranks:
+        raise DTensorParametersError(
+            f"{who} on a model under fxparallel's FSDP supports FSDP over all the data-parallel ranks only "
+            "(apply_data_parallel(model, mesh) in its default mode, without dp_shard (HSDP) or context "
+            f"parallelism); this model's FSDP mesh is {fsdp_mesh} in mode {info.mode!r}: {instead}")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(len(dp_ranks)))
+    model.__dict__[MARK] = mesh
+    model.config.distributed_config = DistributedConfig(tp_size=model.tp_group.size, fsdp_size=len(dp_ranks))
+
+
+def under_trainer(model) -> bool:
+    """Is ``model`` (under ``apply_data_parallel``) in Trainer's hands, its FSDP averaging over dp?"""
+    return model.__dict__.get(MARK) is not None
+
+
+def _clipping() -> bool:
+    """Is a clipping function (``CLIPPERS``) iterating the parameters? Frames above this one: ``clip_views``, the
+    model's ``named_parameters``, nn.Module's ``parameters``, the clipping function."""
+    for module, function in CLIPPERS:
+        names = functions_on_stack(module, limit=5)
+        if names and (function is None or function in names):
+            return True
+    return False
+
+
+def clip_views(model) -> Optional[dict]:
+    """{id(FSDP parameter): its view over the (dp, tp) mesh, its gradient included} while a clipping function
+    iterates the parameters of a model in the mode; else None."""
+    mesh = model.__dict__.get(MARK)
+    if mesh is None or not _clipping():
+        return None
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    views = {}
+    for name, param in model.local_named_parameters():
+        placement = model.plan.param(name).placement
+        placements = [*param.placements, Shard(placement.dim) if placement.is_shard else Replicate()]
+        view = torch.nn.Parameter(DTensor.from_local(param._local_tensor, mesh, placements, run_check=False),
+                                  requires_grad=param.requires_grad)
+        if param.grad is not None:
+            view.grad = DTensor.from_local(param.grad._local_tensor, mesh, placements, run_check=False)
+        views[id(param)] = view
+    return views
