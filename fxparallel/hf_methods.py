@@ -67,11 +67,11 @@ from torch import nn
 from . import fused_head
 from .callers import functions_on_stack
 from .dtensor_parameters import CLIPPING, dtensor_views, refresh_views, use_dtensor_parameters, views_for_clipping
-from .trainer_fsdp import clip_views as fsdp_clip_views
 from .errors import ArgumentError, ShardingError
 from .inputs import ARGUMENTS
 from .trainer_counts import flops_share
 from .trainer_data_parallel import no_gradient_sync
+from .trainer_fsdp import clip_views as fsdp_clip_views
 
 # forward arguments the graphs do not take: what to do instead
 ALTERNATIVES = {
@@ -182,7 +182,8 @@ class HuggingFaceMethods:
     def no_sync(self):
         """DDP's context for the micro-batches of gradient accumulation, which accelerate enters: under Trainer
         with data parallelism around the tp group, the backwards inside it leave the gradient average over the
-        dp ranks to the next one outside (``trainer_data_parallel.py``); otherwise nothing to skip."""
+        dp ranks to the next one outside (``trainer_data_parallel.py``), and under fxparallel's FSDP its reduction
+        (``trainer_fsdp.py``); otherwise nothing to skip."""
         return no_gradient_sync(self)
 
     @property

@@ -167,6 +167,10 @@ def _buckets(views) -> list:
 
 def no_gradient_sync(model):
     """The context of ``model.no_sync()``: no data-parallel gradient average in the backwards run inside it
-    (a no-op without data parallelism)."""
+    (fxparallel's FSDP under Trainer: ``trainer_fsdp.deferred_reduction``; a no-op without data parallelism)."""
+    from .trainer_fsdp import deferred_reduction, under_trainer
+
     dp = model.__dict__.get("_dtensor_data_parallel")
-    return dp.suspended() if dp is not None else contextlib.nullcontext()
+    if dp is not None:
+        return dp.suspended()
+    return deferred_reduction(model) if under_trainer(model) else contextlib.nullcontext()

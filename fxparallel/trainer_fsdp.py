@@ -4,8 +4,9 @@ as transformers' own models sharded at load time with FSDP2 (``DistributedConfig
 From Trainer's first read of ``model.tp_size`` (``dtensor_parameters.use_dtensor_parameters``):
 
 - the model reports ``config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=dp)``, so Trainer leaves
-  it unwrapped, splits the data over dp only, builds its optimizer on FSDP's sharded parameters, and between the
-  micro-batches of gradient accumulation holds FSDP's reduction back (``set_requires_gradient_sync``);
+  it unwrapped, splits the data over dp only and builds its optimizer on FSDP's sharded parameters; between the
+  micro-batches of gradient accumulation accelerate enters ``model.no_sync()``, which holds FSDP's reduction back
+  (``deferred_reduction``);
 - Trainer multiplies the loss by the dp size (its convention for a model whose data parallelism averages), so FSDP's
   gradient reduction now divides by the dp size, as FSDP2's default does. ``apply_data_parallel`` had it sum, for
   ``runtime.train_step``, whose loss is divided by the global token count: ``train_step`` refuses such a model;
@@ -20,6 +21,7 @@ From Trainer's first read of ``model.tp_size`` (``dtensor_parameters.use_dtensor
 Supported: FSDP over all the dp ranks (``mode="shard"``, no HSDP, no context parallelism, no experts over dp)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -53,6 +55,18 @@ def enter(model, mesh, who: str, instead: str) -> None:
             module.set_gradient_divide_factor(float(len(dp_ranks)))
     model.__dict__[MARK] = mesh
     model.config.distributed_config = DistributedConfig(tp_size=model.tp_group.size, fsdp_size=len(dp_ranks))
+
+
+@contextlib.contextmanager
+def deferred_reduction(model):
+    """``model.no_sync()``, which accelerate enters between the micro-batches of gradient accumulation: FSDP keeps
+    their gradients unsharded and reduces the sum in the next backward outside it, one reduction per optimizer step
+    (``set_requires_gradient_sync``, as Trainer defers transformers' own FSDP2 models)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def under_trainer(model) -> bool:

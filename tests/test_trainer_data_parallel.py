@@ -108,8 +108,10 @@ def _fsdp_trainer(rank, mesh, path, root, ref):
     from fxparallel.runtime.fsdp import reshard
 
     model = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32), mesh)
+    syncs, sync = [], model.set_requires_gradient_sync  # FSDP's reduction held back by no_sync, micro-batch by one
+    model.set_requires_gradient_sync = lambda flag, **how: (syncs.append(flag), sync(flag, **how))[1]
     out = {"trainer": _trainer_run(model, f"{root}/fsdp{rank}", save_to=f"{root}/fsdp_saved", rows=32,
-                                   sampling="sequential")}
+                                   sampling="sequential"), "syncs": syncs}
     reshard(model)
     trained = {model.plan.param(n).name: full_tensor(p, model.plan.param(n), mesh).clone()
                for n, p in model.local_named_parameters()}
@@ -250,6 +252,7 @@ def test_trainer_over_dp_and_tp(checkpoints, tmp_path):
         for ours, theirs in zip(fsdp["trainer"][0] + fsdp["trainer"][1], ref_losses + ref_norms, strict=True):
             assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (fsdp["trainer"], ref_losses, ref_norms)
         assert fsdp["weights"] < 1e-5 and fsdp["saved_equals_trained"] and fsdp["untouched"], fsdp
+        assert fsdp["syncs"] == [False, True] * 4, fsdp["syncs"]  # one reduction per optimizer step
         assert fsdp["train_step"].startswith("ValueError: train_step: this model was handed to transformers.Trainer"), \
             fsdp["train_step"]
         assert fsdp["checkpoints"].startswith("CheckpointError: fxparallel.TrainerCheckpoints cannot save the "
