@@ -199,7 +199,7 @@ class AdapterMethods:
     def _refuse_parameter_views(self, where: str, instead: str) -> None:
         """Refuse under FSDP (``apply_data_parallel``) or Trainer's DTensor views: their parameters are other
         objects than the shards this changes."""
-        from .runtime.export import is_data_parallel
+        from .runtime.fsdp import is_data_parallel
 
         if is_data_parallel(self) or dtensor_views(self):
             raise ArgumentError(f"{where}: {instead}")

@@ -26,25 +26,30 @@ import torch
 from .accelerate_state import complete_for_accelerate
 from .dcp_full_state import complete_state_dict, full_state_dict_requested
 from .errors import CheckpointError
-from .load.expert_runs import pieces_in_run
+from .load.expert_runs import pieces_in_rows, pieces_in_run
 
 
-def _pieces(tensor: torch.Tensor, plan, rank: int, tp: int, run=None) -> list:
+def _pieces(tensor: torch.Tensor, plan, rank: int, tp: int, run=None, rows=None) -> list:
     """[(offsets in the full tensor, sizes, view of ``tensor``)] of this rank's pieces (of its run of experts, where
-    ``run`` says it holds one: ``load/expert_runs.py``)."""
+    ``run`` says it holds one: ``load/expert_runs.py``; of rows [start, stop) of its shard, where ``rows`` says
+    ``tensor`` holds only those: FSDP's chunk, ``runtime/dtensor.fsdp_rows``)."""
     out = []
     pieces = plan.pieces(rank, tp)
-    for src, dst in (pieces if run is None else pieces_in_run(pieces, run)):
+    if run is not None:
+        pieces = pieces_in_run(pieces, run)
+    if rows is not None:
+        pieces = pieces_in_rows(pieces, *rows)
+    for src, dst in pieces:
         offsets = torch.Size(s.start for s in src)
         sizes = torch.Size(s.stop - s.start for s in src)
         out.append((offsets, sizes, tensor[dst]))
     return out
 
 
-def describe(tensor: torch.Tensor, plan, rank: int, tp: int, run=None) -> None:
-    """Give ``tensor`` (this rank's shard of ``plan``'s parameter, or its run of experts) DCP's checkpointable
-    protocol."""
-    describe_pieces(tensor, _pieces(tensor, plan, rank, tp, run), torch.Size(plan.shape))
+def describe(tensor: torch.Tensor, plan, rank: int, tp: int, run=None, rows=None) -> None:
+    """Give ``tensor`` (this rank's shard of ``plan``'s parameter, or its run of experts, or FSDP's ``rows`` of
+    the shard) DCP's checkpointable protocol."""
+    describe_pieces(tensor, _pieces(tensor, plan, rank, tp, run, rows), torch.Size(plan.shape))
 
 
 def describe_pieces(tensor: torch.Tensor, pieces: list, full: torch.Size) -> None:

@@ -74,7 +74,9 @@ def use_dtensor_parameters(model, user: tuple = TRAINER) -> None:
     if getattr(model, "expert_runs", None):  # (the dp ranks of an ep group hold other experts: no view states that)
         raise DTensorParametersError(f"{who} with experts over data-parallel ranks (ep_group) is not supported: "
                                      f"{instead}")
-    if user is TRAINER and getattr(model, "_fxparallel_data_parallel", None) is not None:
+    from .runtime.fsdp import is_data_parallel
+
+    if user is TRAINER and is_data_parallel(model):
         from .trainer_fsdp import enter
 
         enter(model, view_mesh(model, who), who, instead)  # fxparallel's FSDP in Trainer's hands: trainer_fsdp.py

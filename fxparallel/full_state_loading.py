@@ -5,9 +5,9 @@ model (transformers' ``state_dict()``, a ``save_pretrained`` file; Trainer's ``r
 holds full-shape tensors, which nn.Module refuses for every sharded parameter (size mismatch). Before nn.Module
 copies, a value whose shape is its parameter's full shape, where that differs from the shard's, is replaced by
 this rank's piece of it (``ParamPlan.shard_of``: fused weights and uneven splits included; with experts spread over
-data-parallel ranks, its run of them: ``load/expert_runs.py``). A value of any other
-shape is left to nn.Module's own check. FSDP's DTensor parameters (``runtime.apply_data_parallel``) are left alone:
-their checkpoints are ``runtime.save_checkpoint``'s."""
+data-parallel ranks, its run of them: ``load/expert_runs.py``; under FSDP, ``runtime.apply_data_parallel``, FSDP's
+chunk of the shard, as a DTensor like the parameter: ``runtime/dtensor.fsdp_chunk``). A value of any other shape is
+left to nn.Module's own check."""
 from __future__ import annotations
 
 import torch
@@ -21,15 +21,24 @@ def shard_full_values(module, state_dict, prefix, local_metadata, strict, missin
     the count across the tp ranks)."""
     from torch.distributed.tensor import DTensor
 
+    from .runtime.dtensor import fsdp_chunk
+    from .runtime.fsdp import is_data_parallel, reshard
+
     module._weights_loaded += 1
     group = module.tp_group
+    if is_data_parallel(module):
+        reshard(module)  # the sharded parameters registered (a forward leaves the root's gathered)
     for name, param in module.local_named_parameters(remove_duplicate=False):
         value = state_dict.get(prefix + name)
-        if not isinstance(value, torch.Tensor) or isinstance(param, DTensor) or isinstance(value, DTensor):
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
             continue
         try:
             plan = module.plan.param(name)
         except KeyError:  # not a planned parameter: nn.Module's own check
+            continue
+        if isinstance(param, DTensor):  # FSDP's chunk of this rank's shard
+            if tuple(value.shape) == tuple(plan.shape):
+                state_dict[prefix + name] = fsdp_chunk(plan.shard_of(value, group.rank, group.size), param)
             continue
         if tuple(value.shape) == tuple(plan.shape) != tuple(param.shape):
             # experts spread over data-parallel ranks: this rank's run

@@ -368,7 +368,7 @@ class HuggingFaceMethods:
         in (casts, constants, buffers such as rotary frequencies, which stay float32 where the model keeps
         them so), so the graphs are dropped and the training graph captured again from a meta model built
         in ``dtype``, with every parameter's placement kept."""
-        from .runtime.export import is_data_parallel
+        from .runtime.fsdp import is_data_parallel
 
         if not dtype.is_floating_point:
             raise ShardingError(f"cannot cast the parallel model to {_dtype_name(dtype)}: not a floating point dtype")

@@ -10,8 +10,8 @@ a ``TrainerCallback``, adds what is missing to each checkpoint folder when Train
 resumed run begins:
 
 - the optimizer state through torch.distributed.checkpoint (each rank writes its pieces of every state as parts
-  of the full-shape tensor, named by parameter, as ``model.state_dict()`` does: ``dcp_state.py``), in
-  ``fxparallel_optimizer/``;
+  of the full-shape tensor, named by parameter, as ``model.state_dict()`` does: ``dcp_state.py``; under FSDP,
+  ``runtime.apply_data_parallel``, the rows of them its chunk of the tp shard holds), in ``fxparallel_optimizer/``;
 - the optimizer's hyperparameters (each parameter group's learning rate, betas, ...) and the learning-rate
   scheduler's ``state_dict()`` as JSON (rank 0), ``fxparallel_trainer_state.json``;
 - each process's random states in Trainer's own file (``rng_state_{rank}.pth``), which Trainer's resume reads
@@ -50,13 +50,6 @@ class TrainerCheckpoints(TrainerCallback):
         save(directory, model, optimizer, lr_scheduler, args)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        if getattr(model, "_fxparallel_data_parallel", None) is not None:
-            # (its optimizer states are FSDP's chunks of each tp shard, which the pieces written here do not describe)
-            raise CheckpointError(
-                "fxparallel.TrainerCheckpoints cannot save the optimizer states of a model under "
-                "fxparallel.runtime.apply_data_parallel (FSDP) yet: train without it (the dp ranks then keep whole tp "
-                "shards), or checkpoint with fxparallel.runtime.save_checkpoint / load_checkpoint; nothing was "
-                "trained or written")
         if state.global_step == 0:  # not a resumed run
             return
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -66,19 +59,29 @@ class TrainerCheckpoints(TrainerCallback):
 
 
 def _weights_digest(model) -> dict:
-    """{parameter name: the sum of squares of the whole parameter} (one all-reduce over the tp group; the same at any
-    layout up to rounding): which weights an optimizer state belongs to."""
+    """{parameter name: the sum of squares of the whole parameter} (one all-reduce over the tp group, or over the job
+    under FSDP, whose chunks split each shard over the dp ranks; the same at any layout up to rounding): which weights
+    an optimizer state belongs to."""
     import torch.distributed as dist
 
+    from .runtime.dtensor import local_part
+    from .runtime.fsdp import is_data_parallel, reshard
+
     group = model.tp_group
+    fsdp = is_data_parallel(model)
+    if fsdp:
+        reshard(model)
     names, sums = [], []
     for name, param in model.local_named_parameters():
         plan = model.plan.param(name)
         whole_here = plan.placement.is_shard or group.rank == 0  # a replicated one counted once
         names.append(name)
-        sums.append(param.detach().double().pow(2).sum() if whole_here else param.new_zeros((), dtype=torch.float64))
+        local = local_part(param.detach())
+        sums.append(local.double().pow(2).sum() if whole_here else local.new_zeros((), dtype=torch.float64))
     total = torch.stack(sums)
-    if group.size > 1 and group.process_group is not None:
+    if fsdp:
+        dist.all_reduce(total)
+    elif group.size > 1 and group.process_group is not None:
         dist.all_reduce(total, group=group.process_group)
     return dict(zip(names, total.tolist()))
 
@@ -106,11 +109,17 @@ def _optimizer_states(model, optimizer) -> dict:
     shape (Adam's moments) is handed out as this rank's local tensor (the same storage: ``dcp.load`` fills the
     optimizer's own) carrying DCP's protocol for the pieces of the full tensor it holds (``dcp_state.describe``):
     DCP's own handling of the DTensors cannot place a fused weight's pieces (``_StridedShard``: "overlapping
-    chunks")."""
+    chunks"), nor, under FSDP, a dp chunk of a tp shard (FSDP's DTensor is of the shard: DCP would take it for the
+    whole tensor)."""
     from torch.distributed.tensor import DTensor
 
     from .dcp_state import describe
+    from .runtime.dtensor import fsdp_rows
+    from .runtime.fsdp import is_data_parallel, reshard
 
+    fsdp = is_data_parallel(model)
+    if fsdp:
+        reshard(model)
     group = model.tp_group
     out = {}
     for name, param in model.named_parameters():
@@ -119,9 +128,10 @@ def _optimizer_states(model, optimizer) -> dict:
         plan, entry = model.plan.param(name), {}
         for key, value in optimizer.state[param].items():
             if isinstance(value, DTensor) and value.shape == param.shape:
+                rows = fsdp_rows(value, value.shape[0]) if fsdp else None  # FSDP's chunk of the tp shard
                 value = value.to_local().detach()
-                if plan.placement.is_shard:
-                    describe(value, plan, group.rank, group.size)
+                if plan.placement.is_shard or rows is not None:
+                    describe(value, plan, group.rank, group.size, rows=rows)
             entry[key] = value
         out[name] = entry
     return out

@@ -18,6 +18,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from .trainer_fsdp import deferred_reduction, under_trainer
+
 
 def view_mesh(model, who: str = "transformers.Trainer / accelerate"):
     """The mesh of the views: the tp group's (1-D) when it spans the job; else the 2-D (dp, tp) mesh from the
@@ -168,8 +170,6 @@ def _buckets(views) -> list:
 def no_gradient_sync(model):
     """The context of ``model.no_sync()``: no data-parallel gradient average in the backwards run inside it
     (fxparallel's FSDP under Trainer: ``trainer_fsdp.deferred_reduction``; a no-op without data parallelism)."""
-    from .trainer_fsdp import deferred_reduction, under_trainer
-
     dp = model.__dict__.get("_dtensor_data_parallel")
     if dp is not None:
         return dp.suspended()

@@ -211,14 +211,15 @@ def _tensor_parallel_trainer(rank, world, path, root):
     return result
 
 
-def _resumed(rank, world, path, root, use_cpu=True, tp_group=None):
+def _resumed(rank, world, path, root, use_cpu=True, tp_group=None, data_parallel=None):
     """Trainer checkpoints at TP=2 (``save_only_model=True``, ``fxparallel.TrainerCheckpoints``): 4 steps with a
     checkpoint after 2, then a fresh parallel model resumed from it (``resume_from_checkpoint``): its steps 3 and 4
     (losses, clipped grad norms, learning rates) and final weights against the uninterrupted run's; a checkpoint
     without the callback's files, and states of another checkpoint than the one Trainer resumes, refused before the
     resumed run's first step. And ``load_state_dict`` of
     transformers' complete state dict (what the resume loads) gives transformers' logits. ``use_cpu=False``: on the
-    GPU (tests/test_cuda.py); ``tp_group``: the model's (default: the whole job; a tp sub-mesh for dp x tp)."""
+    GPU (tests/test_cuda.py); ``tp_group``: the model's (default: the whole job; a tp sub-mesh for dp x tp);
+    ``data_parallel``: the ParallelMesh of fxparallel's FSDP over dp (``apply_data_parallel``), or None."""
     import shutil
 
     import torch
@@ -228,15 +229,27 @@ def _resumed(rank, world, path, root, use_cpu=True, tp_group=None):
     import fxparallel
     from checks import raised
     from fxparallel.accelerate_cpu import allow_tensor_parallel_on_cpu
+    from fxparallel.runtime import apply_data_parallel
+    from fxparallel.runtime.dtensor import local_part
+    from fxparallel.runtime.fsdp import reshard
 
     allow_tensor_parallel_on_cpu()
     tp_group = dist.group.WORLD if tp_group is None else tp_group
+
+    def parallel_model():
+        model = fxparallel.parallelize(path, tp_group, dtype=torch.float32)
+        return model if data_parallel is None else apply_data_parallel(model, data_parallel)
+
+    def local_weights(model):  # (FSDP's chunks of the tp shards)
+        reshard(model)
+        return {n: local_part(p.detach()) for n, p in model.local_named_parameters()}
+
     g = torch.Generator().manual_seed(11)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 9), generator=g).tolist()]
-    out_dir = f"{root}/resume"
+    out_dir = f"{root}/resume" if data_parallel is None else f"{root}/resume-fsdp"
 
     def train(resume=None, callbacks=None):
-        model = fxparallel.parallelize(path, tp_group, dtype=torch.float32)
+        model = parallel_model()
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                  max_steps=4, learning_rate=5e-2, lr_scheduler_type="linear", warmup_steps=1,
                                  max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=use_cpu, seed=7,
@@ -249,20 +262,20 @@ def _resumed(rank, world, path, root, use_cpu=True, tp_group=None):
         return model, logs
 
     full, full_logs = train()
-    weights = {n: p.detach().clone() for n, p in full.local_named_parameters()}
+    weights = {n: p.clone() for n, p in local_weights(full).items()}
     resumed, resumed_logs = train(resume=f"{out_dir}/checkpoint-2")
     out = {"full": full_logs, "resumed": resumed_logs,
-           "weights": max((p.detach() - weights[n]).abs().max().item() for n, p in resumed.local_named_parameters())}
+           "weights": max((p - weights[n]).abs().max().item() for n, p in local_weights(resumed).items())}
     if rank == 0:  # a checkpoint of Trainer's alone (the callback's files left out)
-        shutil.copytree(f"{out_dir}/checkpoint-2", f"{root}/plain-checkpoint",
+        shutil.copytree(f"{out_dir}/checkpoint-2", f"{out_dir}-plain",
                         ignore=shutil.ignore_patterns("fxparallel_*"))
     dist.barrier()
-    out["without_files"] = raised(lambda: train(resume=f"{root}/plain-checkpoint", callbacks=[
-        fxparallel.TrainerCheckpoints(resume_from=f"{root}/plain-checkpoint")]))
+    out["without_files"] = raised(lambda: train(resume=f"{out_dir}-plain", callbacks=[
+        fxparallel.TrainerCheckpoints(resume_from=f"{out_dir}-plain")]))
     out["other_folder"] = raised(lambda: train(resume=f"{out_dir}/checkpoint-2", callbacks=[  # step 4's states
         fxparallel.TrainerCheckpoints(resume_from=f"{out_dir}/checkpoint-4")]))
 
-    model = fxparallel.parallelize(path, tp_group, dtype=torch.float32)
+    model = parallel_model()
     single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         for p in single.parameters():

@@ -51,9 +51,9 @@ def agree(group, refused: Optional[BaseException]) -> None:
 def reshard(model) -> None:
     """Under FSDP, free the parameters the steps gathered: the root keeps its own after a forward until a backward
     frees them, and the optimizer, checkpoints and ``parameters()`` must find the shards again."""
-    if getattr(model, "_fxparallel_data_parallel", None) is not None:
-        from ..runtime.fsdp import reshard as reshard_units
+    from ..runtime.fsdp import is_data_parallel, reshard as reshard_units
 
+    if is_data_parallel(model):
         reshard_units(model)
 
 

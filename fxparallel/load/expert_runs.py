@@ -64,13 +64,18 @@ def cut_to_run(shard: torch.Tensor, run: Optional[tuple]) -> torch.Tensor:
 def pieces_in_run(pieces: list, run: tuple) -> list:
     """``pieces`` ([(index into the full tensor, index into the tp shard)], ``ParamPlan.pieces``) cut to the experts
     of ``run`` (dim 0): the indices into the run, and into the full tensor of only those experts."""
-    first, n, _ = run
+    return pieces_in_rows(pieces, run[0], run[0] + run[1])
+
+
+def pieces_in_rows(pieces: list, start: int, stop: int) -> list:
+    """``pieces`` cut to rows [start, stop) of dim 0 of the shard (a run of experts, FSDP's chunk): the indices into
+    those rows, and into the full tensor of only them."""
     out = []
     for source, dest in pieces:
-        start, stop = max(dest[0].start, first), min(dest[0].stop, first + n)
-        if start < stop:
+        first, last = max(dest[0].start, start), min(dest[0].stop, stop)
+        if first < last:
             shift = source[0].start - dest[0].start
-            out.append(((slice(start + shift, stop + shift),) + tuple(source[1:]),
-                        (slice(start - first, stop - first),) + tuple(dest[1:])))
+            out.append(((slice(first + shift, last + shift),) + tuple(source[1:]),
+                        (slice(first - start, last - start),) + tuple(dest[1:])))
     return out
 

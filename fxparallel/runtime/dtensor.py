@@ -180,6 +180,15 @@ def fsdp_rows(tensor, rows: int) -> tuple:
     return start, min(start + size, rows)
 
 
+def fsdp_chunk(shard: torch.Tensor, like: DTensor) -> DTensor:
+    """``shard`` (this rank's whole TP shard of a parameter) as FSDP holds it in ``like``: its chunk of the rows,
+    a DTensor on ``like``'s mesh and placements (``nn.Module.load_state_dict`` copies it into ``like`` locally)."""
+    start, stop = fsdp_rows(like, like.shape[0])
+    local = shard[start:stop].to(device=like.to_local().device)
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
 def tp_of(mesh) -> tuple:
     """(size, process group) of the tensor-parallel dimension of ``mesh``: a ParallelMesh, or a
     model's TPGroup (``model.tp_group``: a model without a training mesh)."""

@@ -29,7 +29,7 @@ from ..errors import ArgumentError, CheckpointError
 from ..load.coordinate import exchange
 from ..ops.collectives import gather_full_to, gather_parts_to
 from .dtensor import fsdp_mesh_dim, full_tensor, local_part, tp_of
-from .fsdp import reshard
+from .fsdp import is_data_parallel, reshard
 from ..load.expert_runs import run_sizes
 
 
@@ -66,11 +66,6 @@ class ExportScope:
         if group.process_group is None:  # one process, no torch.distributed
             return cls(group, None, is_main_process, model.device, single=True)
         return cls(group, group.process_group, group.rank == 0 and is_main_process, model.device)
-
-
-def is_data_parallel(model) -> bool:
-    """Is ``model`` under ``apply_data_parallel`` (its parameters FSDP DTensors)?"""
-    return getattr(model, "_fxparallel_data_parallel", None) is not None
 
 
 def _gather(model, scope: ExportScope, dtype: Optional[torch.dtype]) -> dict:

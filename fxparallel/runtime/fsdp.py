@@ -125,6 +125,11 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
     return model
 
 
+def is_data_parallel(model) -> bool:
+    """Is ``model`` under ``apply_data_parallel`` (its parameters FSDP DTensors)?"""
+    return getattr(model, "_fxparallel_data_parallel", None) is not None
+
+
 def reshard(model) -> None:
     """Register the sharded parameters again on every FSDP unit of ``model``.
 
