@@ -11,7 +11,8 @@ receives plain tensors again. DCP then saves full-shape state that ``dcp.load`` 
 size. So does the state of a run of experts (experts spread over data-parallel ranks: the pieces of the whole
 tensor the run holds, at any tp, tp = 1 included). Under FSDP at tp > 1 a state is a DTensor of this rank's tp shard
 split over the dp ranks, which DCP would take for the whole tensor (measured at tp=2: Adam's state off by 0.04 after
-a save and load, silently): DCP is refused there, naming ``runtime.save_checkpoint``, as for ``model.state_dict()``.
+a save and load, silently): it is described by the pieces of the full tensor its chunk holds, as for
+``model.state_dict()``.
 Optimizers over Trainer's DTensor views are DCP's own business and left alone."""
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import weakref
 import torch
 
 from .dcp_full_state import full_state_dict_given, full_state_dict_requested
-from .dcp_state import describe, refuse_under_fsdp
+from .dcp_state import describe, fsdp_rows_of
 from .load.expert_runs import cut_to_run, like_run_of
 from .parallel_models import known_parameters
 
@@ -69,7 +70,7 @@ def _shard_entries(optimizer, state_dict: dict):
 
 
 def _describe_state(optimizer, state_dict: dict) -> dict:
-    """Each shard's state described for DCP (refused for FSDP's DTensors), or, for torch's
+    """Each shard's state described for DCP (FSDP's DTensor by the rows of the shard its chunk holds), or, for torch's
     ``get_optimizer_state_dict(full_state_dict=True)``, complete (gathered over ep, dp and tp: ``dcp_full_state.py``)."""
     from .runtime.dtensor import full_tensor
 
@@ -83,10 +84,7 @@ def _describe_state(optimizer, state_dict: dict) -> dict:
                 entry[key] = full_tensor(like_run_of(value, param) if known.run else value, known.plan, group)
                 continue
             entry[key] = value.detach()  # a new tensor on the same storage: the live state stays as it is
-            if known.plain:
-                describe(entry[key], known.plan, group.rank, group.size, known.run)
-            else:
-                refuse_under_fsdp(entry[key], f"{known.name} ({key})", "optimizer.state_dict()")
+            describe(entry[key], known.plan, group.rank, group.size, known.run, fsdp_rows_of(value))
     return state_dict
 
 

@@ -14,14 +14,15 @@ value as the plain shard it is. ``dcp_optimizer.py`` does the same for a torch o
 over data-parallel ranks (``ep_group``) a rank holds a run of its tp shard's experts: the pieces of that run
 (``load/expert_runs.pieces_in_run``), at any tp, tp = 1 included.
 
-Under FSDP (``runtime.apply_data_parallel``) a value is a DTensor over the data-parallel ranks of
-this rank's tensor-parallel shard, which DCP cannot combine with the tensor-parallel pieces: DCP
-is refused there, naming ``runtime.save_checkpoint`` / ``load_checkpoint``. accelerate's calls, which write one
+Under FSDP (``runtime.apply_data_parallel``) a value is FSDP's DTensor over the data-parallel ranks of
+this rank's tensor-parallel shard, whose own protocol would describe the shard as the whole tensor: it is
+described instead as the pieces of the full tensor that its chunk (rows of the shard) holds. accelerate's calls, which write one
 process's state dict for the whole model, take complete tensors or are refused (``accelerate_state.py``), and so do
 torch's state-dict helpers asked for the full state dict (``dcp_full_state.py``)."""
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .accelerate_state import complete_for_accelerate
 from .dcp_full_state import complete_state_dict, full_state_dict_requested
@@ -39,10 +40,11 @@ def _pieces(tensor: torch.Tensor, plan, rank: int, tp: int, run=None, rows=None)
         pieces = pieces_in_run(pieces, run)
     if rows is not None:
         pieces = pieces_in_rows(pieces, *rows)
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor  # FSDP's DTensor: its chunk's storage
     for src, dst in pieces:
         offsets = torch.Size(s.start for s in src)
         sizes = torch.Size(s.stop - s.start for s in src)
-        out.append((offsets, sizes, tensor[dst]))
+        out.append((offsets, sizes, local[dst]))
     return out
 
 
@@ -84,20 +86,6 @@ def describe_pieces(tensor: torch.Tensor, pieces: list, full: torch.Size) -> Non
     tensor.__reduce_ex__ = tensor.detach().__reduce_ex__  # torch.save (a file per rank) pickles the plain shard
 
 
-def refuse_under_fsdp(value, name: str, what: str = "model.state_dict()") -> None:
-    """Make DCP refuse ``value``, FSDP's DTensor of this rank's tensor-parallel shard (``what`` holds it)."""
-    def refuse(*_args, **_kwargs):
-        raise CheckpointError(
-            f"torch.distributed.checkpoint was given {what} of a model under FSDP "
-            f"(runtime.apply_data_parallel): {name} is this rank's tensor-parallel shard split again over the "
-            "data-parallel ranks, which DCP cannot describe from the state dict; use "
-            "fxparallel.runtime.save_checkpoint(path, model, optimizer, mesh) / load_checkpoint, which save "
-            "full-shape tensors that reload into any layout")
-
-    value.__create_write_items__ = refuse
-    value.__create_chunk_list__ = refuse
-
-
 def describe_state_dict(model, state_dict: dict, prefix: str, _local_metadata) -> None:
     """``state_dict`` post-hook of the parallel model (see the module docstring). With experts spread over
     data-parallel ranks, a run of experts is described as the pieces of the full tensor it holds, at any tp."""
@@ -111,14 +99,19 @@ def describe_state_dict(model, state_dict: dict, prefix: str, _local_metadata) -
     if full_state_dict_requested("model"):  # torch's get_model_state_dict(full_state_dict=True): dcp_full_state.py
         complete_state_dict(model, state_dict, prefix, by_name, to_rank0_only=False)
         return
-    from torch.distributed.tensor import DTensor
-
     for key, value in state_dict.items():
         plan = by_name.get(key[len(prefix):]) if key.startswith(prefix) else None
         run = runs.get(plan.name) if plan is not None else None
         if plan is None or not (run or plan.placement.is_shard and tp > 1) or not isinstance(value, torch.Tensor):
             continue
-        if isinstance(value, DTensor):
-            refuse_under_fsdp(value, key)
-        else:
-            describe(value, plan, rank, tp, run)
+        describe(value, plan, rank, tp, run, fsdp_rows_of(value))
+
+
+def fsdp_rows_of(value):
+    """[start, stop) of the rows of the tp shard FSDP's DTensor ``value`` holds (``runtime/dtensor.fsdp_rows``), or
+    None for a plain tensor (the whole shard)."""
+    if not isinstance(value, DTensor):
+        return None
+    from .runtime.dtensor import fsdp_rows
+
+    return fsdp_rows(value, value.shape[0])

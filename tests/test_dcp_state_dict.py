@@ -1,7 +1,7 @@
 """torch.distributed.checkpoint fed `model.state_dict()`, as users write by habit: the shards are saved as
 full-shape tensors (each rank its pieces, fused weights included) that load exactly into a model parallelized
-at another tp size (uneven heads at TP=3) and into a transformers model on one process; under FSDP it is refused
-naming runtime.save_checkpoint. `optimizer.state_dict()` of a torch optimizer over the shards likewise. torch's
+at another tp size (uneven heads at TP=3) and into a transformers model on one process; under FSDP (dp 2 x tp 2) each
+value is described by the rows of the full tensor its FSDP chunk holds. `optimizer.state_dict()` of a torch optimizer over the shards likewise. torch's
 state-dict helpers (``get_state_dict`` / ``set_state_dict``), full and sharded."""
 from __future__ import annotations
 
@@ -95,37 +95,60 @@ def test_dcp_of_state_dict_reloads_at_any_layout(family, checkpoints, tmp_path):
 
 
 def _under_fsdp(rank, world, path, out):
-    """tp=2 under FSDP, after one SGD step with momentum beside the same step on one device: DCP given
-    ``model.state_dict()`` or ``optimizer.state_dict()``, and torch's helpers with ``full_state_dict=True``."""
+    """dp=2 x tp=2 under FSDP (each value FSDP's chunk of a tp shard), after one SGD step with momentum beside the
+    same step on one device: DCP given ``model.state_dict()`` and ``optimizer.state_dict()``, loaded back into another
+    model under FSDP (its own states zeroed first) and, on rank 0, into a transformers model on one process; and
+    torch's helpers with ``full_state_dict=True``."""
     import copy
 
     import torch
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_optimizer_state_dict)
 
     import fxparallel
     from fxparallel.runtime import apply_data_parallel, init_mesh
+    from fxparallel.runtime.dtensor import local_part
     from models import reference
 
-    mesh = init_mesh(tp=2, dp=1, cp=1)
+    mesh = init_mesh(tp=2, dp=2, cp=1)
 
-    def stepped(m):
+    def parallel():
+        return apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32), mesh)
+
+    def stepped(m, dp=1):  # (FSDP sums the dp ranks' gradients: each rank's loss of the same batch is halved)
         optimizer = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
-        m(input_ids=_ids(), labels=_ids()).loss.backward()
+        (m(input_ids=_ids(), labels=_ids()).loss / dp).backward()
         optimizer.step()
         return optimizer
 
-    model, single = (apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32), mesh),
-                     reference(path))
-    optimizers = [stepped(m) for m in (model, single)]
+    model, single = parallel(), reference(path)
+    optimizers = [stepped(model, 2), stepped(single)]
     result = {}
     for what, state in (("model", model.state_dict), ("optimizer", optimizers[0].state_dict)):
-        try:
-            dcp.save(state(), checkpoint_id=os.path.join(out, what))
-            result[what] = "saved"
-        except BaseException as err:  # noqa: BLE001 - DCP wraps what a rank raised in a BaseException
-            result[what] = f"{type(err).__name__}: {err}"
+        dcp.save(state(), checkpoint_id=os.path.join(out, what))
+    other = parallel()
+    other_optimizer = stepped(other, 2)
+    for state in other_optimizer.state.values():
+        state["momentum_buffer"].to_local().zero_()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.to_local().zero_()
+    for what, state in (("model", other.state_dict()), ("optimizer", other_optimizer.state_dict())):
+        dcp.load(state, checkpoint_id=os.path.join(out, what))
+        (other if what == "model" else other_optimizer).load_state_dict(state)  # the habit's second line
+    result["dcp weights"] = max((local_part(b) - local_part(a)).abs().max().item()
+                                for a, b in zip(model.parameters(), other.parameters()))
+    result["dcp momentum"] = max(
+        (local_part(other_optimizer.state[b]["momentum_buffer"]) -
+         local_part(optimizers[0].state[a]["momentum_buffer"])).abs().max().item()
+        for a, b in zip(model.parameters(), other.parameters()))
+    dist.barrier()
+    if rank == 0:  # the checkpoint's complete weights, read by one process: the single-device step's
+        state = {k: torch.zeros_like(v) for k, v in single.state_dict().items()}
+        dcp.load(state, checkpoint_id=os.path.join(out, "model"), no_dist=True)
+        result["dcp one process"] = max((state[k] - v).abs().max().item() for k, v in single.state_dict().items())
     full = StateDictOptions(full_state_dict=True)
     ours, ref = get_model_state_dict(model, options=full), get_model_state_dict(single, options=full)
     result["weights"] = max((ours[k] - v).abs().max().item() for k, v in ref.items())
@@ -133,8 +156,6 @@ def _under_fsdp(rank, world, path, out):
     result["momentum"] = max((ours[k]["momentum_buffer"] - v["momentum_buffer"]).abs().max().item()
                              for k, v in ref.items())
     # the complete momenta loaded into another model's optimizer (its own zeroed first): each rank's shard of them
-    other = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32), mesh)
-    other_optimizer = stepped(other)
     for state in other_optimizer.state.values():
         state["momentum_buffer"].to_local().zero_()
     full_state = get_optimizer_state_dict(model, optimizers[0], options=full)
@@ -145,16 +166,17 @@ def _under_fsdp(rank, world, path, out):
     return result
 
 
-def test_dcp_of_state_dict_under_fsdp_is_refused(checkpoints, tmp_path):
-    """Under FSDP a state's value is FSDP's DTensor of this rank's tp shard, which DCP would take for the whole
-    tensor (the optimizer's, before: rank 0 read its momenta back 0.04 off, silently): refused, naming
-    runtime.save_checkpoint. torch's helpers asked for complete tensors give the single-device weights and momenta,
-    and ``set_optimizer_state_dict(full_state_dict=True)`` loads the complete momenta back exactly."""
-    for result in run_ranks(2, _under_fsdp, checkpoints["llama"], str(tmp_path / "dcp")):
-        for what in ("model", "optimizer"):
-            message = result[what]
-            assert "fxparallel.runtime.save_checkpoint" in message and "CheckpointError" in message, message
-            assert f"was given {what}.state_dict() of a model under FSDP" in message, message
+def test_dcp_of_state_dict_under_fsdp(checkpoints, tmp_path):
+    """Under FSDP a state's value is FSDP's DTensor of its chunk of this rank's tp shard, which DCP would take for a
+    chunk of the whole tensor (the optimizer's, before: rank 0 read its momenta back 0.04 off, silently): it is
+    described as the rows of the full tensor it holds, so ``model.state_dict()`` and ``optimizer.state_dict()`` save
+    and load back exactly at dp 2 x tp 2, and the saved weights are the single-device step's. torch's helpers asked
+    for complete tensors give the single-device weights and momenta, and ``set_optimizer_state_dict(full_state_dict=
+    True)`` loads the complete momenta back exactly."""
+    results = run_ranks(4, _under_fsdp, checkpoints["llama"], str(tmp_path / "dcp"))
+    assert results[0]["dcp one process"] < 1e-5, results[0]
+    for result in results:
+        assert result["dcp weights"] == 0.0 and result["dcp momentum"] == 0.0, result
         assert result["weights"] < 1e-5 and result["momentum"] < 1e-5 and result["loaded momentum"] == 0.0, result
 
 
