@@ -174,8 +174,10 @@ class HuggingFaceMethods:
         before they saw it (they then leave it unwrapped and give every tp rank the same batch); from the first
         read on, ``parameters()`` are DTensor views of the shards, so that their gradient clipping is exact
         (``dtensor_parameters.py``)."""
+        from .runtime.fsdp import is_data_parallel
+
         size = self.tp_group.size
-        if size > 1:
+        if size > 1 or is_data_parallel(self):  # (at tp 1 under fxparallel's FSDP: Trainer's FSDP2 model)
             use_dtensor_parameters(self)  # once; it also sets config.distributed_config
         return size
 

@@ -8,7 +8,7 @@ From Trainer's first read of ``model.tp_size`` (``dtensor_parameters.use_dtensor
   micro-batches of gradient accumulation accelerate enters ``model.no_sync()``, which holds FSDP's reduction back
   (``deferred_reduction``);
 - Trainer multiplies the loss by the dp size (its convention for a model whose data parallelism averages), so FSDP's
-  gradient reduction now divides by the dp size, as FSDP2's default does. ``apply_data_parallel`` had it sum, for
+  reduced gradients are now divided by the dp size (``_averaging``), as FSDP2's default averages. ``apply_data_parallel`` had it sum, for
   ``runtime.train_step``, whose loss is divided by the global token count: ``train_step`` refuses such a model;
 - clipping: FSDP's DTensors span the dp ranks only, each holding chunks of this rank's tp shard, so torch's
   ``clip_grad_norm_`` over them would sum squares over dp alone: each tp rank its own norm, the replicated weights
@@ -18,7 +18,10 @@ From Trainer's first read of ``model.tp_size`` (``dtensor_parameters.use_dtensor
   all-reduce) and the clip scales FSDP's gradients in place. The views serve the norm only: their global layout is
   not the weight's, and nothing else is given them.
 
-Supported: FSDP over all the dp ranks (``mode="shard"``, no HSDP, no context parallelism, no experts over dp)."""
+Under HSDP (``init_mesh(dp_shard=...)`` below dp) the views are over (dp_replicate, dp_shard, tp): FSDP's
+``(Replicate, Shard(0))`` and then the tp placement.
+
+Supported: FSDP or HSDP over the dp ranks (``mode="shard"``; no context parallelism, no experts over dp)."""
 from __future__ import annotations
 
 import contextlib
@@ -45,16 +48,37 @@ def enter(model, mesh, who: str, instead: str) -> None:
     info = model._fxparallel_data_parallel
     fsdp_mesh = next(p for _, p in model.local_named_parameters()).device_mesh
     dp_ranks = dist.get_process_group_ranks(mesh.get_group(0))
-    if info.mode != "shard" or fsdp_mesh.ndim != 1 or dist.get_process_group_ranks(fsdp_mesh.get_group()) != dp_ranks:
+    if info.mode != "shard" or fsdp_mesh.mesh.flatten().tolist() != dp_ranks:
         raise DTensorParametersError(
-            f"{who} on a model under fxparallel's FSDP supports FSDP over all the data-parallel ranks only "
-            "(apply_data_parallel(model, mesh) in its default mode, without dp_shard (HSDP) or context "
-            f"parallelism); this model's FSDP mesh is {fsdp_mesh} in mode {info.mode!r}: {instead}")
+            f"{who} on a model under fxparallel's FSDP supports FSDP (or HSDP) over the data-parallel ranks only "
+            "(apply_data_parallel(model, mesh) in its default mode, without context parallelism); this model's "
+            f"FSDP mesh is {fsdp_mesh} in mode {info.mode!r}: {instead}")
+    average = _averaging(len(dp_ranks))
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(float(len(dp_ranks)))
+            module.set_all_reduce_hook(average)
+    replicas = 1
+    if fsdp_mesh.ndim == 2:  # HSDP: the views' mesh (dp_replicate, dp_shard, tp), FSDP's dims then the tp one
+        from torch.distributed.device_mesh import DeviceMesh
+
+        replicas = fsdp_mesh.shape[0]
+        mesh = DeviceMesh(mesh.device_type, mesh.mesh.reshape(*fsdp_mesh.shape, -1),
+                          mesh_dim_names=("dp_replicate", "dp_shard", mesh.mesh_dim_names[1]))
     model.__dict__[MARK] = mesh
-    model.config.distributed_config = DistributedConfig(tp_size=model.tp_group.size, fsdp_size=len(dp_ranks))
+    # (Trainer defers HSDP's all-reduce alone between micro-batches where dp_replicate_size > 1)
+    model.config.distributed_config = DistributedConfig(tp_size=model.tp_group.size,
+                                                        fsdp_size=len(dp_ranks) // replicas,
+                                                        dp_replicate_size=replicas)
+
+
+def _averaging(dp: int):
+    """FSDP's hook on each reduced gradient (after HSDP's all-reduce, or FSDP's reduce-scatter): the sum over the dp
+    ranks divided by ``dp``. (Not ``set_gradient_divide_factor(dp)``: with the sum reductions gloo needs, FSDP2
+    divides twice where its reduce-scatter group has one rank, as HSDP with ``dp_shard=1`` has: half the gradient.)"""
+    def average(gradient: torch.Tensor) -> None:
+        gradient.div_(dp)
+
+    return average
 
 
 @contextlib.contextmanager
@@ -85,7 +109,8 @@ def _clipping() -> bool:
 
 
 def clip_views(model) -> Optional[dict]:
-    """{id(FSDP parameter): its view over the (dp, tp) mesh, its gradient included} while a clipping function
+    """{id(FSDP parameter): its view over the (dp, tp) mesh (HSDP's: (dp_replicate, dp_shard, tp)), its gradient
+    included} while a clipping function
     iterates the parameters of a model in the mode; else None."""
     mesh = model.__dict__.get(MARK)
     if mesh is None or not _clipping():

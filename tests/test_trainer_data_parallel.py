@@ -98,7 +98,8 @@ def _fsdp_trainer(rank, mesh, path, root, ref):
     """The same Trainer run on a model under fxparallel's FSDP over dp (``apply_data_parallel``; trainer_fsdp.py):
     every weight after it (gathered over dp and tp) against the single-device run's (``ref``), and what
     ``save_model`` wrote; Trainer checkpoints (``TrainerCheckpoints``) resume to the uninterrupted run under FSDP too;
-    ``train_step`` refused on it, HSDP refused at Trainer's first read."""
+    ``train_step`` refused on it. Under HSDP the same weights: 2 replicas of 1 shard at tp 2, and 2 replicas of 2
+    shards at tp 1 (one row per rank per micro-batch: the same global batches)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -108,14 +109,20 @@ def _fsdp_trainer(rank, mesh, path, root, ref):
     from fxparallel.runtime.dtensor import full_tensor
     from fxparallel.runtime.fsdp import reshard
 
-    model = apply_data_parallel(fxparallel.parallelize(path, mesh.tp_mesh, dtype=torch.float32), mesh)
-    syncs, sync = [], model.set_requires_gradient_sync  # FSDP's reduction held back by no_sync, micro-batch by one
-    model.set_requires_gradient_sync = lambda flag, **how: (syncs.append(flag), sync(flag, **how))[1]
-    out = {"trainer": _trainer_run(model, f"{root}/fsdp{rank}", save_to=f"{root}/fsdp_saved", rows=32,
-                                   sampling="sequential"), "syncs": syncs}
-    reshard(model)
-    trained = {model.plan.param(n).name: full_tensor(p, model.plan.param(n), mesh).clone()
-               for n, p in model.local_named_parameters()}
+    def run(on, name, batch=2, save_to=None):  # (trainer results, {name: trained full tensor}, the model)
+        model = apply_data_parallel(fxparallel.parallelize(path, on.tp_mesh, dtype=torch.float32), on)
+        if name == "fsdp":  # FSDP's reduction held back by no_sync, micro-batch by one
+            sync = model.set_requires_gradient_sync
+            model.set_requires_gradient_sync = lambda flag, **how: (syncs.append(flag), sync(flag, **how))[1]
+        results = _trainer_run(model, f"{root}/{name}{rank}", save_to=save_to, rows=32, sampling="sequential",
+                               batch=batch)
+        reshard(model)
+        return results, {model.plan.param(n).name: full_tensor(p, model.plan.param(n), on).clone()
+                         for n, p in model.local_named_parameters()}, model
+
+    syncs = []
+    out = {"syncs": syncs}
+    out["trainer"], trained, model = run(mesh, "fsdp", save_to=f"{root}/fsdp_saved")
     out["weights"] = max((t - ref[n]).abs().max().item() for n, t in trained.items())
     saved = AutoModelForCausalLM.from_pretrained(f"{root}/fsdp_saved", dtype=torch.float32)
     out["saved_equals_trained"] = all(torch.equal(p.detach(), trained[n]) for n, p in saved.named_parameters())
@@ -123,9 +130,10 @@ def _fsdp_trainer(rank, mesh, path, root, ref):
     out["train_step"] = raised(lambda: train_step(model, torch.optim.SGD(model.parameters(), lr=0.0),
                                                   {"input_ids": ids}, mesh))
     out["resumed"] = _resumed(rank, 4, path, root, tp_group=mesh.tp_mesh, data_parallel=mesh)
-    hsdp = init_mesh(tp=2, dp=2, dp_shard=1)
-    out["hsdp"] = raised(lambda: apply_data_parallel(fxparallel.parallelize(path, hsdp.tp_mesh, dtype=torch.float32),
-                                                     hsdp).tp_size)
+    for name, on, batch in (("hsdp tp2", init_mesh(tp=2, dp=2, dp_shard=1), 2),
+                            ("hsdp tp1", init_mesh(tp=1, dp=4, dp_shard=2), 1)):
+        results, trained, _ = run(on, name.replace(" ", "_"), batch)
+        out[name] = results, max((t - ref[n]).abs().max().item() for n, t in trained.items())
     return out
 
 
@@ -250,9 +258,11 @@ def test_trainer_over_dp_and_tp(checkpoints, tmp_path):
         assert fsdp["train_step"].startswith("ValueError: train_step: this model was handed to transformers.Trainer"), \
             fsdp["train_step"]
         _check_resumed(fsdp["resumed"])  # TrainerCheckpoints under FSDP: the optimizer states are FSDP's chunks
-        assert fsdp["hsdp"].startswith("DTensorParametersError: transformers.Trainer / accelerate on a model under "
-                                       "fxparallel's FSDP supports FSDP over all the data-parallel ranks only"), \
-            fsdp["hsdp"]
+        for name in ("hsdp tp2", "hsdp tp1"):  # HSDP: its views over (dp_replicate, dp_shard, tp)
+            (losses, norms, counters), weights = fsdp[name]
+            assert counters == ref_counters and weights < 1e-5, (name, fsdp[name], ref_counters)
+            for ours, theirs in zip(losses + norms, ref_losses + ref_norms, strict=True):
+                assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (name, fsdp[name], ref_losses, ref_norms)
         lora = r["sft_lora"]
         for key, ours in lora["dp_tp"].items():
             theirs = results[0]["sft_lora"]["single"][key]
