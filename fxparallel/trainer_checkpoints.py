@@ -59,29 +59,31 @@ class TrainerCheckpoints(TrainerCallback):
 
 
 def _weights_digest(model) -> dict:
-    """{parameter name: the sum of squares of the whole parameter} (one all-reduce over the tp group, or over the job
-    under FSDP, whose chunks split each shard over the dp ranks; the same at any layout up to rounding): which weights
-    an optimizer state belongs to."""
+    """{parameter name: the sum of squares of the whole parameter} (all-reduced over the tp group, and under FSDP over
+    its shard group first, whose chunks split each shard; HSDP's replicas hold the same chunks; the same at any layout
+    up to rounding): which weights an optimizer state belongs to."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
-    from .runtime.dtensor import local_part
+    from .runtime.dtensor import fsdp_mesh_dim, local_part
     from .runtime.fsdp import is_data_parallel, reshard
 
     group = model.tp_group
-    fsdp = is_data_parallel(model)
-    if fsdp:
+    if is_data_parallel(model):
         reshard(model)
-    names, sums = [], []
+    names, sums, chunked = [], [], None
     for name, param in model.local_named_parameters():
         plan = model.plan.param(name)
         whole_here = plan.placement.is_shard or group.rank == 0  # a replicated one counted once
         names.append(name)
         local = local_part(param.detach())
         sums.append(local.double().pow(2).sum() if whole_here else local.new_zeros((), dtype=torch.float64))
+        if isinstance(param, DTensor) and fsdp_mesh_dim(param) is not None:  # FSDP's chunks (all on one mesh)
+            chunked = param.device_mesh.get_group(fsdp_mesh_dim(param))
     total = torch.stack(sums)
-    if fsdp:
-        dist.all_reduce(total)
-    elif group.size > 1 and group.process_group is not None:
+    if chunked is not None:
+        dist.all_reduce(total, group=chunked)
+    if group.size > 1 and group.process_group is not None:
         dist.all_reduce(total, group=group.process_group)
     return dict(zip(names, total.tolist()))
 

@@ -129,9 +129,11 @@ def _fsdp_trainer(rank, mesh, path, root, ref):
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
     out["train_step"] = raised(lambda: train_step(model, torch.optim.SGD(model.parameters(), lr=0.0),
                                                   {"input_ids": ids}, mesh))
-    out["resumed"] = _resumed(rank, 4, path, root, tp_group=mesh.tp_mesh, data_parallel=mesh)
-    for name, on, batch in (("hsdp tp2", init_mesh(tp=2, dp=2, dp_shard=1), 2),
-                            ("hsdp tp1", init_mesh(tp=1, dp=4, dp_shard=2), 1)):
+    hsdp = {"hsdp tp2": (init_mesh(tp=2, dp=2, dp_shard=1), 2), "hsdp tp1": (init_mesh(tp=1, dp=4, dp_shard=2), 1)}
+    # the checkpoint saved under FSDP resumed at tp 1 under HSDP too
+    out["resumed"] = _resumed(rank, 4, path, root, tp_group=mesh.tp_mesh, data_parallel=mesh,
+                              other_layout=(hsdp["hsdp tp1"][0].tp_mesh, *hsdp["hsdp tp1"]))
+    for name, (on, batch) in hsdp.items():
         results, trained, _ = run(on, name.replace(" ", "_"), batch)
         out[name] = results, max((t - ref[n]).abs().max().item() for n, t in trained.items())
     return out

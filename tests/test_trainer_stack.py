@@ -211,7 +211,7 @@ def _tensor_parallel_trainer(rank, world, path, root):
     return result
 
 
-def _resumed(rank, world, path, root, use_cpu=True, tp_group=None, data_parallel=None):
+def _resumed(rank, world, path, root, use_cpu=True, tp_group=None, data_parallel=None, other_layout=None):
     """Trainer checkpoints at TP=2 (``save_only_model=True``, ``fxparallel.TrainerCheckpoints``): 4 steps with a
     checkpoint after 2, then a fresh parallel model resumed from it (``resume_from_checkpoint``): its steps 3 and 4
     (losses, clipped grad norms, learning rates) and final weights against the uninterrupted run's; a checkpoint
@@ -219,7 +219,9 @@ def _resumed(rank, world, path, root, use_cpu=True, tp_group=None, data_parallel
     resumed run's first step. And ``load_state_dict`` of
     transformers' complete state dict (what the resume loads) gives transformers' logits. ``use_cpu=False``: on the
     GPU (tests/test_cuda.py); ``tp_group``: the model's (default: the whole job; a tp sub-mesh for dp x tp);
-    ``data_parallel``: the ParallelMesh of fxparallel's FSDP over dp (``apply_data_parallel``), or None."""
+    ``data_parallel``: the ParallelMesh of fxparallel's FSDP over dp (``apply_data_parallel``), or None;
+    ``other_layout``: (tp_group, data_parallel, rows per device) of another layout of the same global batches, which
+    also resumes from the checkpoint (its steps 3 and 4 in ``out["other layout"]``)."""
     import shutil
 
     import torch
@@ -236,9 +238,9 @@ def _resumed(rank, world, path, root, use_cpu=True, tp_group=None, data_parallel
     allow_tensor_parallel_on_cpu()
     tp_group = dist.group.WORLD if tp_group is None else tp_group
 
-    def parallel_model():
-        model = fxparallel.parallelize(path, tp_group, dtype=torch.float32)
-        return model if data_parallel is None else apply_data_parallel(model, data_parallel)
+    def parallel_model(layout=(tp_group, data_parallel)):
+        model = fxparallel.parallelize(path, layout[0], dtype=torch.float32)
+        return model if layout[1] is None else apply_data_parallel(model, layout[1])
 
     def local_weights(model):  # (FSDP's chunks of the tp shards)
         reshard(model)
@@ -248,9 +250,10 @@ def _resumed(rank, world, path, root, use_cpu=True, tp_group=None, data_parallel
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 9), generator=g).tolist()]
     out_dir = f"{root}/resume" if data_parallel is None else f"{root}/resume-fsdp"
 
-    def train(resume=None, callbacks=None):
-        model = parallel_model()
-        args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+    def train(resume=None, callbacks=None, layout=(tp_group, data_parallel, 2)):
+        model = parallel_model(layout[:2])
+        args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=layout[2],
+                                 gradient_accumulation_steps=2,
                                  max_steps=4, learning_rate=5e-2, lr_scheduler_type="linear", warmup_steps=1,
                                  max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=use_cpu, seed=7,
                                  dataloader_num_workers=0, save_strategy="steps", save_steps=2, save_only_model=True)
@@ -266,6 +269,8 @@ def _resumed(rank, world, path, root, use_cpu=True, tp_group=None, data_parallel
     resumed, resumed_logs = train(resume=f"{out_dir}/checkpoint-2")
     out = {"full": full_logs, "resumed": resumed_logs,
            "weights": max((p - weights[n]).abs().max().item() for n, p in local_weights(resumed).items())}
+    if other_layout is not None:
+        out["other layout"] = train(resume=f"{out_dir}/checkpoint-2", layout=other_layout)[1]
     if rank == 0:  # a checkpoint of Trainer's alone (the callback's files left out)
         shutil.copytree(f"{out_dir}/checkpoint-2", f"{out_dir}-plain",
                         ignore=shutil.ignore_patterns("fxparallel_*"))
@@ -864,6 +869,9 @@ def _check_resumed(resumed: dict) -> None:
         assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(ours, theirs)), resumed
     assert resumed["full"][2][3] > 0 and max(log[2] for log in resumed["full"]) > 0.5, resumed  # lr > 0, clipped
     assert resumed["weights"] < 1e-6, resumed["weights"]
+    if "other layout" in resumed:  # resumed at another layout: steps 3 and 4 those of the uninterrupted run
+        for ours, theirs in zip(resumed["other layout"][2:], resumed["full"][2:], strict=True):
+            assert all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(ours, theirs)), resumed
     assert "has no fxparallel_optimizer or fxparallel_trainer_state.json" in resumed["without_files"], resumed
     assert "its optimizer states were saved with other weights" in resumed["other_folder"], resumed["other_folder"]
     assert resumed["full_state_dict"] < 1e-5, resumed
