@@ -14,7 +14,11 @@ on each rank alone, silently, when they reach the shards without the model seein
   gradients, finds none to unscale while the step then takes the views' scaled ones. ``ShardedGradScaler`` (its
   found_inf summed over a process group) is exact; over the DTensor views DTensor sums found_inf itself.
 
-So reading a shard's ``.grad`` from within either raises, before any gradient is changed.
+So reading a shard's ``.grad`` from within either raises, before any gradient is changed. Under FSDP
+(``runtime.apply_data_parallel`` at tp > 1) the parameters are FSDP's DTensors of chunks of the shards, spanning the
+data-parallel ranks only, and the same two readers would act on each tp rank's pieces alone: their class becomes
+``FSDPShardParameter``, whose ``.grad`` refuses them too (``clip_grad_norm_(model.parameters(), ...)`` is refused by
+the model itself there, naming ``runtime.clip_grad_norm_``).
 
 And one reader of ``.data``: for a model sharded at load, Trainer broadcasts from rank 0 every parameter that is not a
 DTensor (``_sync_replicated_trainable_parameters``, meant for adapters added after FSDP). The model answers it
@@ -29,6 +33,7 @@ import sys
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .callers import TRAINER
 from .errors import ArgumentError
@@ -49,6 +54,20 @@ _GRAD_READERS = {
         "step there alone. Use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (it sums found_inf "
         "over its process group, the world by default), or build the optimizer on model.parameters() after "
         "reading model.tp_size (DTensor views: DTensor sums it); no gradient was changed"),
+}
+# the same readers of an FSDP parameter's ``.grad`` (FSDPShardParameter)
+_FSDP_GRAD_READERS = {
+    ("torch.nn.utils.clip_grad", frozenset({"clip_grad_norm_", "clip_grad_norm"})): (
+        "torch.nn.utils.clip_grad_norm_ reached FSDP's chunk of a tensor-parallel shard ({name}, shape {shape} on "
+        "this rank's tp position) through a list of parameters: FSDP's DTensors span the data-parallel ranks only, "
+        "so each tp rank would clip by its own norm. Clip with fxparallel.runtime.clip_grad_norm_(model, max_norm, "
+        "mesh) (train_step does), or under transformers.Trainer pass model.parameters() at the call; no gradient "
+        "was changed"),
+    ("torch.amp.grad_scaler", frozenset({"_unscale_grads_"})): (
+        "torch.amp.GradScaler reached FSDP's chunk of a tensor-parallel shard ({name}, shape {shape} on this "
+        "rank's tp position) through its optimizer: each tp rank would look for inf / NaN in its own pieces only. "
+        "Use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (it sums found_inf over its process "
+        "group, the world by default); no gradient was changed"),
 }
 # the reader of ``.data`` refused (module docstring): Trainer's broadcast of the parameters that are not DTensors
 _DATA_READERS = {
@@ -94,3 +113,21 @@ class ShardParameter(nn.Parameter):
 
     data = _refusing(_DATA, _DATA_READERS)
     grad = _refusing(_GRAD, _GRAD_READERS, deletable=True)
+
+
+class FSDPShardParameter(DTensor):
+    """FSDP's DTensor parameter of a chunk of a tensor-parallel shard, whose ``.grad`` refuses torch's
+    ``clip_grad_norm_`` and GradScaler (module docstring); FSDP and DTensor treat it as the DTensor it is."""
+
+    grad = _refusing(_GRAD, _FSDP_GRAD_READERS, deletable=True)
+
+
+def guard_fsdp_parameters(model) -> None:
+    """Give each of FSDP's DTensor parameters of a model at tp > 1 the class ``FSDPShardParameter`` (and its
+    ParamPlan, for the messages); FSDP registers the same objects again after every reshard."""
+    if model.tp_group.size == 1:
+        return
+    for name, param in model.local_named_parameters():
+        if type(param) is DTensor:
+            param._fxparallel = model.plan.param(name)
+            param.__class__ = FSDPShardParameter

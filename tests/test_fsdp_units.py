@@ -103,7 +103,8 @@ def _fsdp_run(path, mesh, mode="shard", mixed=None, per_layer=True, later_graph=
         generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new).tolist()
         compiled = raised(lambda: model.generate(input_ids=ids, max_new_tokens=2, compile_config=CompileConfig()))
     seen = _probe(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=LR)
     data = _batches(mesh)
     out = {"units": model._fxparallel_data_parallel.units,
            "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules()), "losses": []}
@@ -112,6 +113,12 @@ def _fsdp_run(path, mesh, mode="shard", mixed=None, per_layer=True, later_graph=
         if step == 0:
             out["grads"] = as_numpy(full_values(model, mesh, lambda p: p.grad))
             out["seen_train"] = list(seen)
+            if later_graph and mesh.tp > 1:  # torch's clipping of FSDP's chunks: each tp rank's own norm, refused
+                out["torch clip"] = {"list": raised(lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)),
+                                     "parameters()": raised(lambda: torch.nn.utils.clip_grad_norm_(
+                                         model.parameters(), 1.0)),
+                                     "grads kept": max_diff(as_numpy(full_values(model, mesh, lambda p: p.grad)),
+                                                            out["grads"])}
     out["params"] = as_numpy(full_values(model, mesh))
     out["dtypes"] = sorted({str(t.dtype) for p in model.parameters()  # parameters, gradients, AdamW moments
                             for t in (p, p.grad, *(v for v in opt.state[p].values() if v.dim()))})
@@ -333,6 +340,19 @@ def test_training_matches_single_process(world4, world2, references):
             if key == "layers":  # logits from a graph captured after wrapping
                 assert run["new_graphs"] == 1
                 assert (torch.as_tensor(run["logits"]) - reference["logits"]).abs().max().item() < TOL, key
+
+
+def test_torch_clipping_of_fsdp_chunks_is_refused(world4):
+    """At tp 2 x dp 2 FSDP's DTensors span the dp ranks only: torch's ``clip_grad_norm_`` over a list of them would
+    clip each tp rank by its own norm. Refused (over ``model.parameters()`` too), naming runtime.clip_grad_norm_,
+    before any gradient changes."""
+    for per_rank in world4:
+        clip = per_rank["layers"]["torch clip"]
+        assert clip["list"].startswith("ArgumentError: torch.nn.utils.clip_grad_norm_ reached FSDP's chunk of a "
+                                       "tensor-parallel shard (model.") and \
+            "fxparallel.runtime.clip_grad_norm_(model, max_norm, mesh)" in clip["list"], clip
+        assert "fxparallel.runtime.clip_grad_norm_" in clip["parameters()"], clip
+        assert clip["grads kept"] == 0.0, clip
 
 
 def test_generate_under_fsdp_gives_transformers_tokens(world4, world2, references):

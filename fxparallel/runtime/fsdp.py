@@ -87,6 +87,7 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ..dtensor_parameters import dtensor_views
+    from ..shard_parameter import guard_fsdp_parameters
     from .experts_over_dp import check_experts_mesh, sum_expert_gradients
     from .train import check_context_parallel
 
@@ -120,6 +121,7 @@ def apply_data_parallel(model, mesh, *, mode: str = "shard", mixed_precision: Op
         # SUM over dp x cp: the loss is already divided by the global token count (runtime/loss_normalization.py).
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # no PREMUL_SUM (gloo lacks it; factor 1 needs no scaling)
+    guard_fsdp_parameters(model)  # torch's clip_grad_norm_ / GradScaler over a list of them: refused at tp > 1
     forward_group = mesh.dp_cp_mesh.get_group() if mode == "shard" and mesh.dp_cp_size > 1 else None
     model._fxparallel_data_parallel = DataParallelInfo(mode, param_dtype, len(units) + 1, forward_group)
     return model
