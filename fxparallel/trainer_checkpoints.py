@@ -115,8 +115,7 @@ def _optimizer_states(model, optimizer) -> dict:
     whole tensor)."""
     from torch.distributed.tensor import DTensor
 
-    from .dcp_state import describe
-    from .runtime.dtensor import fsdp_rows
+    from .dcp_state import describe, fsdp_rows_of
     from .runtime.fsdp import is_data_parallel, reshard
 
     fsdp = is_data_parallel(model)
@@ -130,7 +129,7 @@ def _optimizer_states(model, optimizer) -> dict:
         plan, entry = model.plan.param(name), {}
         for key, value in optimizer.state[param].items():
             if isinstance(value, DTensor) and value.shape == param.shape:
-                rows = fsdp_rows(value, value.shape[0]) if fsdp else None  # FSDP's chunk of the tp shard
+                rows = fsdp_rows_of(value) if fsdp else None  # FSDP's chunk of the tp shard (else a tp view's)
                 value = value.to_local().detach()
                 if plan.placement.is_shard or rows is not None:
                     describe(value, plan, group.rank, group.size, rows=rows)

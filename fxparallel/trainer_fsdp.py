@@ -3,13 +3,15 @@ as transformers' own models sharded at load time with FSDP2 (``DistributedConfig
 
 From Trainer's first read of ``model.tp_size`` (``dtensor_parameters.use_dtensor_parameters``):
 
-- the model reports ``config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=dp)``, so Trainer leaves
-  it unwrapped, splits the data over dp only and builds its optimizer on FSDP's sharded parameters; between the
-  micro-batches of gradient accumulation accelerate enters ``model.no_sync()``, which holds FSDP's reduction back
-  (``deferred_reduction``);
+- the model reports ``config.distributed_config = DistributedConfig(tp_size=tp, fsdp_size=dp_shard,
+  dp_replicate_size=dp // dp_shard)``, so Trainer leaves it unwrapped, splits the data over dp only and builds its
+  optimizer on FSDP's sharded parameters; between the micro-batches of gradient accumulation Trainer holds FSDP's
+  reduction back itself (HSDP's all-reduce alone where there are replicas), and accelerate's own loop enters
+  ``model.no_sync()`` (``deferred_reduction``);
 - Trainer multiplies the loss by the dp size (its convention for a model whose data parallelism averages), so FSDP's
-  reduced gradients are now divided by the dp size (``_averaging``), as FSDP2's default averages. ``apply_data_parallel`` had it sum, for
-  ``runtime.train_step``, whose loss is divided by the global token count: ``train_step`` refuses such a model;
+  reduced gradients are now divided by the dp size (``_averaging``), as FSDP2's default averages.
+  ``apply_data_parallel`` had them summed, for ``runtime.train_step``, whose loss is divided by the global token
+  count: ``train_step`` refuses such a model;
 - clipping: FSDP's DTensors span the dp ranks only, each holding chunks of this rank's tp shard, so torch's
   ``clip_grad_norm_`` over them would sum squares over dp alone: each tp rank its own norm, the replicated weights
   drifting apart. Iterated by a clipping function (accelerate's ``clip_grad_norm_``, torch's), the model answers a
@@ -32,7 +34,7 @@ import torch
 from .callers import functions_on_stack
 
 CLIPPERS = (("torch.nn.utils.clip_grad", None), ("accelerate.accelerator", "clip_grad_norm_"))
-MARK = "_fsdp_under_trainer"  # model.__dict__: the (dp, tp) DeviceMesh of the clipping views, once in the mode
+MARK = "_fsdp_under_trainer"  # model.__dict__: the DeviceMesh of the clipping views, once in the mode
 
 
 def enter(model, mesh, who: str, instead: str) -> None:
@@ -110,8 +112,7 @@ def _clipping() -> bool:
 
 def clip_views(model) -> Optional[dict]:
     """{id(FSDP parameter): its view over the (dp, tp) mesh (HSDP's: (dp_replicate, dp_shard, tp)), its gradient
-    included} while a clipping function
-    iterates the parameters of a model in the mode; else None."""
+    included} while a clipping function iterates the parameters of a model in the mode; else None."""
     mesh = model.__dict__.get(MARK)
     if mesh is None or not _clipping():
         return None

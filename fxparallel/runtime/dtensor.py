@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..load.expert_runs import tp_shard_of_runs
+from ..load.expert_runs import pieces_in_rows, tp_shard_of_runs
 from ..plan.layout import chunked
 from ..ops.collectives import gather_full, gather_parts
 
@@ -153,16 +153,13 @@ def _row_pieces(tensor: DTensor, plan_param, mesh) -> dict:
                          f"[{start}, {stop}) of the tp shard were expected")
     views, segment_start = {}, 0
     pieces = plan_param.pieces(mesh.tp_rank, mesh.tp)  # one per segment, in order
-    for i, (segment, (src, dst)) in enumerate(zip(plan_param.placement.segments, pieces)):
+    for i, (segment, piece) in enumerate(zip(plan_param.placement.segments, pieces)):
         shape = torch.Size([segment, *plan_param.shape[1:]])
-        first, last = max(dst[0].start, start), min(dst[0].stop, stop)
-        described = []
-        if first < last:
-            view = local[first - start:last - start]
-            offsets = torch.Size([src[0].start - segment_start + first - dst[0].start] + [0] * (len(shape) - 1))
-            described.append((offsets, torch.Size([last - first, *shape[1:]]), view))
-        else:
-            view = local[:0]
+        described, view = [], local[:0]
+        for src, dst in pieces_in_rows([piece], start, stop):  # its rows in the chunk, at most one piece
+            view = local[dst]
+            offsets = torch.Size([src[0].start - segment_start] + [0] * (len(shape) - 1))
+            described.append((offsets, torch.Size([src[0].stop - src[0].start, *shape[1:]]), view))
         describe_pieces(view, described, shape)
         views[i] = view
         segment_start += segment
