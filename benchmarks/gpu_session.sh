@@ -58,7 +58,7 @@ session() {
     echo "== $name: exit $rc after $((SECONDS - start)) s"
     [ "$rc" = 0 ] || failed+=("$name")
   }
-  stage tests 240 python3 -m pytest -q -m gpu tests/test_cuda.py tests/test_cuda_tp2.py -p no:cacheprovider
+  stage tests 240 python3 -m pytest -q -n 0 -m gpu tests/test_cuda.py tests/test_cuda_tp2.py -p no:cacheprovider
   stage generate-fp32 130 "${run1[@]}" benchmarks/generate.py --device cuda --systems cuda --repeats 3 \
     --out "$out/generate_tp1.json"
   stage generate-bf16 140 "${run1[@]}" benchmarks/generate.py --device cuda --repeats 3 --dtype bfloat16 \

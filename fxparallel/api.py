@@ -39,6 +39,7 @@ from .capture.generation_inputs import inputs_beyond_tokens
 from .capture.static_cache import keeps_states
 from . import graph_cache
 from .graph_cache import PlannedGraph, graph_key
+from .graph_cache.first_rank import planned_for_group
 from .errors import GroupError, ShardingError
 from .group import TPGroup, choose_device, fake_group, resolve_group, resolve_tp_group, shared_devices, uses_nccl
 from .load import (initialize, load_from_files, load_from_state_dict, resolve_checkpoint,
@@ -93,20 +94,14 @@ def capture_model(meta_model, spec: GraphSpec):
 
 
 def plan_graph(meta_model, spec: GraphSpec, group: TPGroup, device, options: PlanOptions = PlanOptions(),
-               captured=None, derived=None) -> PassContext:
+               captured=None) -> PassContext:
     """Capture ``spec`` (what the graph computes: capture/spec.py), solve and rewrite it with ``options``
     (plan/options.py); returns the context after every pass (rewrite/passes.py). The seconds of each stage
     are in ``ctx.timings`` (capture, solve, rewrite).
-    ``captured``: a graph captured (or derived) before, planned instead of capturing.
-    ``derived``: a dict that gets the graph without labels derived from this capture
-    (``capture/derive.py``), by its spec, before the passes rewrite the capture."""
+    ``captured``: a graph captured (or derived) before, planned instead of capturing (a callable: gives it)."""
     t = time.perf_counter()
-    if captured is None or callable(captured):  # (a callable: gives a capture shared with another plan's)
-        captured = captured() if captured is not None else capture_model(meta_model, spec)
-        if derived is not None:
-            without = without_labels(captured)
-            if without is not None:
-                derived[spec.without_labels()] = without
+    captured = captured() if callable(captured) else captured if captured is not None else \
+        capture_model(meta_model, spec)
     timings = {"capture": time.perf_counter() - t}
     options = options.for_cache(spec.cache_length)
     if options.cp is not None:
@@ -185,15 +180,40 @@ def _meta_model(source, tp: int, dtype, trust_remote_code: bool):
     return meta
 
 
+class OneCapture:
+    """One capture of ``spec`` for any number of plans of it (``captured``: a graph, or a callable giving it, planned
+    instead of a capture). ``derived``: a dict that gets the graph without labels derived from a capture made here
+    (``capture/derive.py``), by its spec, before any plan rewrites it. Each plan gets a copy (``copy``), the last
+    the graph itself."""
+
+    def __init__(self, meta, spec: GraphSpec, captured=None, derived=None):
+        self.meta, self.spec, self.given, self.derived, self.graph = meta, spec, captured, derived, None
+
+    def __call__(self, copy: bool):
+        if self.graph is None:
+            made = self.given is None or callable(self.given)
+            self.graph = self.given() if callable(self.given) else self.given if self.given is not None else \
+                capture_model(self.meta, self.spec)
+            if made and self.derived is not None:
+                without = without_labels(self.graph)
+                if without is not None:
+                    self.derived[self.spec.without_labels()] = without
+        return self.graph.copy() if copy else self.graph
+
+
 def planned_graph(meta, spec: GraphSpec, group: TPGroup, device, dtype, options: PlanOptions = PlanOptions(), *,
                   report: bool = False, captured=None, derived=None) -> PlannedGraph:
     """``plan_graph`` and what the module keeps of it, from the graph cache when this exact graph was
-    planned before (``graph_cache``: same model, rank, spec, options and versions).
-    ``report``: also the ShardingPlan (the training graph's). ``captured`` / ``derived``: as
-    ``plan_graph`` takes them (neither is part of the key: a derived graph is the one a capture
-    of its spec gives)."""
-    def build() -> PlannedGraph:
-        ctx = plan_graph(meta, spec, group, device, options, captured=captured, derived=derived)
+    planned before (``graph_cache``: same model, rank, spec, options and versions), or from group rank 0
+    (``graph_cache/first_rank.py``). ``report``: also the ShardingPlan (the training graph's).
+    ``captured`` / ``derived``: as ``OneCapture`` takes them (neither is part of the key: a derived graph
+    is the one a capture of its spec gives)."""
+    one = OneCapture(meta, spec, captured, derived)
+
+    def build(rank: int, on: torch.device) -> PlannedGraph:  # rank: this one's (planned last) or another's
+        mine = rank == group.rank
+        ctx = plan_graph(meta, spec, group if mine else dataclasses.replace(group, rank=rank), on, options,
+                         captured=lambda: one(copy=not mine))
         plan = None
         if report:
             asymmetric = check_layer_symmetry(ctx.gplan.params)
@@ -202,8 +222,8 @@ def planned_graph(meta, spec: GraphSpec, group: TPGroup, device, dtype, options:
             plan = build_plan(meta, ctx, dtype, tokens=EXAMPLE_BATCH * EXAMPLE_SEQ)
         return PlannedGraph(local_graph(ctx, spec), dict(ctx.gplan.params), plan, timings=ctx.timings)
 
-    planned = graph_cache.cached(graph_key(meta, spec, group, device, dtype, options, report), build)
-    return _with_experts_line(planned, meta, options.experts_why)
+    key = graph_key(meta, spec, group, device, dtype, options, report)
+    return _with_experts_line(planned_for_group(key, group, device, build), meta, options.experts_why)
 
 
 def _with_experts_line(planned: PlannedGraph, meta, why: str) -> PlannedGraph:

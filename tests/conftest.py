@@ -23,6 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # planned graphs are reused across the session's tests (and its spawned ranks), never across sessions
 os.environ.setdefault("FXPARALLEL_GRAPH_CACHE", tempfile.mkdtemp(prefix="fxparallel-graphs-"))
+# group rank 0 plans for its peers (graph_cache/first_rank.py): the suite's ranks share two cores, and capture is most
+# of their work; test_first_rank_planning and test_graph_cache compare it with every rank planning alone
+os.environ.setdefault("FXPARALLEL_PLANNING", "first")
 
 
 @pytest.fixture(scope="session")

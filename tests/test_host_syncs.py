@@ -74,6 +74,9 @@ def _steps(rank, world, path):
     unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
     # generate: a decode step's one read is the stopping check (on CUDA read one step late, from a copy)
     decoding = {}
+    # planned first (under FXPARALLEL_PLANNING=first a rank reads the graphs rank 0 sent it once): counted, the calls
+    # whose graphs exist
+    model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
     for new_tokens in (4, 8):
         counts = []
         with counting_host_syncs(counts):

@@ -32,6 +32,9 @@ def _one_rank(rank, world, path, save_dir):
     import fxparallel
     from models import reference
 
+    # every rank plans alone: a cast on one rank (below) then plans there alone, and the next call names it (under
+    # FXPARALLEL_PLANNING=first the cast itself waits for its peers: test_first_rank_planning.py)
+    os.environ["FXPARALLEL_PLANNING"] = "each"
     # transformers' warnings (its logger; warning_once: the first use in this process is the one that logs)
     hf_logging.set_verbosity_warning()
     records = []

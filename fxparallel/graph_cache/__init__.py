@@ -1,12 +1,13 @@
 """Planned graphs reused across calls and launches: capture, solve and rewrite run once per key
 (``key.py``: model config and class, dtype, tp/cp rank and size, arguments, example shape, fixed
 placements, options, and the versions of python, torch, transformers and fxparallel's source).
-``codec.py`` turns a planned graph into JSON data and back, ``store.py`` keeps it on disk."""
+``codec.py`` turns a planned graph into JSON data and back, ``store.py`` keeps it on disk, ``first_rank.py`` has
+group rank 0 plan every rank's graph and send it as that data (``FXPARALLEL_PLANNING=first``)."""
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Optional
 
 from . import store
 from .codec import PlannedGraph, Uncacheable, decode, encode
@@ -14,9 +15,10 @@ from .key import digest, graph_key
 
 log = logging.getLogger("fxparallel")
 
-__all__ = ["PlannedGraph", "cached", "graph_key", "stats"]
+__all__ = ["PlannedGraph", "graph_key", "keep", "lookup", "stats"]
 
-stats = {"hits": 0, "misses": 0, "uncacheable": 0}  # this process's lookups (tests and benchmarks read it)
+stats = {"hits": 0, "misses": 0, "uncacheable": 0, "received": 0}  # this process's lookups (tests and benchmarks
+# read it); received: planned on group rank 0 (first_rank.py)
 
 
 class _Recorder(logging.Handler):
@@ -28,7 +30,7 @@ class _Recorder(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _build_recording_warnings(build) -> PlannedGraph:
+def build_recording_warnings(build) -> PlannedGraph:
     recorder = _Recorder()
     log.addHandler(recorder)
     try:
@@ -39,32 +41,47 @@ def _build_recording_warnings(build) -> PlannedGraph:
     return planned
 
 
-def cached(key: dict, build: Callable[[], PlannedGraph]) -> PlannedGraph:
-    """The planned graph of ``key`` from the cache, else ``build()`` (and stored). ``key`` None: built."""
+def lookup(key: Optional[dict]) -> Optional[PlannedGraph]:
+    """The planned graph stored for ``key`` (its warnings logged again), or None: no key, no cache, no entry, or one
+    that does not load (rebuilt by the caller)."""
     if key is None or store.cache_dir() is None:
-        stats["uncacheable" if key is None else "misses"] += 1
-        return build()
+        return None
     t = time.perf_counter()
     name = digest(key)
     entry = store.read(name, key)
-    if entry is not None:
-        try:
-            planned = decode(entry)
-        except Exception as err:  # noqa: BLE001 - a bad entry is rebuilt, never trusted
-            log.warning("graph cache: entry %s does not load (%s: %s); rebuilding it", name, type(err).__name__, err)
-        else:
-            planned.timings = {"graph cache": time.perf_counter() - t}
-            stats["hits"] += 1
-            for message in planned.warnings:
-                log.warning("%s", message)
-            return planned
-    planned = _build_recording_warnings(build)
+    if entry is None:
+        return None
     try:
-        entry = encode(planned)
+        planned = decode(entry)
+    except Exception as err:  # noqa: BLE001 - a bad entry is rebuilt, never trusted
+        log.warning("graph cache: entry %s does not load (%s: %s); rebuilding it", name, type(err).__name__, err)
+        return None
+    planned.timings = {"graph cache": time.perf_counter() - t}
+    stats["hits"] += 1
+    return said_again(planned)
+
+
+def said_again(planned: PlannedGraph) -> PlannedGraph:
+    """``planned``, its planning's warnings logged again (a graph planned before, or on another rank)."""
+    for message in planned.warnings:
+        log.warning("%s", message)
+    return planned
+
+
+def keep(key: Optional[dict], planned: PlannedGraph, entry: Optional[dict] = None, counted: str = "misses") -> None:
+    """Store ``planned`` (or its ``entry``, already encoded) for ``key``, counted in ``stats[counted]``; one that cannot
+    be written as data is counted uncacheable and not stored."""
+    if key is None:
+        stats["uncacheable"] += 1
+        return
+    if store.cache_dir() is None:
+        stats[counted] += 1
+        return
+    try:
+        entry = entry if entry is not None else encode(planned)
     except Uncacheable as why:
         stats["uncacheable"] += 1
         log.debug("graph cache: not stored: %s", why)
-        return planned
-    stats["misses"] += 1
-    store.write(name, key, entry)
-    return planned
+        return
+    stats[counted] += 1
+    store.write(digest(key), key, entry)
