@@ -11,6 +11,10 @@ Systems, interleaved round by round so that other load hits all alike:
 - ``fxparallel cached``: the same call once the cold run filled the cache (fxparallel/graph_cache).
 - ``fxparallel saved plan``: ``parallelize(..., plan=path)`` with the cache off (capture and rewrite,
   the solver without search).
+- ``fxparallel cold, rank 0 plans``: as cold (its own empty cache), with ``FXPARALLEL_PLANNING=first``: group
+  rank 0 captures once and plans every rank's graph (fxparallel/graph_cache/first_rank.py).
+
+``--systems`` runs some of them (e.g. the two cold ones at TP=4 on 2 cores, where ranks outnumber the cores).
 
 Per rank: seconds to ready (the call returns), to the first loss (``model(input_ids, labels)``, batch 2 x 128 tokens) and to the
 first logits (``model(input_ids)``, a second graph for fxparallel, cut from the training capture), fxparallel's stages
@@ -32,7 +36,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-SYSTEMS = ("transformers", "fxparallel cold", "fxparallel cached", "fxparallel saved plan")
+SYSTEMS = ("transformers", "fxparallel cold", "fxparallel cached", "fxparallel saved plan", "fxparallel cold, rank 0 plans")
+FIRST_RANK = "fxparallel cold, rank 0 plans"
 STAGES = ("setup", "capture", "solve", "rewrite", "graph cache", "load")
 MiB = 2**20
 
@@ -79,7 +84,7 @@ def run_rank(args) -> None:
     reset_peak()
     before = status("VmRSS")
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if args.system == "transformers":
         model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=world),
                                                      dtype=torch.float32)
@@ -94,6 +99,7 @@ def run_rank(args) -> None:
         first_loss = time.perf_counter() - t0
         model(input_ids=ids)
         first_logits = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0  # this rank's CPU seconds to the first logits
     peak = status("VmHWM") - before
     # then training: two steps of forward + backward + AdamW (the second with the optimizer's states)
     graphs = len(model.graphs()) if args.system != "transformers" else 0
@@ -116,7 +122,7 @@ def run_rank(args) -> None:
     if args.system != "transformers" and args.save_plan and rank == 0:
         model.plan.save(args.save_plan)
     row = dict(system=args.system, rank=rank, tp=world, import_s=imported, ready_s=ready, first_loss_s=first_loss,
-               first_logits_s=first_logits, peak_added=peak, train_s=train_s, peak_train_added=peak_train,
+               first_logits_s=first_logits, cpu_s=cpu, peak_added=peak, train_s=train_s, peak_train_added=peak_train,
                captured_in_training=captured_in_training, batch1_s=batch1_s, stages=stages,
                load=os.getloadavg()[0])
     rows = everyone(row)
@@ -130,7 +136,8 @@ def run_rank(args) -> None:
 def launch(args, system: str, checkpoint: str, cache: str, plan: str, save_plan: bool) -> list:
     out = tempfile.mktemp(suffix=".json")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore",
-               FXPARALLEL_GRAPH_CACHE="off" if system == "fxparallel saved plan" else cache)
+               FXPARALLEL_GRAPH_CACHE="off" if system == "fxparallel saved plan" else cache,
+               FXPARALLEL_PLANNING="first" if system == FIRST_RANK else "each")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, f"--nproc_per_node={args.tp}", os.path.abspath(__file__), "--rank-of", system,
            "--checkpoint", checkpoint, "--out", out, "--plan", plan] + (["--save-plan", plan] if save_plan else [])
@@ -154,10 +161,11 @@ def run_all(args) -> dict:
         plan = os.path.join(args.root, f"plan-{layers}-tp{args.tp}.json")
         for round_ in range(args.repeats):
             cache = tempfile.mkdtemp(prefix="fxparallel-graphs-")
-            for system in SYSTEMS:
+            for system in args.systems:
                 if system == "fxparallel saved plan" and not os.path.exists(plan):
                     continue  # the cold run of this round writes it
-                rows = launch(args, system, checkpoint, cache, plan, save_plan=system == "fxparallel cold")
+                rows = launch(args, system, checkpoint, tempfile.mkdtemp(prefix="fxparallel-graphs-")
+                              if system == FIRST_RANK else cache, plan, save_plan=system == "fxparallel cold")
                 results["runs"].append(dict(layers=layers, checkpoint_mb=size / 1e6, round=round_, system=system,
                                             ranks=rows))
                 slow = max(rows, key=lambda r: r["first_logits_s"])
@@ -179,7 +187,7 @@ def render(results: dict) -> str:
     lines = [f"TP={results['tp']}, fp32 Llama (hidden 1024, 16 heads / 8 kv, MLP 2048, vocabulary 16000), "
              "each launch a fresh torchrun job; slowest rank, median over rounds.", "",
              "| layers | checkpoint MB | system | ready s | first loss s | first logits s | vs transformers "
-             "| peak added MiB/rank | rounds | load avg |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| CPU s, all ranks | peak added MiB/rank | rounds | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     layers = sorted({r["layers"] for r in results["runs"]})
     for n in layers:
         by_system = {s: [r for r in results["runs"] if r["layers"] == n and r["system"] == s] for s in SYSTEMS}
@@ -190,8 +198,11 @@ def render(results: dict) -> str:
             logits = _median(runs, "first_logits_s")
             ratio = f"{logits / base:.2f}x" if base else "-"
             loads = "/".join(f"{max(r['load'] for r in run['ranks']):.1f}" for run in runs)
+            cpu = statistics.median(sum(r["cpu_s"] for r in run["ranks"]) for run in runs) \
+                if all("cpu_s" in r for run in runs for r in run["ranks"]) else None
             lines.append(f"| {n} | {runs[0]['checkpoint_mb']:.0f} | {system} | {_median(runs, 'ready_s'):.2f} | "
                          f"{_median(runs, 'first_loss_s'):.2f} | {logits:.2f} | {ratio} | "
+                         f"{'-' if cpu is None else f'{cpu:.1f}'} | "
                          f"{statistics.median(max(r['peak_added'] for r in run['ranks']) for run in runs) / MiB:.0f} | "
                          f"{len(runs)} | {loads} |")
     lines += ["", "Then training and a new shape, in the same launch: two steps of forward + backward + AdamW "
@@ -236,6 +247,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--layers", type=int, nargs="+", default=[8])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS[:4]), choices=SYSTEMS,
+                        help=f"which to launch (default: all but {FIRST_RANK!r})")
     parser.add_argument("--root", default="/tmp/fxparallel-bench/startup", help="where checkpoints are built")
     parser.add_argument("--json", default=None, help="write every launch's per-rank results here (runs of other "
                         "depths already there are kept)")
