@@ -11,7 +11,8 @@
 What a graph computes is one ``GraphSpec`` (capture/spec.py), how it is planned one ``PlanOptions``
 (plan/options.py); ``GraphFactory`` plans a spec for the module, which holds its graphs in a ``GraphSet``.
 Capture, solve, rewrite and report run once per graph key: ``planned_graph`` reads a graph planned
-before (this launch or an earlier one) from the graph cache (``graph_cache/``). A saved plan
+before (this launch or an earlier one) from the graph cache (``graph_cache/``), or, under
+``FXPARALLEL_PLANNING=first``, receives it from group rank 0 (``graph_cache/first_rank.py``). A saved plan
 (``plan=``) fixes every parameter's placement before the solve (``plan/saved.py``).
 Timings of each stage are kept on the returned module (``model.timings``).
 """
@@ -37,7 +38,6 @@ from .capture.repeat_layers import capture_layers_once
 from .capture.spec import EXAMPLE_BATCH, EXAMPLE_SEQ, GraphSpec
 from .capture.generation_inputs import inputs_beyond_tokens
 from .capture.static_cache import keeps_states
-from . import graph_cache
 from .graph_cache import PlannedGraph, graph_key
 from .graph_cache.first_rank import planned_for_group
 from .errors import GroupError, ShardingError

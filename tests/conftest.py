@@ -41,3 +41,16 @@ def checkpoints(tmp_path_factory):
         "qwen3-tied": save_checkpoint(tiny_config("qwen3", tie_word_embeddings=True), str(root / "qwen3-tied")),
         "llama-sharded": save_checkpoint(tiny_config("llama"), str(root / "llama-sharded"), max_shard_size="20KB"),
     }
+
+
+# the slowest files first (seconds in a clean-clone run of 2026-12-01): the two workers (pyproject's -n 2 --dist
+# loadfile) take whole files in collection order, and a long file taken last leaves one worker running alone at the end
+SLOW_FIRST = ("test_experts_over_dp.py", "test_coverage.py", "test_router_logits.py", "test_generate_recurrent.py",
+              "test_lora.py", "test_trainer_stack.py", "test_expert_parallel.py", "test_generation.py",
+              "test_trainer_data_parallel.py", "test_generate_without_cache.py", "test_fsdp_units.py",
+              "test_fused_checkpoint.py", "test_hf_methods.py")
+
+
+def pytest_collection_modifyitems(items):
+    order = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(SLOW_FIRST)))  # stable: each file's own order kept
