@@ -36,8 +36,8 @@ class Fault:
 
 FAULTS = (
     Fault("load_checkpoint restores no optimizer state", "fxparallel/runtime/checkpoint.py",
-          "state = state_dict_views(model, optimizer, mesh, with_optimizer)",
-          "state = state_dict_views(model, optimizer, mesh, False)",
+          "        init_optimizer_state(model, optimizer)\n    state = state_dict_views(model, optimizer, mesh, with_optimizer)",
+          "        init_optimizer_state(model, optimizer)\n    state = state_dict_views(model, optimizer, mesh, False)",
           ("tests/test_runtime.py", "-k", "checkpoint_loads or resume_gives")),
     # each reduced-precision case alone must catch it (its bounds are relative to the values)
     Fault("copy_to_tp's backward all-reduce dropped (bfloat16)", "fxparallel/ops/collectives.py",
@@ -47,7 +47,7 @@ FAULTS = (
           '_CopyToTP = _gradient_only(_all_reduce, "_CopyToTP")', '_CopyToTP = _gradient_only(lambda grad, *args: grad, "_CopyToTP")',
           ("tests/test_reduced_precision.py", "-k", "float16 and not bfloat16")),
     Fault("each rank loads its neighbour's shard", "fxparallel/load/weights.py",
-          "    return p.pieces(rank, tp)", "    return p.pieces((rank + 1) % tp, tp)", ("tests/test_loader.py",)),
+          "    pieces = p.pieces(rank, tp)", "    pieces = p.pieces((rank + 1) % tp, tp)", ("tests/test_loader.py",)),
     Fault("an uneven split off by one", "fxparallel/plan/placement.py",
           "            pieces.append((start, start + sizes[rank]))",
           "            pieces.append((start + bool(split and rank), start + sizes[rank] + bool(split and rank)))",
