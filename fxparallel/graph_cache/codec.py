@@ -61,10 +61,15 @@ _PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 def _allowed(module: str, qualname: str, roots=ALLOWED_MODULES) -> bool:
     names = str(module).split(".") + (str(qualname).split(".") if qualname else [])
     return (any(module == r or str(module).startswith(r + ".") for r in roots)
-            and all(_PLAIN.fullmatch(n) and not n.startswith("__") for n in names))
+            and all(plain_name(n) for n in names))
 
 
-def _resolve(module: str, qualname: str, roots=ALLOWED_MODULES):
+def plain_name(name: str) -> bool:
+    """An identifier that is not a dunder name (``__class__``, ``__globals__``): safe to look up or set by name."""
+    return bool(_PLAIN.fullmatch(name)) and not name.startswith("__")
+
+
+def resolve(module: str, qualname: str, roots=ALLOWED_MODULES):
     if not _allowed(module, qualname, roots):
         raise ValueError(f"{module}.{qualname} is not on the graph cache's allow-list ({', '.join(roots)})")
     obj = importlib.import_module(module)
@@ -87,7 +92,7 @@ def _name_of(name: str, value):
     module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
     if module and qualname and "<" not in qualname and _allowed(module, qualname):
         try:
-            if _resolve(module, qualname) is value:
+            if resolve(module, qualname) is value:
                 return ["object", module, qualname]
         except (ImportError, AttributeError):
             pass
@@ -105,7 +110,7 @@ def _value_of(ref: list):
     if kind == "float":
         return float(ref[1])  # repr of a float, inf and nan included
     if kind == "object":
-        return _resolve(ref[1], ref[2])
+        return resolve(ref[1], ref[2])
     if kind == "builtin":
         if ref[1] not in ALLOWED_BUILTINS:
             raise ValueError(f"builtin {ref[1]} is not on the graph cache's allow-list {ALLOWED_BUILTINS}")
@@ -155,7 +160,7 @@ def _decode_expr(d):
     if kind == "rational":
         return sympy.Rational(d[1], d[2])
     if kind == "call":
-        return _resolve(d[1], d[2], GUARD_MODULES)(*[_decode_expr(a) for a in d[3]])
+        return resolve(d[1], d[2], GUARD_MODULES)(*[_decode_expr(a) for a in d[3]])
     raise ValueError(f"unknown expression kind {kind!r}")
 
 

@@ -18,8 +18,6 @@ broadcast), not through the store, which any process that reaches its port can w
 """
 from __future__ import annotations
 
-import builtins
-import importlib
 import json
 import logging
 import os
@@ -33,7 +31,7 @@ import torch.distributed as dist
 from ..errors import ArgumentError
 from ..load.coordinate import exchange, heartbeat
 from . import build_recording_warnings, keep, lookup, said_again
-from .codec import PlannedGraph, Uncacheable, decode, encode
+from .codec import PlannedGraph, Uncacheable, decode, encode, plain_name, resolve
 from .key import digest
 
 log = logging.getLogger("fxparallel")
@@ -82,7 +80,7 @@ def planned_for_group(key: Optional[dict], group, device: torch.device,
 
 def _plan_for_every_rank(key, group, device, devices, build, mine) -> PlannedGraph:
     t = time.perf_counter()
-    planned, entries, error = None, None, None
+    planned, entries, error, raised = None, None, None, None
     done = threading.Event()
     beats = threading.Thread(target=_beat, args=(heartbeat(group.process_group), done), daemon=True)
     beats.start()
@@ -102,7 +100,7 @@ def _plan_for_every_rank(key, group, device, devices, build, mine) -> PlannedGra
     payload = json.dumps(entries).encode() if entries is not None else None
     exchange(group.process_group, error or {"bytes": len(payload)}, "receiving the graphs rank 0 planned",
              step="graph planning verdict")
-    if error is not None and "error" in error:
+    if raised is not None:
         raise raised
     if entries is not None:
         _broadcast(payload, group, device)
@@ -166,8 +164,9 @@ _ERROR_MODULES = ("fxparallel", "builtins")
 
 
 def _jsonable(value) -> bool:
+    """Can ``value`` cross an exchange (coordinate._encode's JSON: no NaN or infinity)?"""
     try:
-        json.dumps(value)
+        json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):
         return False
     return True
@@ -177,19 +176,15 @@ def _error_record(err: Exception) -> dict:
     cls = type(err)
     return {"module": cls.__module__, "qualname": cls.__qualname__, "message": str(err),
             "args": list(err.args) if _jsonable(list(err.args)) else None,
-            "attributes": {k: v for k, v in vars(err).items() if _jsonable(v)}}
+            "attributes": {k: v for k, v in vars(err).items() if plain_name(k) and _jsonable(v)}}
 
 
 def _error_class(module: str, qualname: str):
     """The exception class named, where it is one of fxparallel's or a builtin one (control flow catches them:
     ``CacheNotCarried``, ``PromptLengthFixed``), else None."""
-    if not any(module == m or module.startswith(m + ".") for m in _ERROR_MODULES) or "<" in qualname:
-        return None
     try:
-        obj = builtins if module == "builtins" else importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError):
+        obj = resolve(module, qualname, _ERROR_MODULES)
+    except (ValueError, ImportError, AttributeError):
         return None
     return obj if isinstance(obj, type) and issubclass(obj, Exception) else None
 
@@ -203,7 +198,8 @@ def _error_from(record: dict) -> Exception:
         err = cls.__new__(cls)
         err.args = tuple(record["args"])
         for name, value in (record.get("attributes") or {}).items():
-            setattr(err, name, value)
+            if plain_name(str(name)):  # (the record crossed the store: plain names only)
+                setattr(err, name, value)
     err.add_note("raised on rank 0 of the tensor-parallel group, which plans the graphs of every rank "
                  f"({ENV}=first)")
     return err
