@@ -69,14 +69,23 @@ def use_dtensor_parameters(model, user: tuple = TRAINER) -> None:
 
     who, instead = user
     group = model.tp_group
-    if model.cp_group is not None:  # (Trainer would give the cp ranks whole sequences)
+    if model.cp_group is not None and user is not TRAINER:  # (Trainer's context parallelism: trainer_context_parallel.py)
         raise DTensorParametersError(f"{who} with context parallelism (cp_group) is not supported: {instead}")
     if getattr(model, "expert_runs", None):  # (the dp ranks of an ep group hold other experts: no view states that)
         raise DTensorParametersError(f"{who} with experts over data-parallel ranks (ep_group) is not supported: "
                                      f"{instead}")
     from .runtime.fsdp import is_data_parallel
 
+    if model.cp_group is not None:  # Trainer's context-parallel steps (trainer_context_parallel.py)
+        from .trainer_context_parallel import enter_trainer
+
+        enter_trainer(model)
     if user is TRAINER and is_data_parallel(model):
+        if model.cp_group is not None:
+            raise DTensorParametersError(
+                f"{who} with context parallelism on a model under fxparallel's FSDP (apply_data_parallel) is not "
+                "supported: hand Trainer the model without apply_data_parallel (its dp and cp ranks then keep whole "
+                f"tp shards and average their gradients), or {instead}")
         from .trainer_fsdp import enter
 
         enter(model, view_mesh(model, who), who, instead)  # fxparallel's FSDP in Trainer's hands: trainer_fsdp.py
@@ -111,8 +120,9 @@ def use_dtensor_parameters(model, user: tuple = TRAINER) -> None:
     model.__dict__["_dtensor_views"] = views
     model.__dict__["_dtensor_data_parallel"] = dp
     if group.size > 1 or dp is not None:  # transformers' record of a sharded model, which Trainer and accelerate read
+        # (the data-parallel size without cp: Trainer adds ParallelismConfig's cp_size to it)
         model.config.distributed_config = DistributedConfig(tp_size=group.size,
-                                                            dp_replicate_size=dp.size if dp else 1)
+                                                            dp_replicate_size=dp.size // model.cp_size if dp else 1)
 
 
 def views_for_clipping(model) -> dict:

@@ -177,7 +177,8 @@ class HuggingFaceMethods:
         from .runtime.fsdp import is_data_parallel
 
         size = self.tp_group.size
-        if size > 1 or is_data_parallel(self):  # (at tp 1 under fxparallel's FSDP: Trainer's FSDP2 model)
+        # (at tp 1 under fxparallel's FSDP: Trainer's FSDP2 model; with cp ranks: trainer_context_parallel.py)
+        if size > 1 or is_data_parallel(self) or self.cp_size > 1:
             use_dtensor_parameters(self)  # once; it also sets config.distributed_config
         return size
 

@@ -21,9 +21,11 @@ from transformers import PreTrainedModel
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import dcp_optimizer, fused_head, optimizer_checks, parallel_models, trainer_predictions
+from . import (dcp_optimizer, fused_head, optimizer_checks, parallel_models, trainer_context_parallel,
+               trainer_predictions)
 from .data_parallel_guard import RefusesDistributedDataParallel
 from .dcp_state import describe_state_dict
+from .dtensor_parameters import dtensor_views
 from .full_state_loading import shard_full_values
 from .adapter_methods import AdapterMethods
 from .capture.own_caches import padding_runs_through_states
@@ -366,6 +368,10 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
         # (shift_labels, TRL's, is read from the keywords: a parameter named like a label would make Trainer take it
         # for one of the model's label names, which every evaluation batch must then hold)
         shift_labels = unsupported.pop("shift_labels", None)
+        if self.cp_group is not None or trainer_context_parallel.cut_by_torch():  # Trainer's cp step, or ours
+            labels, shift_labels = trainer_context_parallel.step_labels(
+                self, labels, shift_labels, fused_lm_head, in_trainer=dtensor_views(self) is not None,
+                predicting=trainer_predictions.predicting(self.training, labels, gather_logits))
         if self.training and self.tp_group.size > 1:  # Trainer's token count, once per tp group (trainer_counts.py)
             follow_trainer_tokens(self.tp_group.size)
         if fused_lm_head or shift_labels is not None:
@@ -388,7 +394,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
                 raise TypeError("input_ids is required" if input_ids is None else
                                 f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
             logits_to_keep = self._logits_to_keep(logits_to_keep, labels)
-            check_items_in_batch(num_items_in_batch, labels, self.cp_group)
+            check_items_in_batch(num_items_in_batch, labels)
             cache = self._cache_for(past_key_values, use_cache, input_ids, attention_mask)
             args = {k: v for k, v in (("input_ids", input_ids), ("attention_mask", attention_mask),
                                       ("position_ids", position_ids), ("labels", labels)) if v is not None}
@@ -449,7 +455,7 @@ class ParallelCausalLM(RefusesDistributedDataParallel, AdapterMethods, HuggingFa
             # transformers normalizes the language-model loss by the items and adds the load-balancing term after
             aux = 0.0 if aux_loss is None else self.router_aux_loss_coef * aux_loss
             loss = loss_over_items(loss_without_aux(loss, aux_loss, self.router_aux_loss_coef), args["labels"],
-                                   num_items_in_batch) + aux
+                                   num_items_in_batch, shifted=self.cp_group is not None) + aux
         out = ParallelCausalLMOutput(loss=loss, logits=logits, local_logits=local_logits,
                                      vocab_range=vocab_range, aux_loss=aux_loss,
                                      router_logits=split_router_logits(results.get("router_logits"),

@@ -22,16 +22,19 @@ from .trainer_fsdp import deferred_reduction, under_trainer
 
 
 def view_mesh(model, who: str = "transformers.Trainer / accelerate"):
-    """The mesh of the views: the tp group's (1-D) when it spans the job; else the 2-D (dp, tp) mesh from the
+    """The mesh of the views: the tp group's (1-D) when it spans the job; else the 2-D (data, tp) mesh from the
     root of the DeviceMesh the model was parallelized over, checked to be laid out as accelerate lays out
-    ``ParallelismConfig(dp_shard_size=dp, tp_size=tp)`` (consecutive ranks form a tp group), so that Trainer's
-    data split and the model's groups agree. ``who``: what needs the views, for the refusals."""
+    ``ParallelismConfig(dp_shard_size=dp, cp_size=cp, tp_size=tp)`` (consecutive ranks form a tp group, then the
+    cp dim, then the data-parallel one), so that Trainer's data split, its context-parallel split and the model's
+    groups agree. With context parallelism the data dim of the views is dp x cp flattened: the cp ranks hold the
+    same weights, and their gradients are averaged with the dp ranks'. ``who``: what needs the views, for the
+    refusals."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from .dtensor_parameters import DTensorParametersError
     from .group import given_mesh
 
-    group = model.tp_group
+    group, cp_group = model.tp_group, model.cp_group
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == group.size:
         return DeviceMesh.from_group(group.process_group, model.device_.type)
@@ -45,21 +48,59 @@ def view_mesh(model, who: str = "transformers.Trainer / accelerate"):
             "ProcessGroup")
     root = tp_mesh._get_root_mesh()
     tp_name = tp_mesh.mesh_dim_names[0]
-    others = [(n, s) for n, s in zip(root.mesh_dim_names, root.mesh.shape) if n != tp_name and s > 1]
-    if root.mesh.numel() != world or len(others) != 1 or "cp" in others[0][0]:
+    sizes = dict(zip(root.mesh_dim_names, root.mesh.shape))
+    cp_name = _cp_dim(cp_group, root, who)
+    others = [(n, s) for n, s in sizes.items() if n not in (tp_name, cp_name) and s > 1]
+    if root.mesh.numel() != world or len(others) > 1 or (not others and cp_name is None):
         raise DTensorParametersError(
-            f"{who}: the DTensor views of the parallel model's parameters need a mesh of one data-parallel dim and "
-            f"the tp dim over the whole job ({world} ranks); the model's tp mesh {tp_name!r} belongs to a mesh of dims "
-            f"{dict(zip(root.mesh_dim_names, root.mesh.shape.tolist()))} over {root.mesh.numel()} ranks"
-            + (" (context parallelism through Trainer is not supported)" if any("cp" in n for n, _ in others) else ""))
-    (dp_name, dp), names = others[0], list(root.mesh_dim_names)
-    grid = root.mesh.movedim((names.index(dp_name), names.index(tp_name)), (0, 1)).reshape(dp, group.size).cpu()
-    if not torch.equal(grid, torch.arange(world).reshape(dp, group.size)):
+            f"{who}: the DTensor views of the parallel model's parameters need a mesh of one data-parallel dim"
+            f"{', the cp dim' if cp_name else ''} and the tp dim over the whole job ({world} ranks); the model's tp "
+            f"mesh {tp_name!r} belongs to a mesh of dims {sizes} over {root.mesh.numel()} ranks")
+    data = [others[0][0]] if others else []
+    order = data + ([cp_name] if cp_name else []) + [tp_name]
+    shape = [sizes[n] for n in order]
+    names = list(root.mesh_dim_names)
+    grid = root.mesh.movedim([names.index(n) for n in order], list(range(len(order)))).reshape(shape).cpu()
+    if not torch.equal(grid, torch.arange(world).reshape(shape)):
         raise DTensorParametersError(
             f"{who}: the DTensor views of the parallel model's parameters assume consecutive ranks form each tp "
-            f"group, as accelerate splits the data (ParallelismConfig(dp_shard_size={dp}, tp_size={group.size})), but the model's mesh groups ranks "
-            f"{grid.tolist()} (dp x tp): put the tp dim after the data-parallel one when building the mesh")
-    return root[(dp_name, tp_name)]
+            f"group{', then the cp dim,' if cp_name else ''} as accelerate splits the data "
+            f"(ParallelismConfig({', '.join(f'{n}_size={s}' for n, s in zip(order, shape))})), but the model's "
+            f"mesh groups ranks {grid.tolist()} ({' x '.join(order)}): put the tp dim last"
+            f"{' and the cp dim before it' if cp_name else ''} when building the mesh")
+    if len(order) == 3:  # the dp and cp ranks average their gradients together: one data dim of dp x cp ranks
+        return _data_by_tp(root.device_type, grid.reshape(-1, shape[-1]), (f"{order[0]}_{order[1]}", tp_name))
+    return root[tuple(order)]
+
+
+_MESHES = {}  # (device type, ranks, names) -> the 2-D DeviceMesh built for them (its groups made once)
+
+
+def _data_by_tp(device_type: str, grid, names: tuple):
+    """A 2-D DeviceMesh over ``grid`` (data x tp ranks); every rank of the job builds it (new groups)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (device_type, tuple(grid.flatten().tolist()), names)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh(device_type, grid, mesh_dim_names=names)
+    return _MESHES[key]
+
+
+def _cp_dim(cp_group, root, who: str):
+    """The name of the dim of ``root`` the model's cp group was given as (None without context parallelism); a
+    cp group that is not a dim of the tp mesh's root mesh is refused (Trainer's split would not be its)."""
+    from .dtensor_parameters import DTensorParametersError
+    from .group import given_mesh
+    from .trainer_context_parallel import PARALLELIZE_WITH_CP
+
+    if cp_group is None:
+        return None
+    cp_mesh = given_mesh(cp_group)
+    if cp_mesh is None or cp_mesh._get_root_mesh() is not root:
+        raise DTensorParametersError(
+            f"{who} with context parallelism needs the model's cp group to be a dim of the same DeviceMesh as its "
+            f"tp group: {PARALLELIZE_WITH_CP}")
+    return cp_mesh.mesh_dim_names[0]
 
 
 BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket size

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 from torch import nn
 
-from .errors import ArgumentError
+from .callers import functions_on_stack
+from .errors import ArgumentError, ContextParallelError
+from .trainer_context_parallel import PARALLELIZE_WITH_CP
 
 NEFTUNE_HOOK = "neftune_post_forward_hook"  # transformers.integrations.neftune's
 
 
 def _refuse(module, method: str, hook):
+    if "_attach_context_parallel_hooks" in functions_on_stack("accelerate.big_modeling", limit=3):
+        raise ContextParallelError(
+            "accelerate's context parallelism (ParallelismConfig(cp_size=N)) hooks the attention modules of a model "
+            "it prepares, which the parallel model's graphs never call. Trainer gives a model parallelized with "
+            f"cp_group no such hooks: {PARALLELIZE_WITH_CP}. accelerate's own loop with context parallelism is "
+            "not supported")
     what = getattr(module, "hook_target", "a submodule of the parallel model")
     message = (f"{what}.{method}(...): the parallel model's captured graphs compute the model in one call and never "
                f"call this module (it holds this rank's shards under the Hugging Face name), so the hook would "

@@ -76,9 +76,13 @@ def _refusals(model, mesh, path_sliding):
 
     local = SEQ // mesh.cp
     ids = torch.zeros(2, local, dtype=torch.long)
-    errors = {}
+    padded = torch.ones_like(ids)
+    padded[0, 0] = 0 if mesh.cp_rank == 0 else 1  # padding in cp rank 0's chunks only: every cp rank refuses
+    with torch.no_grad():  # a mask of all ones (a padding collator's) is dropped: attention as without one
+        errors = {"unpadded": torch.equal(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits,
+                                          model(input_ids=ids).logits)}
     calls = {
-        "mask": lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids)),
+        "mask": lambda: model(input_ids=ids, attention_mask=padded),
         "odd": lambda: model(input_ids=torch.zeros(2, local - 1, dtype=torch.long)),
         "positions": lambda: model(input_ids=ids, position_ids=torch.arange(local).expand(2, local)),
         "logits_to_keep": lambda: model(input_ids=ids, logits_to_keep=1),
@@ -205,6 +209,7 @@ def test_unsupported_input_is_refused_by_name(world4):
     for r in world4:
         errors = r["1x1x4"]["refusals"]
         assert errors["mask"].startswith("ContextParallelError: qwen3: attention_mask is not supported"), errors
+        assert errors["unpadded"] is True, errors
         assert "its sequence length 3 is odd" in errors["odd"], errors
         assert "position_ids must be the global positions of this rank's chunks" in errors["positions"], errors
         assert "logits_to_keep is not supported under context parallelism (cp_group)" in errors["logits_to_keep"], errors

@@ -38,28 +38,31 @@ from distributed import run_ranks
 
 
 def _trainer_run(model, out_dir, save_to=None, optim="adamw_torch", use_cpu=True, batch=2, rows=16,
-                 sampling="random", **arguments):
-    """Train ``model`` with stock Trainer for 4 optimizer steps of 2 micro-batches of ``batch`` rows (then
-    ``save_model(save_to)``); returns (losses, grad norms, Trainer's counters: the tokens seen at each logged step
-    and the total flos). ``arguments``: more TrainingArguments. ``use_cpu=False``: on the GPU (tests/test_cuda.py);
-    ``sampling="sequential"``: the same rows make each global batch however data parallelism splits it."""
+                 sampling="random", length=9, mask=False, callbacks=None, resume=None, **arguments):
+    """Train ``model`` with stock Trainer for 4 optimizer steps of 2 micro-batches of ``batch`` rows of ``length``
+    tokens (then ``save_model(save_to)``); returns (losses, grad norms, Trainer's counters: the tokens seen at each
+    logged step and the total flos). ``arguments``: more TrainingArguments. ``use_cpu=False``: on the GPU
+    (tests/test_cuda.py); ``sampling="sequential"``: the same rows make each global batch however data parallelism
+    splits it; ``mask``: the rows carry an attention mask of all ones, as a collator that pads gives; ``callbacks``:
+    Trainer's; ``resume``: ``train(resume_from_checkpoint=resume)``."""
     import torch
     from transformers import Trainer, TrainingArguments
 
     g = torch.Generator().manual_seed(3)
     data = []
     for i in range(rows):
-        ids = torch.randint(0, 128, (9,), generator=g).tolist()
+        ids = torch.randint(0, 128, (length,), generator=g).tolist()
         labels = list(ids)
         labels[2 + i % 3] = -100  # masked tokens, unequal per row: num_items_in_batch counts only the others
-        data.append({"input_ids": ids, "labels": labels})
+        data.append({"input_ids": ids, "labels": labels, **({"attention_mask": [1] * length} if mask else {})})
+    arguments.setdefault("save_strategy", "no")
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=batch, gradient_accumulation_steps=2,
                              max_steps=4, learning_rate=5e-2, lr_scheduler_type="linear", warmup_steps=1,
                              max_grad_norm=0.5, gradient_checkpointing=True, logging_steps=1, report_to=[],
-                             use_cpu=use_cpu, save_strategy="no", seed=7, dataloader_num_workers=0, optim=optim,
+                             use_cpu=use_cpu, seed=7, dataloader_num_workers=0, optim=optim,
                              train_sampling_strategy=sampling, include_num_input_tokens_seen="all", **arguments)
-    trainer = Trainer(model=model, args=args, train_dataset=data)
-    trainer.train()
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=resume)
     if save_to is not None:
         trainer.save_model(save_to)
     logs = [h for h in trainer.state.log_history if "loss" in h]

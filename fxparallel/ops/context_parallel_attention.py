@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..errors import ContextParallelError
 from ..group import TPGroup, group_by_handle, resolve_group
-from .dropout_kernels import chunked_attention_dropout
+from .dropout_kernels import SDPA, chunked_attention_dropout
 
 
 # ---- the group and the layout ------------------------------------------------------------
@@ -136,8 +135,8 @@ def context_parallel_attention(q, k, v, handle: int, scale=None, enable_gqa: boo
     for half, j in enumerate(chunks_of(group.rank, group.size)):
         n = (j + 1) * c
         mask = _lower_right_causal(c, n, q.device)
-        outs.append(F.scaled_dot_product_attention(q[..., half * c:(half + 1) * c, :], k[..., :n, :], v[..., :n, :],
-                                                   attn_mask=mask, scale=scale))
+        outs.append(SDPA(q[..., half * c:(half + 1) * c, :], k[..., :n, :], v[..., :n, :], attn_mask=mask,
+                         scale=scale))
     return torch.cat(outs, dim=-2)
 
 
@@ -160,10 +159,10 @@ context_parallel_attention.dropout_site = True  # the dropout_mode pass gives it
 
 # ---- the module's arguments ----------------------------------------------------------------
 def prepare_arguments(args: dict, group: TPGroup, kind: str) -> dict:
-    """Check a context-parallel call and give it the global position_ids of its tokens."""
+    """Check a context-parallel call and give it the global position_ids of its tokens (an attention mask of all
+    ones, as Trainer's collators give, dropped)."""
     if "attention_mask" in args:
-        raise ContextParallelError(f"{kind}: attention_mask is not supported under context parallelism (padding "
-                                   "masks are not); pass full rows without a mask")
+        args = _without_unpadded_mask(args, group, kind)
     ids = args["input_ids"]
     expected = global_positions(ids.shape[-1], group.rank, group.size, device=ids.device)
     if "position_ids" not in args:
@@ -173,3 +172,15 @@ def prepare_arguments(args: dict, group: TPGroup, kind: str) -> dict:
             f"{kind}: under context parallelism position_ids must be the global positions of this rank's chunks "
             f"(fxparallel.runtime.split_for_context_parallel gives them); custom or packed positions are not supported")
     return args
+
+
+def _without_unpadded_mask(args: dict, group: TPGroup, kind: str) -> dict:
+    """Drop an attention mask that is all ones on every cp rank; otherwise refuse it on every cp rank. One
+    all-reduce over cp, so that all of them decide alike (each sees its own chunks of the mask)."""
+    mask = args["attention_mask"]
+    ones = torch.tensor([1.0 if bool((mask == 1).all()) else 0.0], device=mask.device)
+    dist.all_reduce(ones, op=dist.ReduceOp.MIN, group=group.process_group)
+    if not ones.item():
+        raise ContextParallelError(f"{kind}: attention_mask is not supported under context parallelism (padding "
+                                   "masks are not; one of all ones is dropped); pass full rows without padding")
+    return {k: v for k, v in args.items() if k != "attention_mask"}

@@ -35,9 +35,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ShardingError
+
+# the builtin that F.scaled_dot_product_attention names: torch's context_parallel (Trainer's, accelerate's) patches
+# the name F.scaled_dot_product_attention with its own ring attention for the time of a step, never the builtin
+SDPA = torch._C._nn.scaled_dot_product_attention
 
 
 # ---- the masks -------------------------------------------------------------------------------
@@ -131,8 +134,8 @@ def attention_dropout(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
     """``scaled_dot_product_attention`` whose attention dropout uses this rank's part (``cuts``, e.g. its
     heads) of the logical mask in training; sdpa without dropout otherwise."""
     if not training or dropout_p == 0:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal,
-                                              scale=scale, enable_gqa=enable_gqa)
+        return SDPA(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
     if is_causal:
         attn_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     return math_attention(q, k, v, attn_mask, scale, enable_gqa,
